@@ -1,0 +1,45 @@
+# elmo_fast: `make test` and `make demo` do all set-up themselves on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.elmo_fast-setup
+# CPU build of torch (from local disk here); the GPU machine brings its own CUDA torch (see gpu-check).
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast demo bench lint gpu-check clean cuda-compile-check
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy h5py tqdm pytest pytest-benchmark ninja pybind11
+	ELMO_FAST_BUILD_CUDA=0 $(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+# The whole suite; Triton kernels run on CPU tensors under the interpreter. Real sizes are `slow`/`gpu`.
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS) tests
+
+demo: setup
+	$(PY) -m elmo_fast.demo
+
+bench: setup
+	$(PY) -m pytest -q bench --benchmark-only --benchmark-columns=min,median,mean,rounds $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m pip install -q ruff >/dev/null 2>&1 || true
+	$(VENV)/bin/ruff check elmo_fast kernels tests bench
+
+# Every .cu file compiles for sm_90a with warnings as errors (no GPU needed).
+cuda-compile-check:
+	bash csrc/compile_check.sh
+
+# On the GPU machine (python3 there has CUDA torch, triton, nvcc, ninja): build, GPU tests, benchmarks -> $OUT.
+gpu-check:
+	bash bench/gpu_check.sh
+
+clean:
+	rm -rf build *.egg-info .pytest_cache

@@ -1,0 +1,38 @@
+"""elmo_fast: a fast and faithful ELMo engine.
+
+Public API (AllenNLP names and contracts; code written for AllenNLP ports by changing the import):
+``batch_to_ids``, ``Elmo``, ``ElmoBiLM``, ``ScalarMix``, ``remove_sentence_boundaries``,
+``add_sentence_boundary_token_ids``; bilm-tf style helpers ``Batcher``, ``TokenBatcher``; the biLM itself
+(``BiLM``), its options and weight files. Importing this package never imports triton or compiles anything.
+"""
+from ._backend import BackendUnavailableError
+from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
+from .models.bilm import BiLM
+from .models.elmo import Elmo, ElmoBiLM
+from .modules.scalar_mix import ScalarMix
+from .options import ElmoOptions, OptionsError
+from .util import add_sentence_boundary_token_ids, remove_sentence_boundaries
+from .weights import WeightFileError, read_weights, write_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "batch_to_ids",
+    "word_to_char_ids",
+    "Batcher",
+    "TokenBatcher",
+    "Vocabulary",
+    "Elmo",
+    "ElmoBiLM",
+    "BiLM",
+    "ScalarMix",
+    "ElmoOptions",
+    "OptionsError",
+    "WeightFileError",
+    "BackendUnavailableError",
+    "read_weights",
+    "write_weights",
+    "add_sentence_boundary_token_ids",
+    "remove_sentence_boundaries",
+    "__version__",
+]

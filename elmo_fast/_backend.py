@@ -1,0 +1,122 @@
+"""Backend selection: ``backend=`` argument, then ``ELMO_FAST_BACKEND``, then auto.
+
+Nothing here runs at import time; every probe is lazy and cached.
+
+* ``reference``: pure PyTorch (``elmo_fast.reference``). Runs everywhere, any dtype, fp64 too.
+* ``triton``: Triton kernels (``elmo_fast.kernels``). Needs ``triton`` and CUDA tensors, or CPU tensors
+  with ``TRITON_INTERPRET=1`` set before Python started (that is how CI checks the kernels).
+* ``cuda``: the compiled extension ``elmo_fast._C`` and CUDA tensors.
+* ``auto``: ``cuda`` where the extension has the op and the tensors are on a GPU, else ``triton`` where it can
+  run on the tensors' device (CUDA only: the interpreter is a correctness tool, never picked silently), else
+  ``reference``.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "reference", "triton", "cuda"]
+BACKENDS = ("auto", "reference", "triton", "cuda")
+ENV_VAR = "ELMO_FAST_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run here; the message says why and how to get it."""
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_import_error() -> str | None:
+    try:
+        importlib.import_module("triton")
+        importlib.import_module("elmo_fast.kernels")
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_ext_import_error() -> str | None:
+    try:
+        importlib.import_module("elmo_fast._C")
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def cuda_ext():
+    """The compiled extension module; raises BackendUnavailableError with the fix when missing."""
+    err = cuda_ext_import_error()
+    if err is not None:
+        raise BackendUnavailableError(
+            "backend 'cuda' needs the compiled extension elmo_fast._C, which did not import "
+            f"({err}). Build it on a machine with nvcc and a CUDA build of torch: "
+            "`ELMO_FAST_BUILD_CUDA=1 pip install -e .` (see README, 'CUDA extension')."
+        )
+    return importlib.import_module("elmo_fast._C")
+
+
+def _normalise(backend: str | None) -> str:
+    if backend is None or backend == "auto":
+        env = os.environ.get(ENV_VAR, "").strip().lower()
+        if env:
+            if env not in BACKENDS:
+                raise ValueError(f"{ENV_VAR}={env!r} is not a backend; expected one of {BACKENDS}")
+            return env
+        return "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a backend; expected one of {BACKENDS}")
+    return backend
+
+
+def check_backend_name(backend: str | None) -> str:
+    """Validate a backend name early (module construction) without probing devices."""
+    return _normalise(backend)
+
+
+def select_backend(backend: str | None, device: torch.device, op: str = "op") -> str:
+    """Resolve ``backend`` for tensors on ``device``; explicit choices that cannot run raise."""
+    choice = _normalise(backend)
+    dev = torch.device(device)
+    if choice == "reference":
+        return "reference"
+    if choice == "triton":
+        err = triton_import_error()
+        if err is not None:
+            raise BackendUnavailableError(
+                f"backend 'triton' for {op} needs triton ({err}); install it with `pip install triton==3.6.0` "
+                "or `pip install elmo_fast[triton]`, or pass backend='reference'."
+            )
+        if dev.type != "cuda" and not triton_interpret():
+            raise BackendUnavailableError(
+                f"backend 'triton' for {op} got tensors on {dev}; Triton kernels run on CUDA tensors, or on CPU "
+                "tensors only with TRITON_INTERPRET=1 set before Python starts (slow; for testing). "
+                "Move the model to a GPU or pass backend='reference'."
+            )
+        return "triton"
+    if choice == "cuda":
+        mod = cuda_ext()
+        if dev.type != "cuda":
+            raise BackendUnavailableError(
+                f"backend 'cuda' for {op} needs CUDA tensors, got {dev}; move the model to a GPU or pass "
+                "backend='reference'."
+            )
+        if not hasattr(mod, op):
+            raise BackendUnavailableError(
+                f"backend 'cuda' has no kernel for {op} in this build of elmo_fast._C; use backend='triton'."
+            )
+        return "cuda"
+    # auto
+    if dev.type == "cuda":
+        if cuda_ext_import_error() is None and hasattr(importlib.import_module("elmo_fast._C"), op):
+            return "cuda"
+        if triton_import_error() is None:
+            return "triton"
+    return "reference"

@@ -1,0 +1,159 @@
+"""Character ids (spec §1): the 50-id token encoding, sentence boundaries, batching, vocabularies.
+
+Ids here are *inference* ids (the raw ids + 1; 0 means "no token here"):
+UTF-8 byte b -> b + 1, BOS char 257, EOS char 258, begin-of-word 259, end-of-word 260, in-word padding 261.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MAX_WORD_LENGTH = 50
+BOS_CHAR = 256  # raw ids (training uses these; inference adds 1)
+EOS_CHAR = 257
+BOW_CHAR = 258
+EOW_CHAR = 259
+PAD_CHAR = 260
+BOS_TOKEN = "<S>"
+EOS_TOKEN = "</S>"
+UNK_TOKEN = "<UNK>"
+
+
+def _special(char: int, max_len: int) -> list[int]:
+    ids = [PAD_CHAR] * max_len
+    ids[0], ids[1], ids[2] = BOW_CHAR, char, EOW_CHAR
+    return ids
+
+
+def word_to_char_ids(word: str, max_len: int = MAX_WORD_LENGTH, shift: int = 1,
+                     tokens_to_add: dict[str, int] | None = None) -> list[int]:
+    """One token -> ``max_len`` ids: [BOW, up to max_len-2 UTF-8 bytes, EOW, padding...] (+``shift``).
+
+    ``<S>``/``</S>`` map to the sentence-boundary arrays; ``tokens_to_add`` maps extra tokens to
+    [BOW, id, EOW, padding]. Bytes are truncated byte-wise (a code point may be cut, as in the original);
+    characters that cannot be encoded (lone surrogates) are dropped, like ``errors='ignore'``.
+    """
+    if not isinstance(word, str):
+        raise TypeError(f"a token must be a str, got {type(word).__name__}: {word!r}")
+    if tokens_to_add and word in tokens_to_add:
+        ids = _special(tokens_to_add[word], max_len)
+    elif word == BOS_TOKEN:
+        ids = _special(BOS_CHAR, max_len)
+    elif word == EOS_TOKEN:
+        ids = _special(EOS_CHAR, max_len)
+    else:
+        data = word.encode("utf-8", "ignore")[: max_len - 2]
+        ids = [PAD_CHAR] * max_len
+        ids[0] = BOW_CHAR
+        ids[1 : len(data) + 1] = list(data)
+        ids[len(data) + 1] = EOW_CHAR
+    return [i + shift for i in ids]
+
+
+def _check_batch(batch) -> None:
+    if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+        raise TypeError(f"expected a list of sentences (each a list of str tokens), got {type(batch).__name__}")
+    for k, sent in enumerate(batch):
+        if isinstance(sent, (str, bytes)) or not isinstance(sent, Sequence):
+            raise TypeError(
+                f"sentence {k} must be a list of str tokens, got {type(sent).__name__}; "
+                "tokenize first, e.g. text.split()"
+            )
+        for tok in sent:
+            if not isinstance(tok, str):
+                raise TypeError(f"sentence {k}: token {tok!r} is a {type(tok).__name__}, expected str")
+            if tok == "":
+                raise ValueError(f"sentence {k}: empty-string token; a token needs at least one character")
+
+
+def batch_to_ids(batch: list[list[str]]) -> torch.Tensor:
+    """AllenNLP's ``batch_to_ids``: (n_sentences, max_tokens, 50) int64 inference ids, padded rows all 0.
+
+    No sentence boundaries are added: the model adds ``<S>``/``</S>`` itself.
+    """
+    _check_batch(batch)
+    if len(batch) == 0:
+        raise ValueError("batch_to_ids: empty batch (no sentences)")
+    max_len = max((len(s) for s in batch), default=0)
+    out = torch.zeros(len(batch), max_len, MAX_WORD_LENGTH, dtype=torch.long)
+    cache: dict[str, list[int]] = {}
+    for k, sent in enumerate(batch):
+        for t, tok in enumerate(sent):
+            ids = cache.get(tok)
+            if ids is None:
+                ids = cache[tok] = word_to_char_ids(tok)
+            out[k, t] = torch.tensor(ids)
+    return out
+
+
+class Vocabulary:
+    """bilm-tf vocabulary file: one token a line (whitespace stripped), ``!!!MAXTERMID`` skipped."""
+
+    def __init__(self, path: str | None = None, words: list[str] | None = None, validate: bool = False):
+        if words is None:
+            if path is None:
+                raise ValueError("Vocabulary needs a path or a list of words")
+            words = []
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    w = line.strip()
+                    if w and w != "!!!MAXTERMID":
+                        words.append(w)
+        self.words = list(words)
+        self.word_to_id = {}
+        for i, w in enumerate(self.words):
+            self.word_to_id.setdefault(w, i)
+        self.bos = self.word_to_id.get(BOS_TOKEN, -1)
+        self.eos = self.word_to_id.get(EOS_TOKEN, -1)
+        self.unk = self.word_to_id.get(UNK_TOKEN, -1)
+        if validate:
+            missing = [t for t, i in ((BOS_TOKEN, self.bos), (EOS_TOKEN, self.eos), (UNK_TOKEN, self.unk)) if i < 0]
+            if missing:
+                raise ValueError(f"vocabulary {path or '<list>'} lacks the special tokens {missing}")
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+    def word_to_index(self, word: str) -> int:
+        return self.word_to_id.get(word, self.unk)
+
+
+class Batcher:
+    """bilm-tf ``Batcher``: sentences -> (n, max_len + 2, 50) ids *with* ``<S>``/``</S>`` added.
+
+    The vocabulary is only a cache in the original, so it is optional here; boundary positions always get the
+    boundary arrays and literal ``<S>``/``</S>`` tokens map to them too (the original's intent).
+    """
+
+    def __init__(self, lm_vocab_file: str | None = None, max_token_length: int = MAX_WORD_LENGTH):
+        self.max_token_length = max_token_length
+        self.vocab = Vocabulary(lm_vocab_file) if lm_vocab_file else None
+
+    def batch_sentences(self, sentences: list[list[str]]) -> torch.Tensor:
+        _check_batch(sentences)
+        n = len(sentences)
+        max_len = max((len(s) for s in sentences), default=0) + 2
+        out = torch.zeros(n, max_len, self.max_token_length, dtype=torch.long)
+        for k, sent in enumerate(sentences):
+            toks = [BOS_TOKEN, *sent, EOS_TOKEN]
+            for t, tok in enumerate(toks):
+                out[k, t] = torch.tensor(word_to_char_ids(tok, self.max_token_length))
+        return out
+
+
+class TokenBatcher:
+    """bilm-tf ``TokenBatcher``: sentences -> (n, max_len + 2) word ids (vocab id + 1, 0 = padding)."""
+
+    def __init__(self, lm_vocab_file: str):
+        self.vocab = Vocabulary(lm_vocab_file)
+
+    def batch_sentences(self, sentences: list[list[str]]) -> torch.Tensor:
+        _check_batch(sentences)
+        max_len = max((len(s) for s in sentences), default=0) + 2
+        out = torch.zeros(len(sentences), max_len, dtype=torch.long)
+        v = self.vocab
+        for k, sent in enumerate(sentences):
+            ids = [v.bos] + [v.word_to_index(w) for w in sent] + [v.eos]
+            out[k, : len(ids)] = torch.tensor(ids) + 1
+        return out

@@ -1,0 +1,180 @@
+"""The biLM: token encoder + forward and backward LSTMP stacks, stateful across calls (spec §3.6, §4)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .._backend import check_backend_name
+from ..modules.lstm import LSTMPStack
+from ..modules.token_encoder import CharCNNTokenEncoder
+from ..options import ElmoOptions, OptionsError
+from ..weights import WeightFileError, lstm_prefix, read_weights, write_weights
+
+
+class BiLM(nn.Module):
+    """Token encoder (shared by both directions) plus two independent LSTMP stacks.
+
+    Inputs carry the sentence boundaries already (bilm-tf convention): char ids (B, T+2, L), a position is valid
+    iff any id > 0, rows right-padded. The LSTM state is kept per (direction, layer, batch row) across calls:
+    a batch of B rows starts from rows 0..B-1 of the stored state (zero rows are added when B grows), rows of
+    length 0 keep their state, rows >= B are untouched; ``reset_states`` clears all or some rows.
+    """
+
+    def __init__(self, options: ElmoOptions, backend: str | None = "auto", stateful: bool = True,
+                 cnn_projection: bool | None = None, lstm_projection: bool | None = None):
+        super().__init__()
+        if options.char_cnn is None:
+            raise OptionsError("only character-input biLMs are supported: the options have no 'char_cnn' section")
+        self.options = options
+        self.backend = check_backend_name(backend)
+        self.stateful = stateful
+        P = options.projection_dim
+        self.token_encoder = CharCNNTokenEncoder(options.char_cnn, P, cnn_projection, backend=backend)
+        self.forward_lstm = LSTMPStack(options.lstm, reverse=False, with_projection=lstm_projection, backend=backend)
+        self.backward_lstm = LSTMPStack(options.lstm, reverse=True, with_projection=lstm_projection, backend=backend)
+        self._states: list[torch.Tensor] | None = None  # [h (2, n_layers, B, P), c (2, n_layers, B, H)]
+
+    @property
+    def num_layers(self) -> int:
+        return self.options.lstm.n_layers + 1
+
+    @property
+    def output_dim(self) -> int:
+        return 2 * self.options.projection_dim
+
+    # ---------------------------------------------------------------- state
+    def reset_states(self, mask: torch.Tensor | None = None) -> None:
+        """Zero all stored LSTM states, or only the rows where ``mask`` (B,) is True."""
+        if self._states is None:
+            return
+        if mask is None:
+            self._states = None
+            return
+        mask = torch.as_tensor(mask, dtype=torch.bool, device=self._states[0].device).reshape(-1)
+        rows = self._states[0].shape[2]
+        if mask.numel() > rows:
+            mask = mask[:rows]
+        keep = (~torch.nn.functional.pad(mask, (0, rows - mask.numel()))).to(self._states[0].dtype)
+        self._states = [s * keep.view(1, 1, -1, 1) for s in self._states]
+
+    def initial_states(self, batch_size: int, device, dtype):
+        L, P, H = self.options.lstm.n_layers, self.options.projection_dim, self.options.lstm.dim
+        if not self.stateful or self._states is None:
+            h = torch.zeros(2, L, batch_size, P, device=device, dtype=dtype)
+            c = torch.zeros(2, L, batch_size, H, device=device, dtype=dtype)
+            return h, c
+        h, c = self._states
+        h, c = h.to(device=device, dtype=dtype), c.to(device=device, dtype=dtype)
+        if h.shape[2] < batch_size:
+            pad = batch_size - h.shape[2]
+            h = torch.nn.functional.pad(h, (0, 0, 0, pad))
+            c = torch.nn.functional.pad(c, (0, 0, 0, pad))
+        return h[:, :, :batch_size], c[:, :, :batch_size]
+
+    def _store_states(self, h_new: torch.Tensor, c_new: torch.Tensor) -> None:
+        B = h_new.shape[2]
+        h_new, c_new = h_new.detach(), c_new.detach()
+        if self._states is None or self._states[0].shape[2] <= B:
+            self._states = [h_new, c_new]
+        else:
+            h, c = self._states
+            self._states = [torch.cat([h_new, h[:, :, B:].to(h_new)], 2), torch.cat([c_new, c[:, :, B:].to(c_new)], 2)]
+
+    # ---------------------------------------------------------------- forward
+    def run_lstms(self, token_embedding: torch.Tensor, lengths: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
+                  dropout: float = 0.0, token_embedding_bwd: torch.Tensor | None = None):
+        """Both stacks over (B, T, P) inputs. h0 (2, L, B, P), c0 (2, L, B, H). Returns
+        (forward outputs per layer, backward outputs per layer, h_n, c_n) with states stacked like h0/c0."""
+        x_b = token_embedding if token_embedding_bwd is None else token_embedding_bwd
+        L = self.options.lstm.n_layers
+        fwd, f_fin = self.forward_lstm(token_embedding, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], dropout)
+        bwd, b_fin = self.backward_lstm(x_b, lengths, [(h0[1, i], c0[1, i]) for i in range(L)], dropout)
+        h_n = torch.stack([torch.stack([s[0] for s in f_fin]), torch.stack([s[0] for s in b_fin])])
+        c_n = torch.stack([torch.stack([s[1] for s in f_fin]), torch.stack([s[1] for s in b_fin])])
+        return fwd, bwd, h_n, c_n
+
+    def forward_embeddings(self, token_embedding: torch.Tensor, mask: torch.Tensor) -> dict:
+        """Run the LSTMs on a token layer (B, T+2, P) with boundaries, mask (B, T+2)."""
+        lengths = mask.long().sum(1)
+        B = token_embedding.shape[0]
+        h0, c0 = self.initial_states(B, token_embedding.device, token_embedding.dtype)
+        fwd, bwd, h_n, c_n = self.run_lstms(token_embedding, lengths, h0, c0)
+        if self.stateful:
+            self._store_states(h_n, c_n)
+        m = mask.unsqueeze(-1).to(token_embedding.dtype)
+        acts = [torch.cat([token_embedding, token_embedding], -1) * m]
+        acts += [torch.cat([f, b], -1) for f, b in zip(fwd, bwd)]
+        return {"activations": acts, "mask": mask, "token_embedding": token_embedding}
+
+    def forward(self, char_ids: torch.Tensor) -> dict:
+        """char ids with boundaries (B, T+2, L) -> {"activations": [(B, T+2, 2P)] * (n_layers+1), "mask",
+        "token_embedding" (B, T+2, P) (unmasked, as bilm-tf returns it)}."""
+        mask = (char_ids > 0).any(-1)
+        return self.forward_embeddings(self.token_encoder(char_ids), mask)
+
+    # ---------------------------------------------------------------- weights
+    def _param_map(self) -> dict[str, tuple[nn.Parameter, bool]]:
+        """hdf5 dataset name -> (parameter, has the leading 1 axis of W_cnn)."""
+        m: dict[str, tuple[nn.Parameter, bool]] = {}
+        enc = self.token_encoder
+        m["char_embed"] = (enc.char_embed, False)
+        for i, (w, b) in enumerate(zip(enc.conv_w, enc.conv_b)):
+            m[f"CNN/W_cnn_{i}"] = (w, True)
+            m[f"CNN/b_cnn_{i}"] = (b, False)
+        for k, layer in enumerate(enc.highway):
+            for name in ("W_carry", "b_carry", "W_transform", "b_transform"):
+                m[f"CNN_high_{k}/{name}"] = (getattr(layer, name), False)
+        if enc.W_proj is not None:
+            m["CNN_proj/W_proj"] = (enc.W_proj, False)
+            m["CNN_proj/b_proj"] = (enc.b_proj, False)
+        for d, stack in enumerate((self.forward_lstm, self.backward_lstm)):
+            for layer in range(self.options.lstm.n_layers):
+                pre = lstm_prefix(d, layer)
+                m[f"{pre}/W_0"] = (stack.W_0[layer], False)
+                m[f"{pre}/B"] = (stack.B[layer], False)
+                if stack.W_P_0 is not None:
+                    m[f"{pre}/W_P_0"] = (stack.W_P_0[layer], False)
+        return m
+
+    @torch.no_grad()
+    def load_arrays(self, arrays: dict[str, np.ndarray], source: str = "weights") -> None:
+        for name, (param, lead1) in self._param_map().items():
+            if name not in arrays:
+                raise WeightFileError(f"{source}: dataset '{name}' is missing")
+            a = arrays[name]
+            a = a[0] if lead1 else a
+            if tuple(a.shape) != tuple(param.shape):
+                raise WeightFileError(f"{source}: dataset '{name}' has shape {tuple(arrays[name].shape)}, "
+                                      f"expected {((1,) if lead1 else ()) + tuple(param.shape)}")
+            param.copy_(torch.from_numpy(np.ascontiguousarray(a)).to(param.dtype))
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, (param, lead1) in self._param_map().items():
+            a = param.detach().to("cpu", torch.float32).numpy()
+            out[name] = a[None] if lead1 else a
+        return out
+
+    @classmethod
+    def from_files(cls, options_file, weight_file, backend: str | None = "auto", stateful: bool = True) -> "BiLM":
+        opts = ElmoOptions.load(options_file)
+        arrays = read_weights(weight_file, opts)
+        model = cls(opts, backend=backend, stateful=stateful,
+                    cnn_projection="CNN_proj/W_proj" in arrays,
+                    lstm_projection=f"{lstm_prefix(0, 0)}/W_P_0" in arrays)
+        model.load_arrays(arrays, source=str(weight_file))
+        return model
+
+    def save_weights(self, weight_file, options_file=None) -> None:
+        """Write the published layout (and, if given, the inference options.json with n_characters 262)."""
+        write_weights(weight_file, self.state_arrays())
+        if options_file is not None:
+            import json
+
+            tmp = f"{os.fspath(options_file)}.tmp-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(self.options.to_inference_dict(), fh, indent=2)
+            os.replace(tmp, options_file)

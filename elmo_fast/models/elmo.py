@@ -1,0 +1,190 @@
+"""AllenNLP-compatible ``ElmoBiLM`` (``_ElmoBiLm``) and ``Elmo``: same arguments, same outputs."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
+from ..modules.scalar_mix import ScalarMix
+from ..util import add_sentence_boundary_token_ids, remove_sentence_boundaries
+from .bilm import BiLM
+
+MAX_CHAR_ID = 261
+
+
+def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int = 3, exact: bool = True) -> None:
+    if not isinstance(char_ids, torch.Tensor):
+        raise TypeError(f"char ids must be a torch.LongTensor, got {type(char_ids).__name__}; use batch_to_ids")
+    if char_ids.dtype.is_floating_point or char_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise TypeError(f"char ids must be an integer tensor (torch.long), got {char_ids.dtype}")
+    if (exact and char_ids.dim() != min_dims) or char_ids.dim() < min_dims:
+        want = "(batch, tokens, 50)" if exact else "(..., batch, tokens, 50)"
+        raise ValueError(f"char ids must have shape {want}, got {tuple(char_ids.shape)}")
+    if char_ids.shape[-1] != MAX_WORD_LENGTH:
+        raise ValueError(f"char ids need {MAX_WORD_LENGTH} ids per token in the last axis, got {char_ids.shape[-1]}")
+    if char_ids.numel() == 0 and char_ids.shape[0] == 0:
+        raise ValueError("empty batch: char ids have 0 sentences")
+    if char_ids.device != device:
+        raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
+    if char_ids.numel():
+        lo, hi = int(char_ids.min()), int(char_ids.max())
+        if lo < 0 or hi > MAX_CHAR_ID:
+            raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")
+
+
+class ElmoBiLM(nn.Module):
+    """AllenNLP's ``_ElmoBiLm``: char ids (B, T, 50) *without* boundaries (from ``batch_to_ids``) ->
+    ``{"activations": [(B, T+2, 2P)] * 3, "mask": (B, T+2) bool}``. Stateful across calls; ``reset_states()``.
+
+    ``vocab_to_cache``: words whose token-layer vectors are precomputed; ``forward`` then also takes
+    ``word_ids`` (B, T) indexing that list (index 0 is the padding word and gives a zero vector).
+    ``backend``: "auto" | "reference" | "triton" | "cuda" (else ``ELMO_FAST_BACKEND``, else auto).
+    """
+
+    def __init__(self, options_file, weight_file, requires_grad: bool = False, vocab_to_cache: list[str] | None = None,
+                 backend: str | None = "auto", stateful: bool = True):
+        super().__init__()
+        self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
+        self._requires_grad = requires_grad
+        for p in self._bilm.parameters():
+            p.requires_grad_(requires_grad)
+        if requires_grad and vocab_to_cache:
+            warnings.warn("fine-tuning the biLM with a vocab cache: the cached token vectors are not updated",
+                          stacklevel=2)
+        self._word_embedding = None
+        self._bos_embedding = None
+        self._eos_embedding = None
+        if vocab_to_cache:
+            self.create_cached_cnn_embeddings(vocab_to_cache)
+
+    @property
+    def num_layers(self) -> int:
+        return self._bilm.num_layers
+
+    def get_output_dim(self) -> int:
+        return self._bilm.output_dim
+
+    def reset_states(self, mask: torch.Tensor | None = None) -> None:
+        self._bilm.reset_states(mask)
+
+    @property
+    def token_encoder(self):
+        return self._bilm.token_encoder
+
+    def _device(self) -> torch.device:
+        return self._bilm.token_encoder.char_embed.device
+
+    @torch.no_grad()
+    def create_cached_cnn_embeddings(self, tokens: list[str], batch_size: int = 4096) -> None:
+        """Precompute the token layer of ``[<S>, </S>] + tokens``; row 0 of the word table is zeroed."""
+        words = [BOS_TOKEN, EOS_TOKEN] + list(tokens)
+        ids = torch.tensor([word_to_char_ids(w) for w in words], dtype=torch.long, device=self._device())
+        embs = torch.cat([self._bilm.token_encoder(ids[s : s + batch_size]) for s in range(0, len(words), batch_size)])
+        self._bos_embedding = embs[0].clone()
+        self._eos_embedding = embs[1].clone()
+        table = embs[2:].clone()
+        table[0] = 0.0
+        self._word_embedding = table
+
+    def forward(self, inputs: torch.Tensor, word_inputs: torch.Tensor | None = None) -> dict:
+        dev = self._device()
+        _check_char_ids(inputs, dev)
+        token_embedding = None
+        if word_inputs is not None:
+            if not isinstance(word_inputs, torch.Tensor) or word_inputs.dtype.is_floating_point:
+                raise TypeError("word_inputs must be an integer tensor of shape (batch, tokens)")
+            if tuple(word_inputs.shape) != tuple(inputs.shape[:2]):
+                raise ValueError(f"word_inputs shape {tuple(word_inputs.shape)} does not match the char ids' "
+                                 f"(batch, tokens) = {tuple(inputs.shape[:2])}")
+            if word_inputs.device != dev:
+                raise ValueError(f"word_inputs are on {word_inputs.device} but the model is on {dev}")
+            if self._word_embedding is None:
+                warnings.warn("word_inputs given but the model has no vocab_to_cache; using the char ids", stacklevel=2)
+            elif word_inputs.numel() and (int(word_inputs.min()) < 0
+                                          or int(word_inputs.max()) >= self._word_embedding.shape[0]):
+                warnings.warn("word_inputs hold ids outside the cached vocabulary; using the char ids "
+                              "(as AllenNLP does)", stacklevel=2)
+            else:
+                mask_wo = word_inputs > 0
+                emb = self._word_embedding[word_inputs]
+                token_embedding, mask = add_sentence_boundary_token_ids(
+                    emb, mask_wo, self._bos_embedding, self._eos_embedding)
+        if token_embedding is None:
+            mask_wo = (inputs > 0).any(-1)
+            ids, mask = add_sentence_boundary_token_ids(inputs, mask_wo, _BOS_IDS.to(dev), _EOS_IDS.to(dev))
+            token_embedding = self._bilm.token_encoder(ids)
+        out = self._bilm.forward_embeddings(token_embedding, mask)
+        return {"activations": out["activations"], "mask": out["mask"]}
+
+
+_BOS_IDS = torch.tensor(word_to_char_ids(BOS_TOKEN), dtype=torch.long)
+_EOS_IDS = torch.tensor(word_to_char_ids(EOS_TOKEN), dtype=torch.long)
+
+
+class Elmo(nn.Module):
+    """AllenNLP's ``Elmo``: ``{"elmo_representations": [(B, T, 2P)] * num_output_representations, "mask"}``."""
+
+    def __init__(self, options_file, weight_file, num_output_representations: int, requires_grad: bool = False,
+                 do_layer_norm: bool = False, dropout: float = 0.5, vocab_to_cache: list[str] | None = None,
+                 keep_sentence_boundaries: bool = False, scalar_mix_parameters: list[float] | None = None,
+                 module: nn.Module | None = None, backend: str | None = "auto"):
+        super().__init__()
+        if module is not None:
+            if options_file is not None or weight_file is not None:
+                raise ValueError("pass either module or options_file/weight_file, not both")
+            self._elmo_lstm = module
+        else:
+            self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,
+                                       vocab_to_cache=vocab_to_cache, backend=backend)
+        if num_output_representations < 1:
+            raise ValueError(f"num_output_representations must be >= 1, got {num_output_representations}")
+        self._has_cached_vocab = vocab_to_cache is not None
+        self._keep_sentence_boundaries = keep_sentence_boundaries
+        self._dropout = nn.Dropout(p=dropout)
+        self._scalar_mixes: list[ScalarMix] = []
+        for k in range(num_output_representations):
+            mix = ScalarMix(self._elmo_lstm.num_layers, do_layer_norm=do_layer_norm,
+                            initial_scalar_parameters=scalar_mix_parameters,
+                            trainable=scalar_mix_parameters is None)
+            self.add_module(f"scalar_mix_{k}", mix)
+            self._scalar_mixes.append(mix)
+
+    def get_output_dim(self) -> int:
+        return self._elmo_lstm.get_output_dim()
+
+    def reset_states(self, mask=None) -> None:
+        self._elmo_lstm.reset_states(mask)
+
+    def forward(self, inputs: torch.Tensor, word_inputs: torch.Tensor | None = None) -> dict:
+        if not isinstance(inputs, torch.Tensor):
+            raise TypeError(f"inputs must be a torch.LongTensor from batch_to_ids, got {type(inputs).__name__}")
+        if inputs.dim() < 3:
+            raise ValueError(f"inputs must have shape (batch, tokens, 50) or (..., tokens, 50), got {tuple(inputs.shape)}")
+        original_shape = inputs.shape
+        if inputs.dim() > 3:
+            reshaped = inputs.reshape(-1, *original_shape[-2:])
+        else:
+            reshaped = inputs
+        reshaped_words = None
+        if word_inputs is not None:
+            if tuple(word_inputs.shape) != tuple(original_shape[:-1]):
+                raise ValueError(f"word_inputs shape {tuple(word_inputs.shape)} does not match inputs' "
+                                 f"{tuple(original_shape[:-1])}")
+            reshaped_words = word_inputs.reshape(-1, original_shape[-2]) if word_inputs.dim() > 2 else word_inputs
+        bilm_output = self._elmo_lstm(reshaped, reshaped_words)
+        layers, mask_with_bos_eos = bilm_output["activations"], bilm_output["mask"]
+        representations = []
+        mask = mask_with_bos_eos
+        for mix in self._scalar_mixes:
+            rep = mix(layers, mask_with_bos_eos)
+            if self._keep_sentence_boundaries:
+                processed, mask = rep, mask_with_bos_eos
+            else:
+                processed, mask = remove_sentence_boundaries(rep, mask_with_bos_eos)
+            representations.append(self._dropout(processed))
+        if inputs.dim() > 3:
+            mask = mask.reshape(*original_shape[:-2], mask.shape[-1])
+            representations = [r.reshape(*original_shape[:-2], *r.shape[-2:]) for r in representations]
+        return {"elmo_representations": representations, "mask": mask}

@@ -1,0 +1,42 @@
+"""AllenNLP-compatible ``ScalarMix``."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..reference.scalar_mix import scalar_mix_reference
+
+
+class ScalarMix(nn.Module):
+    """γ · Σ softmax(w)_j · N(layer_j); N is the masked whole-tensor normalisation when ``do_layer_norm``.
+
+    ``initial_scalar_parameters`` are pre-softmax weights; ``trainable=False`` freezes them and γ (at 1.0).
+    ``eps`` defaults to AllenNLP's 1e-13; bilm-tf used 1e-12 and boundary-free statistics.
+    """
+
+    def __init__(self, mixture_size: int, do_layer_norm: bool = False,
+                 initial_scalar_parameters: list[float] | None = None, trainable: bool = True,
+                 eps: float | None = None):
+        super().__init__()
+        if initial_scalar_parameters is None:
+            initial_scalar_parameters = [0.0] * mixture_size
+        if len(initial_scalar_parameters) != mixture_size:
+            raise ValueError(
+                f"initial_scalar_parameters has {len(initial_scalar_parameters)} values, expected {mixture_size}"
+            )
+        self.mixture_size = mixture_size
+        self.do_layer_norm = do_layer_norm
+        self.eps = eps
+        self.scalar_parameters = nn.ParameterList(
+            [nn.Parameter(torch.tensor([float(v)]), requires_grad=trainable) for v in initial_scalar_parameters]
+        )
+        self.gamma = nn.Parameter(torch.tensor([1.0]), requires_grad=trainable)
+
+    def forward(self, tensors: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
+        if len(tensors) != self.mixture_size:
+            raise ValueError(f"ScalarMix has {self.mixture_size} weights but got {len(tensors)} tensors")
+        w = torch.cat(list(self.scalar_parameters)).to(tensors[0].dtype)
+        eps = self.eps
+        if eps is None:
+            eps = 1e-4 if tensors[0].dtype == torch.float16 else 1e-13
+        return scalar_mix_reference(tensors, w, self.gamma.to(tensors[0].dtype), mask, self.do_layer_norm, eps)

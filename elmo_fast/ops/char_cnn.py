@@ -1,0 +1,63 @@
+"""``char_cnn`` and ``highway``: the token encoder ops. See ``elmo_fast.reference.char_cnn`` for the math."""
+from __future__ import annotations
+
+import torch
+
+from .._backend import select_backend
+from ..reference.char_cnn import char_cnn_reference, highway_reference
+
+
+def char_cnn(
+    char_ids: torch.Tensor,
+    char_embed: torch.Tensor,
+    conv_weights: list[torch.Tensor],
+    conv_biases: list[torch.Tensor],
+    activation: str = "relu",
+    *,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """char_ids (N, L) inference ids -> (N, F): embedding, every filter width, max over positions, bias, act.
+
+    char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
+    """
+    if char_ids.dim() != 2:
+        raise ValueError(f"char_cnn: char_ids must be (N, L), got shape {tuple(char_ids.shape)}")
+    if char_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"char_cnn: char_ids must be int64 or int32, got {char_ids.dtype}")
+    if len(conv_weights) != len(conv_biases) or not conv_weights:
+        raise ValueError("char_cnn: need one bias per conv weight and at least one filter group")
+    for i, (w, b) in enumerate(zip(conv_weights, conv_biases)):
+        if w.dim() != 3 or w.shape[1] != char_embed.shape[1] or b.shape != (w.shape[2],):
+            raise ValueError(
+                f"char_cnn: filter group {i}: weight must be (w, d_c={char_embed.shape[1]}, n) and bias (n,), "
+                f"got {tuple(w.shape)} and {tuple(b.shape)}"
+            )
+    be = select_backend(backend, char_ids.device, "char_cnn")
+    if be == "triton":
+        from ..kernels.char_cnn import char_cnn_triton
+
+        return char_cnn_triton(char_ids, char_embed, conv_weights, conv_biases, activation)
+    return char_cnn_reference(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
+
+
+def highway(
+    x: torch.Tensor,
+    w_carry: torch.Tensor,
+    b_carry: torch.Tensor,
+    w_transform: torch.Tensor,
+    b_transform: torch.Tensor,
+    *,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """One highway layer, TF convention: g = σ(x·W_carry + b_carry); x' = g·relu(x·W_transform + b_t) + (1-g)·x."""
+    F_ = x.shape[-1]
+    for name, t, shape in (("w_carry", w_carry, (F_, F_)), ("b_carry", b_carry, (F_,)),
+                           ("w_transform", w_transform, (F_, F_)), ("b_transform", b_transform, (F_,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"highway: {name} must have shape {shape}, got {tuple(t.shape)}")
+    be = select_backend(backend, x.device, "highway")
+    if be == "triton":
+        from ..kernels.highway import highway_triton
+
+        return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
+    return highway_reference(x, w_carry, b_carry, w_transform, b_transform)

@@ -1,0 +1,76 @@
+"""``lstmp``: one LSTMP chain (one layer, one direction). See ``elmo_fast.reference.lstmp`` for the math."""
+from __future__ import annotations
+
+import torch
+
+from .._backend import select_backend
+from ..reference.lstmp import lstmp_reference
+
+
+def lstmp(
+    x: torch.Tensor,
+    w_in: torch.Tensor,
+    w_rec: torch.Tensor,
+    bias: torch.Tensor,
+    w_proj: torch.Tensor | None,
+    h0: torch.Tensor,
+    c0: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    cell_clip: float | None = None,
+    proj_clip: float | None = None,
+    forget_bias: float = 1.0,
+    reverse: bool = False,
+    residual: bool = False,
+    backend: str | None = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One LSTMP chain over a right-padded batch; returns (y (B,T,P), h_n (B,P), c_n (B,H)).
+
+    x (B, T, D); w_in (D, 4H); w_rec (P, 4H); bias (4H,) gate order i|j|f|o without the forget bias;
+    w_proj (H, P) or None; h0 (B, P); c0 (B, H); lengths (B,) integer.
+    """
+    _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual)
+    be = select_backend(backend, x.device, "lstmp")
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
+    if be == "triton":
+        from ..kernels.lstmp import lstmp_triton
+
+        return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+    if be == "cuda":
+        from .._backend import cuda_ext
+
+        return cuda_ext().lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+
+
+def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):
+    if x.dim() != 3:
+        raise ValueError(f"lstmp: x must be (B, T, D), got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    if w_in.dim() != 2 or w_in.shape[0] != D or w_in.shape[1] % 4:
+        raise ValueError(f"lstmp: w_in must be (D={D}, 4H), got {tuple(w_in.shape)}")
+    G = w_in.shape[1]
+    H = G // 4
+    P = h0.shape[-1]
+    expect = {
+        "w_rec": (w_rec, (P, G)),
+        "bias": (bias, (G,)),
+        "h0": (h0, (B, P)),
+        "c0": (c0, (B, H)),
+        "lengths": (lengths, (B,)),
+    }
+    if w_proj is not None:
+        expect["w_proj"] = (w_proj, (H, P))
+    elif P != H:
+        raise ValueError(f"lstmp: without a projection h must be the cell size H={H}, got h0 width {P}")
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"lstmp: {name} must have shape {shape}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"lstmp: {name} is on {t.device} but x is on {x.device}")
+    if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise TypeError(f"lstmp: lengths must be an integer tensor, got {lengths.dtype}")
+    if B and (int(lengths.min()) < 0 or int(lengths.max()) > T):
+        raise ValueError(f"lstmp: lengths must lie in [0, T={T}], got [{int(lengths.min())}, {int(lengths.max())}]")
+    if residual and D != P:
+        raise ValueError(f"lstmp: residual needs D == P, got D={D}, P={P}")

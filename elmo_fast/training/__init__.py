@@ -1,0 +1,1 @@
+"""Pretraining (elmo-fast train)."""

@@ -1,0 +1,105 @@
+"""The published hdf5 weight layout (spec §2.3, §3.3, §7.1): read with shape checks, write back bit-exactly."""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+
+from .options import ElmoOptions, OptionsError
+
+
+class WeightFileError(ValueError):
+    """A weight file lacks a dataset or holds one of the wrong shape for its options."""
+
+
+def lstm_prefix(direction: int, layer: int) -> str:
+    return f"RNN_{direction}/RNN/MultiRNNCell/Cell{layer}/LSTMCell"
+
+
+def expected_shapes(opts: ElmoOptions, include_optional: bool = True) -> dict[str, tuple[int, ...]]:
+    """Dataset name -> shape that ``opts`` requires (plus the optional ones a loader accepts)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    P, H = opts.lstm.projection_dim, opts.lstm.dim
+    c = opts.char_cnn
+    if c is not None:
+        F = c.n_filters
+        shapes["char_embed"] = (261, c.embedding_dim)
+        for i, (w, n) in enumerate(c.filters):
+            shapes[f"CNN/W_cnn_{i}"] = (1, w, c.embedding_dim, n)
+            shapes[f"CNN/b_cnn_{i}"] = (n,)
+        for k in range(c.n_highway):
+            shapes[f"CNN_high_{k}/W_carry"] = (F, F)
+            shapes[f"CNN_high_{k}/b_carry"] = (F,)
+            shapes[f"CNN_high_{k}/W_transform"] = (F, F)
+            shapes[f"CNN_high_{k}/b_transform"] = (F,)
+        if opts.has_cnn_projection or include_optional:
+            shapes["CNN_proj/W_proj"] = (F, P)
+            shapes["CNN_proj/b_proj"] = (P,)
+    for d in range(2):
+        for layer in range(opts.lstm.n_layers):
+            pre = lstm_prefix(d, layer)
+            shapes[f"{pre}/W_0"] = (2 * P, 4 * H)
+            shapes[f"{pre}/B"] = (4 * H,)
+            if opts.lstm.has_projection or include_optional:
+                shapes[f"{pre}/W_P_0"] = (H, P)
+    return shapes
+
+
+def _optional(opts: ElmoOptions, name: str) -> bool:
+    if name.startswith("CNN_proj/"):
+        return not opts.has_cnn_projection
+    if name.endswith("/W_P_0"):
+        return not opts.lstm.has_projection
+    return False
+
+
+def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.ndarray]:
+    """Read every dataset ``opts`` needs, as float32 arrays in file layout; raise naming any mismatch."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"weight file not found: {path}")
+    out: dict[str, np.ndarray] = {}
+    try:
+        fh = h5py.File(path, "r")
+    except OSError as exc:
+        raise WeightFileError(f"{path} is not a readable hdf5 file: {exc}") from None
+    with fh:
+        if opts.char_cnn is None and "embedding" in fh:
+            raise WeightFileError(
+                f"{path}: word-input biLMs (an 'embedding' dataset, no char_cnn in the options) are not supported; "
+                "use a character model"
+            )
+        for name, shape in expected_shapes(opts).items():
+            if name not in fh:
+                if _optional(opts, name):
+                    continue
+                raise WeightFileError(f"{path}: dataset '{name}' is missing (expected shape {shape} from the options)")
+            ds = fh[name]
+            if not isinstance(ds, h5py.Dataset):
+                raise WeightFileError(f"{path}: '{name}' is a group, expected a dataset of shape {shape}")
+            if tuple(ds.shape) != shape:
+                raise WeightFileError(
+                    f"{path}: dataset '{name}' has shape {tuple(ds.shape)}, expected {shape} from the options"
+                )
+            arr = ds[...]
+            if arr.dtype != np.float32:
+                arr = arr.astype(np.float32)
+            out[name] = arr
+    return out
+
+
+def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """Write float32 datasets in the published layout; written to a temp file and renamed (never half-written)."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with h5py.File(tmp, "w") as fh:
+            for name in sorted(arrays):
+                fh.create_dataset(name, data=np.asarray(arrays[name], dtype=np.float32))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+__all__ = ["read_weights", "write_weights", "expected_shapes", "lstm_prefix", "WeightFileError", "OptionsError"]
