@@ -1,4 +1,5 @@
 from .lstm import LSTMPStack
+from .sampled_softmax import SampledSoftmaxLoss
 from .scalar_mix import ScalarMix
 from .token_encoder import CharCNNTokenEncoder
 

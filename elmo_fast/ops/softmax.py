@@ -1,4 +1,11 @@
-"""Sampled softmax and full-softmax NLL ops. See ``elmo_fast.reference.sampled_softmax`` for the math."""
+"""Sampled softmax and full-softmax NLL ops. See ``elmo_fast.reference.sampled_softmax`` for the math.
+
+* :func:`log_uniform_sample`: TF's unique log-uniform sampler, vectorised on the tensors' device (one host
+  check per sample set, no host loop per draw).
+* :func:`sampled_softmax_loss`: TF ``sampled_softmax_loss`` given a drawn sample set; the Triton backend is one
+  fused kernel pair that never writes the (N × S) logits, with optional sparse weight/bias gradients.
+* :func:`full_softmax_nll`: exact NLL over the vocabulary; the Triton backend never materialises N × V.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,14 +14,65 @@ from .._backend import select_backend
 from ..reference.sampled_softmax import (
     expected_count_reference,
     full_softmax_nll_reference,
-    log_uniform_sample_reference,
+    log_uniform_ids_from_uniform,
     sampled_softmax_loss_reference,
+    sampler_chunk_size,
 )
 
+_REDUCTIONS = ("mean", "sum", "none")
 
-def log_uniform_sample(num_sampled: int, vocab_size: int, *, generator=None, device="cpu"):
-    """Unique log-uniform ids drawn on ``device`` (TF semantics); returns (ids (S,), num_tries)."""
-    return log_uniform_sample_reference(num_sampled, vocab_size, generator=generator, device=device)
+
+def log_uniform_sample(num_sampled: int, vocab_size: int, *, generator: torch.Generator | None = None,
+                       device: torch.device | str = "cpu", chunk: int | None = None) -> tuple[torch.Tensor, int]:
+    """Draw ``num_sampled`` unique log-uniform ids on ``device`` with TF semantics (spec §6.5).
+
+    Uniforms are drawn in rounds of ``chunk`` (default :func:`sampler_chunk_size`, sized so that one round
+    almost always suffices). Within the stream of draws, the kept ids are the first occurrences, in draw
+    order, and ``num_tries`` is the position of the S-th first occurrence + 1: exactly what TF's one-at-a-time
+    rejection loop keeps from the same stream (and what ``log_uniform_sample_reference`` computes).
+
+    Args:
+        num_sampled: S, 1 ≤ S ≤ V.
+        vocab_size: V.
+        generator: a ``torch.Generator`` on ``device`` (``None``: the default generator).
+        device: where the draws and the ids live.
+    Returns:
+        (ids (S,) int64 on ``device``, num_tries: int). One host sync per round (the count check).
+    """
+    if not 0 < num_sampled <= vocab_size:
+        raise ValueError(f"num_sampled must be in [1, vocab_size={vocab_size}], got {num_sampled}")
+    device = torch.device(device)
+    chunk = chunk or sampler_chunk_size(num_sampled, vocab_size)
+    draws = torch.empty(0, dtype=torch.long, device=device)
+    big = torch.iinfo(torch.long).max
+    while True:
+        u = torch.rand(chunk, generator=generator, dtype=torch.float64, device=device)
+        draws = torch.cat([draws, log_uniform_ids_from_uniform(u, vocab_size)])
+        pos = torch.arange(draws.numel(), device=device)
+        # first position at which each id appears; a draw is kept iff it is that first position
+        first = torch.full((vocab_size,), big, dtype=torch.long, device=device)
+        first.scatter_reduce_(0, draws, pos, reduce="amin")
+        is_first = first.index_select(0, draws) == pos
+        n_unique = int(is_first.sum())  # the one host check per round
+        if n_unique >= num_sampled:
+            kept_pos = torch.nonzero(is_first).squeeze(1)[:num_sampled]
+            num_tries = int(kept_pos[-1]) + 1
+            return draws.index_select(0, kept_pos), num_tries
+
+
+def _check_common(hidden, targets, weight, bias, reduction):
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be (N, P), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be (V, P={hidden.shape[1]}), got shape {tuple(weight.shape)}")
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be (V={weight.shape[0]},), got shape {tuple(bias.shape)}")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"targets must be (N={hidden.shape[0]},), got shape {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets must be an integer tensor (int32/int64), got {targets.dtype}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
 
 
 def sampled_softmax_loss(
@@ -28,10 +86,31 @@ def sampled_softmax_loss(
     remove_accidental_hits: bool = True,
     reduction: str = "mean",
     backend: str | None = "auto",
+    sparse_grad: bool = False,
 ) -> torch.Tensor:
-    """TF ``sampled_softmax_loss`` given a drawn sample set (ids from ``log_uniform_sample``)."""
+    """TF ``sampled_softmax_loss`` given a drawn sample set (ids from :func:`log_uniform_sample`).
+
+    Args:
+        hidden: (N, P) fp32/bf16/fp16 (fp64 on the reference backend).
+        targets: (N,) int, 0 ≤ y < V.
+        weight: (V, P), same dtype as ``hidden``; bias: (V,).
+        sampled_ids: (S,) int, unique; num_tries: draws the sampler made (≥ S).
+        remove_accidental_hits: give a sample equal to the row's target logit −FLT_MAX (TF default).
+        reduction: 'mean' (TF, per direction), 'sum' or 'none'.
+        sparse_grad: the gradients of ``weight`` and ``bias`` are sparse COO tensors holding only the target
+            and sample rows (for a sparse optimizer); the values are those of the dense gradient.
+    Returns:
+        scalar loss, or (N,) with reduction='none'.
+    """
+    _check_common(hidden, targets, weight, bias, reduction)
+    if sampled_ids.dim() != 1:
+        raise ValueError(f"sampled_ids must be (S,), got shape {tuple(sampled_ids.shape)}")
     V = weight.shape[0]
     S = sampled_ids.numel()
+    if num_tries < S:
+        raise ValueError(f"num_tries ({num_tries}) must be at least the number of samples ({S})")
+    targets = targets.long()
+    sampled_ids = sampled_ids.long()
     true_q = expected_count_reference(targets, num_tries, S, V)
     samp_q = expected_count_reference(sampled_ids, num_tries, S, V)
     be = select_backend(backend, hidden.device, "sampled_softmax")
@@ -39,13 +118,22 @@ def sampled_softmax_loss(
         from ..kernels.softmax import sampled_softmax_loss_triton
 
         return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
-                                           remove_accidental_hits=remove_accidental_hits, reduction=reduction)
+                                           remove_accidental_hits=remove_accidental_hits, reduction=reduction,
+                                           sparse_grad=sparse_grad)
     return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
-                                          remove_accidental_hits=remove_accidental_hits, reduction=reduction)
+                                          remove_accidental_hits=remove_accidental_hits, reduction=reduction,
+                                          sparse_grad=sparse_grad)
 
 
-def full_softmax_nll(hidden, targets, weight, bias, reduction: str = "mean", *, backend: str | None = "auto"):
-    """Exact NLL over the whole vocabulary (held-out perplexity)."""
+def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                     reduction: str = "mean", *, backend: str | None = "auto") -> torch.Tensor:
+    """Exact NLL over the whole vocabulary (held-out perplexity, spec §6.7); differentiable.
+
+    hidden (N, P), targets (N,), weight (V, P), bias (V,). The Triton backend tiles the vocabulary with an
+    online log-sum-exp and recomputes logits per tile in backward: memory O(N·P + V·P), never N × V.
+    """
+    _check_common(hidden, targets, weight, bias, reduction)
+    targets = targets.long()
     be = select_backend(backend, hidden.device, "full_softmax")
     if be == "triton":
         from ..kernels.softmax import full_softmax_nll_triton
