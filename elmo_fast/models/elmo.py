@@ -34,6 +34,25 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
             raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")
 
 
+class ElmoCharacterEncoder(nn.Module):
+    """AllenNLP's ``_ElmoCharacterEncoder``: char ids (B, T, 50) without boundaries -> ``{"mask": (B, T+2),
+    "token_embedding": (B, T+2, P)}`` with ``<S>``/``</S>`` added (the token layer is not masked)."""
+
+    def __init__(self, token_encoder):
+        super().__init__()
+        self.encoder = token_encoder
+
+    def get_output_dim(self) -> int:
+        return self.encoder.output_dim
+
+    def forward(self, inputs: torch.Tensor) -> dict:
+        dev = self.encoder.char_embed.device
+        _check_char_ids(inputs, dev)
+        mask_wo = (inputs > 0).any(-1)
+        ids, mask = add_sentence_boundary_token_ids(inputs, mask_wo, _BOS_IDS.to(dev), _EOS_IDS.to(dev))
+        return {"mask": mask, "token_embedding": self.encoder(ids)}
+
+
 class ElmoBiLM(nn.Module):
     """AllenNLP's ``_ElmoBiLm``: char ids (B, T, 50) *without* boundaries (from ``batch_to_ids``) ->
     ``{"activations": [(B, T+2, 2P)] * 3, "mask": (B, T+2) bool}``. Stateful across calls; ``reset_states()``.
@@ -47,6 +66,7 @@ class ElmoBiLM(nn.Module):
                  backend: str | None = "auto", stateful: bool = True):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
+        self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder)
         self._requires_grad = requires_grad
         for p in self._bilm.parameters():
             p.requires_grad_(requires_grad)
@@ -112,9 +132,8 @@ class ElmoBiLM(nn.Module):
                 token_embedding, mask = add_sentence_boundary_token_ids(
                     emb, mask_wo, self._bos_embedding, self._eos_embedding)
         if token_embedding is None:
-            mask_wo = (inputs > 0).any(-1)
-            ids, mask = add_sentence_boundary_token_ids(inputs, mask_wo, _BOS_IDS.to(dev), _EOS_IDS.to(dev))
-            token_embedding = self._bilm.token_encoder(ids)
+            enc = self._token_embedder(inputs)
+            token_embedding, mask = enc["token_embedding"], enc["mask"]
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
 
