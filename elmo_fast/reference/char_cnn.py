@@ -20,6 +20,8 @@ Exact shortcuts used here (they change no value beyond float rounding order):
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +56,17 @@ def char_cnn_naive(char_ids, char_embed, conv_weights, conv_biases, activation: 
     return _activation(activation)(_conv_max(emb, conv_weights, conv_biases))
 
 
+@contextlib.contextmanager
+def _no_tf32():
+    """cuDNN convolutions default to TF32 on Ampere+; the fp32 reference must be strict fp32 (spec pitfall 15)."""
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
 def char_cnn_reference(
     char_ids: torch.Tensor,
     char_embed: torch.Tensor,
@@ -62,6 +75,13 @@ def char_cnn_reference(
     activation: str = "relu",
 ) -> torch.Tensor:
     """char_ids (N, L) int inference ids -> (N, F) = act(max_p conv(embed(ids)) + bias)."""
+    if char_ids.is_cuda:
+        with _no_tf32():
+            return _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation)
+    return _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation)
+
+
+def _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation):
     act = _activation(activation)
     N, L = char_ids.shape
     Ftot = sum(int(b.shape[0]) for b in conv_biases)
