@@ -1,0 +1,411 @@
+"""Fused character-CNN token encoder in Triton: embedding gather, every filter width, max over positions,
+bias and activation in one kernel, plus its backward (spec §2.2; oracle ``elmo_fast.reference.char_cnn``).
+
+Math, per token ``t`` and filter ``f`` of width ``w_f`` (E = char_embed[ids[t]], (L, d_c)):
+
+    y[t, f] = act(b_f + max_{p <= L - w_f} sum_{k < w_f, c < d_c} E[p + k, c] · W_f[k, c])
+
+Layout used by the kernels. Every filter group's weight (w_i, d_c, n_i) is flattened to (w_i·d_c, n_i) with
+row index ``j = k·d_c + c``, zero-padded to ``KW·d_c`` rows (KW = the widest filter) and the groups are
+concatenated along the filter axis: ``W_packed`` (KW·d_c, F). A filter of width w thus sees zero weights
+for k >= w, and one program handles filters of different widths with one static K extent; ``wid[f]`` gives
+each filter's own number of valid windows ``L - w_f + 1``.
+
+The window matrix of position p for a block of tokens is gathered straight from the embedding table
+(``A[t, j] = char_embed[ids[t, p + j // d_c], j % d_c]``) and multiplied with the weight tile, which stays
+in registers for the whole position loop. The convolution maps are never written to memory; the running
+max and its position (argmax, per token and filter) are kept in registers and only the argmax is saved
+for backward (int8 when L < 128).
+
+Exact shortcuts (none changes a value beyond float rounding order):
+
+* ``klen[t]`` = 1 + index of the last character that is not the in-word padding id 261. Windows starting
+  at p >= klen[t] hold only padding characters, so all give the same value for every token: it is computed
+  once per filter (``pv[f]``, per program: one tiny product) and the token's explicit windows stop at
+  ``klen[t]``. Tokens are visited sorted by ``klen`` (descending) so a block's loop bound, the klen of its
+  first token, fits every token of the block: short words cost little.
+* all-zero rows (padding tokens, id 0 everywhere) see a zero embedding, so every window is exactly the
+  bias; they get ``klen = -1``, no windows at all, and argmax -1 (no gradient to the embedding or the
+  weights, like the reference).
+
+Backward (``_char_cnn_bwd_kernel``) walks the same positions: at position p the upstream gradient of the
+(token, filter) pairs whose argmax is p, ``Gp``, gives the weight gradient ``A_p^T · Gp`` (accumulated in
+registers, one atomic add per program) and the window gradient ``Gp · W^T`` (added atomically into a per
+token, per character position fp32 scratch (N, L, d_c)). ``_embed_grad_kernel`` then reduces that scratch
+into the (n_chars, d_c) table gradient with one-hot products (no per-element atomics on the tiny table).
+Pad-window winners are stored with argmax = klen[t] (a real all-padding window of that token), so backward
+needs no special case. Sums use fp32 atomics: the gradients are not bitwise deterministic.
+
+Ties between windows keep the first position. The reference (``amax``) splits the gradient between exact
+ties; exact ties come from windows with the same characters, whose gradients are the same, so the two
+agree.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elmo_fast._backend import triton_interpret
+
+PAD_CHAR_ID = 261  # inference id of the in-word padding character (see elmo_fast.reference.char_cnn)
+
+_ACTIVATIONS = {"relu": 0, "tanh": 1}
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates correctly at both ends in fp32.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # UPCAST: the interpreter's numpy dot mishandles bf16, so there both operands go to fp32 (exact for bf16).
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _char_cnn_fwd_kernel(
+    ids_ptr, emb_ptr, w_ptr, bias_ptr, wid_ptr, klen_ptr, perm_ptr, bound_ptr,
+    out_ptr, arg_ptr,
+    N, F, L, pad_id,
+    DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    ACT: tl.constexpr, HAS_PAD: tl.constexpr, SAVE_ARG: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+):
+    """ids (N, L) int; emb (V, DC); w (KWD, F) packed; bias/wid (F,); klen/perm (N,); bound (n_tblocks,).
+
+    Writes out (N, F) = act(max + bias) and, if SAVE_ARG, arg (N, F) = winning window start (-1: zero row).
+    """
+    pid_t = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = rt < N
+    row = tl.load(perm_ptr + rt, mask=tmask, other=0).to(tl.int64)
+    klen = tl.load(klen_ptr + row, mask=tmask, other=-1)
+    rf = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = rf < F
+    wid = tl.load(wid_ptr + rf, mask=fmask, other=1)
+    nwin = L - wid + 1  # valid window starts per filter
+    j = tl.arange(0, KWC)
+    jk = j // DC
+    jc = j % DC
+    jmask = j < KWD
+    wt = tl.load(w_ptr + j[:, None] * F + rf[None, :], mask=jmask[:, None] & fmask[None, :], other=0.0)
+
+    # Value of an all-padding window (without bias): one product per filter.
+    if HAS_PAD:
+        pe = tl.load(emb_ptr + pad_id * DC + jc, mask=jmask, other=0.0).to(ACC)
+        pv = tl.sum(pe[:, None] * wt.to(ACC), axis=0)
+    else:
+        pv = tl.zeros((BLOCK_F,), ACC)
+
+    best = tl.full((BLOCK_T, BLOCK_F), float("-inf"), ACC)
+    arg = tl.zeros((BLOCK_T, BLOCK_F), tl.int32)
+    # Explicit windows: p < klen[t] (they touch a real character) and p < nwin[f].
+    p_end = tl.minimum(tl.load(bound_ptr + pid_t), L - tl.min(tl.where(fmask, wid, 1 << 20), axis=0) + 1)
+    p = 0
+    while p < p_end:
+        q = p + jk
+        m2 = tmask[:, None] & (jmask & (q < L))[None, :]
+        cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
+        a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+        s = _dot(a, wt, UPCAST, IEEE).to(ACC)
+        take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)
+        best = tl.where(take, s, best)
+        arg = tl.where(take, p, arg)
+        p += 1
+    # All-padding windows (they exist for filter f iff klen[t] < nwin[f]); the winner is stored as klen[t].
+    if HAS_PAD:
+        take = (klen >= 0)[:, None] & (klen[:, None] < nwin[None, :]) & (pv[None, :] > best)
+        best = tl.where(take, pv[None, :], best)
+        arg = tl.where(take, klen[:, None], arg)
+    zero = (klen < 0)[:, None]
+    best = tl.where(zero, 0.0, best)
+    arg = tl.where(zero, -1, arg)
+
+    b = tl.load(bias_ptr + rf, mask=fmask, other=0.0).to(ACC)
+    y = best + b[None, :]
+    if ACT == 0:
+        y = tl.maximum(y, 0.0)
+    else:
+        y = _tanh(y)
+    omask = tmask[:, None] & fmask[None, :]
+    offs = row[:, None] * F + rf[None, :]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)
+    if SAVE_ARG:
+        tl.store(arg_ptr + offs, arg.to(arg_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _char_cnn_bwd_kernel(
+    ids_ptr, emb_ptr, w_ptr, wid_ptr, perm_ptr, bound_ptr,
+    out_ptr, arg_ptr, gout_ptr,
+    gw_ptr, gb_ptr, gwin_ptr,
+    N, F, L,
+    DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+    ACT: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grads: gw (KWD, F) fp32 += A_p^T Gp; gb (F,) fp32 += sum_t G; gwin (N, L, DC) fp32 += Gp W^T at p."""
+    pid_t = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = rt < N
+    row = tl.load(perm_ptr + rt, mask=tmask, other=0).to(tl.int64)
+    rf = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = rf < F
+    omask = tmask[:, None] & fmask[None, :]
+    offs = row[:, None] * F + rf[None, :]
+    g = tl.load(gout_ptr + offs, mask=omask, other=0.0).to(ACC)
+    y = tl.load(out_ptr + offs, mask=omask, other=0.0).to(ACC)
+    if ACT == 0:
+        g = tl.where(y > 0.0, g, 0.0)
+    else:
+        g = g * (1.0 - y * y)
+    tl.atomic_add(gb_ptr + rf, tl.sum(g, axis=0), mask=fmask)
+    if NEED_W or NEED_EMB:
+        arg = tl.load(arg_ptr + offs, mask=omask, other=-1).to(tl.int32)
+        wid = tl.load(wid_ptr + rf, mask=fmask, other=1)
+        j = tl.arange(0, KWC)
+        jk = j // DC
+        jc = j % DC
+        jmask = j < KWD
+        wt = tl.load(w_ptr + j[:, None] * F + rf[None, :], mask=jmask[:, None] & fmask[None, :], other=0.0)
+        gw = tl.zeros((KWC, BLOCK_F), ACC)
+        # Winners sit at p <= klen[t] <= bound (pad winners at exactly klen[t]).
+        p_end = tl.minimum(tl.load(bound_ptr + pid_t) + 1,
+                           L - tl.min(tl.where(fmask, wid, 1 << 20), axis=0) + 1)
+        p = 0
+        while p < p_end:
+            gp = tl.where(arg == p, g, 0.0).to(wt.dtype)
+            q = p + jk
+            m2 = tmask[:, None] & (jmask & (q < L))[None, :]
+            if NEED_W:
+                cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
+                a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+                gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
+            if NEED_EMB:
+                gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
+                tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2)
+            p += 1
+        if NEED_W:
+            tl.atomic_add(gw_ptr + j[:, None] * F + rf[None, :], gw, mask=jmask[:, None] & fmask[None, :])
+
+
+@triton.jit
+def _embed_grad_kernel(
+    ids_ptr, gwin_ptr, gemb_ptr, R, V, rows_per_prog,
+    DC: tl.constexpr, DCP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):
+    """gemb (V, DC) fp32 += sum over character slots r with ids[r] == v of gwin[r, :] (R = N·L slots).
+
+    Each program owns ``rows_per_prog`` slots and ``BLOCK_V`` table rows; it reduces with one-hot products
+    in registers and adds to the table once.
+    """
+    pid_r = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    c = tl.arange(0, DCP)
+    acc = tl.zeros((BLOCK_V, DCP), ACC)
+    start = pid_r * rows_per_prog
+    stop = tl.minimum(start + rows_per_prog, R)
+    r0 = start
+    while r0 < stop:
+        rr = r0 + tl.arange(0, BLOCK_R)
+        rmask = rr < stop
+        cid = tl.load(ids_ptr + rr, mask=rmask, other=-1)
+        onehot = tl.where(cid[None, :] == rv[:, None], 1.0, 0.0).to(ACC)
+        d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :],
+                    mask=rmask[:, None] & (c < DC)[None, :], other=0.0)
+        acc += tl.dot(onehot, d, input_precision="ieee")
+        r0 += BLOCK_R
+    tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
+
+
+# --------------------------------------------------------------------------------------------- host side
+
+
+def _config(device: torch.device) -> dict:
+    if device.type != "cuda":  # interpreter: the smallest tiles tl.dot accepts on a GPU, fewest numpy ops
+        return dict(BLOCK_T=16, BLOCK_F=16, num_warps=1)
+    return dict(BLOCK_T=64, BLOCK_F=64, num_warps=4)
+
+
+def _dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    upcast = dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret()
+    ieee = dtype == torch.float32
+    return upcast, ieee
+
+
+def _acc(dtype: torch.dtype):
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs (used by the tests for near-exact checks)."""
+    return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
+
+
+def _pack_weights(conv_weights: list[torch.Tensor], kw: int, dc: int) -> torch.Tensor:
+    cols = []
+    for w in conv_weights:
+        wi = w.reshape(w.shape[0] * dc, w.shape[2])
+        if wi.shape[0] < kw * dc:
+            wi = torch.cat([wi, wi.new_zeros(kw * dc - wi.shape[0], wi.shape[1])], 0)
+        cols.append(wi)
+    return torch.cat(cols, 1).contiguous()
+
+
+def _token_lengths(ids: torch.Tensor, has_pad: bool) -> torch.Tensor:
+    """klen (N,) int32: 1 + index of the last non-padding character; 0 if all padding; -1 for all-zero rows."""
+    N, L = ids.shape
+    if has_pad:
+        pos = torch.arange(1, L + 1, device=ids.device, dtype=torch.int32)
+        klen = torch.where(ids != PAD_CHAR_ID, pos, 0).amax(dim=1).to(torch.int32)
+    else:
+        klen = torch.full((N,), L, device=ids.device, dtype=torch.int32)
+    zero = (ids == 0).all(dim=1)
+    return torch.where(zero, -1, klen).to(torch.int32)
+
+
+def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg: bool):
+    """Host launcher. Returns (out (N, F), arg (N, F) or None, perm, bound) where perm/bound order tokens."""
+    N, L = ids.shape
+    F = w_packed.shape[1]
+    dc = char_embed.shape[1]
+    kwd = w_packed.shape[0]
+    has_pad = char_embed.shape[0] > PAD_CHAR_ID
+    cfg = _config(ids.device)
+    bt, bf = cfg["BLOCK_T"], cfg["BLOCK_F"]
+    klen = _token_lengths(ids, has_pad)
+    perm = torch.argsort(klen, descending=True, stable=True).to(torch.int32)
+    n_tb = triton.cdiv(N, bt)
+    bound = klen[perm.long()[::bt]].clamp_min(0).to(torch.int32).contiguous()
+    out = torch.empty((N, F), device=ids.device, dtype=char_embed.dtype)
+    arg_dtype = torch.int8 if L < 128 else torch.int32
+    arg = torch.empty((N, F), device=ids.device, dtype=arg_dtype) if save_arg else out
+    upcast, ieee = _dot_flags(char_embed.dtype, ids.device)
+    grid = (n_tb, triton.cdiv(F, bf))
+    _char_cnn_fwd_kernel[grid](
+        ids, char_embed, w_packed, bias, wid, klen, perm, bound, out, arg,
+        N, F, L, PAD_CHAR_ID,
+        DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
+        BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
+        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], num_warps=cfg["num_warps"],
+    )
+    return out, (arg if save_arg else None), perm, bound
+
+
+def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out, activation: str,
+                 need_w: bool, need_emb: bool):
+    """Returns fp32 (fp64 for fp64 inputs) (grad char_embed (V, d_c) or None, grad w_packed (KWD, F) or None, grad bias (F,))."""
+    N, L = ids.shape
+    F = w_packed.shape[1]
+    V, dc = char_embed.shape
+    kwd = w_packed.shape[0]
+    dev = ids.device
+    cfg = _config(dev)
+    bt, bf = cfg["BLOCK_T"], cfg["BLOCK_F"]
+    tl_acc, acc = _acc(char_embed.dtype)
+    gw = torch.zeros((kwd, F), device=dev, dtype=acc)
+    gb = torch.zeros((F,), device=dev, dtype=acc)
+    gwin = torch.zeros((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
+    upcast, ieee = _dot_flags(char_embed.dtype, dev)
+    grid = (triton.cdiv(N, bt), triton.cdiv(F, bf))
+    _char_cnn_bwd_kernel[grid](
+        ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin,
+        N, F, L,
+        DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
+        BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
+        UPCAST=upcast, IEEE=ieee, ACC=tl_acc, num_warps=cfg["num_warps"],
+    )
+    gemb = None
+    if need_emb:
+        gemb = torch.zeros((V, dc), device=dev, dtype=acc)
+        R = N * L
+        if dev.type == "cuda":
+            block_r, block_v, n_r = 64, 64, min(triton.cdiv(R, 64), 128)
+        else:  # interpreter: few, large numpy ops
+            block_r, block_v, n_r = 256, max(16, triton.next_power_of_2(V)), 1
+        rows_per_prog = triton.cdiv(triton.cdiv(R, n_r), block_r) * block_r
+        _embed_grad_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(V, block_v))](
+            ids, gwin, gemb, R, V, rows_per_prog,
+            DC=dc, DCP=max(16, triton.next_power_of_2(dc)), BLOCK_R=block_r, BLOCK_V=block_v, ACC=tl_acc,
+        )
+    return gemb, (gw if need_w else None), gb
+
+
+class CharCNNFunction(torch.autograd.Function):
+    """Saves ids, the packed weights, the output and the argmax (int8) -- never the convolution maps."""
+
+    @staticmethod
+    def forward(ctx, char_ids, char_embed, activation, n_groups, *params):
+        weights, biases = list(params[:n_groups]), list(params[n_groups:])
+        ids = char_ids.contiguous()
+        dtype = char_embed.dtype
+        emb = char_embed.contiguous()
+        dc = emb.shape[1]
+        widths = [int(w.shape[0]) for w in weights]
+        kw = max(widths)
+        w_packed = _pack_weights([w.to(dtype) for w in weights], kw, dc)
+        bias = torch.cat([b.to(dtype) for b in biases]).contiguous()
+        wid = torch.cat([torch.full((int(w.shape[2]),), wi, dtype=torch.int32) for w, wi in zip(weights, widths)])
+        wid = wid.to(ids.device)
+        need_grad = any(ctx.needs_input_grad[1:])
+        out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=need_grad)
+        if need_grad:
+            ctx.save_for_backward(ids, emb, w_packed, wid, out, arg, perm, bound)
+        ctx.activation = activation
+        ctx.shapes = [(int(w.shape[0]), int(w.shape[1]), int(w.shape[2])) for w in weights]
+        ctx.dtypes = [(w.dtype, b.dtype) for w, b in zip(weights, biases)]
+        ctx.n_groups = n_groups
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ids, emb, w_packed, wid, out, arg, perm, bound = ctx.saved_tensors
+        n = ctx.n_groups
+        need_emb = ctx.needs_input_grad[1]
+        need_w = any(ctx.needs_input_grad[4:4 + n])
+        gemb, gw, gb = char_cnn_bwd(ids, emb, w_packed, wid, out, arg, perm, bound, grad_out.contiguous(),
+                                    ctx.activation, need_w, need_emb)
+        dc = emb.shape[1]
+        gws, gbs = [], []
+        col = 0
+        for i, (w_i, _, n_i) in enumerate(ctx.shapes):
+            wdt, bdt = ctx.dtypes[i]
+            gws.append(gw[: w_i * dc, col:col + n_i].reshape(w_i, dc, n_i).to(wdt)
+                       if gw is not None and ctx.needs_input_grad[4 + i] else None)
+            gbs.append(gb[col:col + n_i].to(bdt) if ctx.needs_input_grad[4 + n + i] else None)
+            col += n_i
+        return (None, gemb.to(emb.dtype) if gemb is not None else None, None, None, *gws, *gbs)
+
+
+def char_cnn_triton(
+    char_ids: torch.Tensor,
+    char_embed: torch.Tensor,
+    conv_weights: list[torch.Tensor],
+    conv_biases: list[torch.Tensor],
+    activation: str = "relu",
+) -> torch.Tensor:
+    """char_ids (N, L) int inference ids -> (N, F) = act(max_p conv(embed(ids)) + bias), fused (see module doc).
+
+    char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
+    Output dtype = char_embed's (fp32, bf16, fp16 or fp64); products accumulate in fp32.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"char_cnn activation must be 'relu' or 'tanh', got {activation!r}")
+    N, L = char_ids.shape
+    F = sum(int(b.shape[0]) for b in conv_biases)
+    for w in conv_weights:
+        if int(w.shape[0]) > L:
+            raise ValueError(f"tokens of {L} characters are shorter than a filter of width {int(w.shape[0])}")
+    if N == 0:
+        return char_embed.new_zeros(0, F)
+    return CharCNNFunction.apply(char_ids, char_embed, activation, len(conv_weights), *conv_weights, *conv_biases)
