@@ -96,16 +96,19 @@ class BiLM(nn.Module):
         c_n = torch.stack([torch.stack([s[1] for s in f_fin]), torch.stack([s[1] for s in b_fin])])
         return fwd, bwd, h_n, c_n
 
-    def forward_embeddings(self, token_embedding: torch.Tensor, mask: torch.Tensor) -> dict:
-        """Run the LSTMs on a token layer (B, T+2, P) with boundaries, mask (B, T+2)."""
+    def forward_embeddings(self, token_embedding: torch.Tensor, mask: torch.Tensor,
+                           mask_token_layer: bool = True) -> dict:
+        """Run the LSTMs on a token layer (B, T+2, P) with boundaries, mask (B, T+2). Layer 0 is zero at padded
+        positions when ``mask_token_layer`` (AllenNLP); bilm-tf leaves the CNN output of the empty token there."""
         lengths = mask.long().sum(1)
         B = token_embedding.shape[0]
         h0, c0 = self.initial_states(B, token_embedding.device, token_embedding.dtype)
         fwd, bwd, h_n, c_n = self.run_lstms(token_embedding, lengths, h0, c0)
         if self.stateful:
             self._store_states(h_n, c_n)
-        m = mask.unsqueeze(-1).to(token_embedding.dtype)
-        acts = [torch.cat([token_embedding, token_embedding], -1) * m]
+        acts = [torch.cat([token_embedding, token_embedding], -1)]
+        if mask_token_layer:
+            acts[0] = acts[0] * mask.unsqueeze(-1).to(token_embedding.dtype)
         acts += [torch.cat([f, b], -1) for f, b in zip(fwd, bwd)]
         return {"activations": acts, "mask": mask, "token_embedding": token_embedding}
 

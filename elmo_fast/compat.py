@@ -1,0 +1,135 @@
+"""Entry points under the original projects' names, for ports of code (and tests) written against them.
+
+AllenNLP: ``_ElmoBiLm``, ``_ElmoCharacterEncoder``, ``ElmoTokenEmbedder``.
+bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_batch_size`` state rows),
+``dump_token_embeddings``, ``dump_bilm_embeddings``.
+"""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .chars import Batcher, Vocabulary, word_to_char_ids
+from .models.bilm import BiLM
+from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder
+
+_ElmoBiLm = ElmoBiLM
+
+
+class _ElmoCharacterEncoder(ElmoCharacterEncoder):
+    """``_ElmoCharacterEncoder(options_file, weight_file, requires_grad=False)``."""
+
+    def __init__(self, options_file, weight_file, requires_grad: bool = False, backend: str | None = "auto"):
+        bilm = BiLM.from_files(options_file, weight_file, backend=backend)
+        super().__init__(bilm.token_encoder)
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
+
+
+class ElmoTokenEmbedder(nn.Module):
+    """AllenNLP's ``ElmoTokenEmbedder``: one ELMo representation, optionally projected to ``projection_dim``."""
+
+    def __init__(self, options_file, weight_file, do_layer_norm: bool = False, dropout: float = 0.5,
+                 requires_grad: bool = False, projection_dim: int | None = None,
+                 vocab_to_cache: list[str] | None = None, scalar_mix_parameters: list[float] | None = None,
+                 backend: str | None = "auto"):
+        super().__init__()
+        self._elmo = Elmo(options_file, weight_file, 1, do_layer_norm=do_layer_norm, dropout=dropout,
+                          requires_grad=requires_grad, vocab_to_cache=vocab_to_cache,
+                          scalar_mix_parameters=scalar_mix_parameters, backend=backend)
+        self._projection = nn.Linear(self._elmo.get_output_dim(), projection_dim) if projection_dim else None
+        self.output_dim = projection_dim or self._elmo.get_output_dim()
+
+    def get_output_dim(self) -> int:
+        return self.output_dim
+
+    def forward(self, elmo_tokens: torch.Tensor, word_inputs: torch.Tensor | None = None) -> torch.Tensor:
+        rep = self._elmo(elmo_tokens, word_inputs)["elmo_representations"][0]
+        return self._projection(rep) if self._projection is not None else rep
+
+
+class BidirectionalLanguageModel(nn.Module):
+    """bilm-tf's ``BidirectionalLanguageModel`` in PyTorch: call it on ``Batcher`` char ids (B, T+2, 50), or on
+    ``TokenBatcher`` word ids (B, T+2) with ``use_character_inputs=False`` and ``embedding_weight_file`` (the
+    output of ``dump_token_embeddings``). Returns bilm-tf's ops as tensors: ``lm_embeddings`` (B, n_layers+1, T,
+    2P), ``lengths`` (B,), ``mask`` (B, T) bool, ``token_embeddings`` (B, T+2, P) (boundaries kept).
+    The state has ``max_batch_size`` rows; a larger batch is an error, as in the original."""
+
+    def __init__(self, options_file, weight_file, use_character_inputs: bool = True,
+                 embedding_weight_file: str | None = None, max_batch_size: int = 128, backend: str | None = "auto"):
+        super().__init__()
+        self._bilm = BiLM.from_files(options_file, weight_file, backend=backend)
+        self._bilm.requires_grad_(False)
+        self.max_batch_size = max_batch_size
+        self.use_character_inputs = use_character_inputs
+        if use_character_inputs:
+            self._embedding = None
+        else:
+            if embedding_weight_file is None:
+                raise ValueError("use_character_inputs=False needs embedding_weight_file (from dump_token_embeddings)")
+            with h5py.File(embedding_weight_file, "r") as fh:
+                emb = torch.from_numpy(fh["embedding"][...].astype(np.float32))
+            P = self._bilm.options.projection_dim
+            if emb.dim() != 2 or emb.shape[1] != P:
+                raise ValueError(f"{embedding_weight_file}: 'embedding' has shape {tuple(emb.shape)}, expected (n, {P})")
+            self.register_buffer("_embedding", torch.cat([emb.new_zeros(1, P), emb]))
+
+    def reset_states(self, mask=None) -> None:
+        self._bilm.reset_states(mask)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        B = ids.shape[0]
+        if B > self.max_batch_size:
+            raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}")
+        if self.use_character_inputs:
+            if ids.dim() != 3:
+                raise ValueError(f"character inputs must be (batch, tokens + 2, 50), got {tuple(ids.shape)}")
+            mask = (ids > 0).any(-1)
+            out = self._bilm.forward_embeddings(self._bilm.token_encoder(ids), mask, mask_token_layer=False)
+        else:
+            if ids.dim() != 2:
+                raise ValueError(f"token inputs must be (batch, tokens + 2), got {tuple(ids.shape)}")
+            if int(ids.max()) >= self._embedding.shape[0] or int(ids.min()) < 0:
+                raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}]")
+            mask = ids > 0
+            out = self._bilm.forward_embeddings(self._embedding[ids], mask, mask_token_layer=False)
+        lengths = mask.long().sum(1)
+        layers = torch.stack(out["activations"], 1)  # (B, L+1, T+2, 2P)
+        T2 = layers.shape[2]
+        pos = torch.arange(max(T2 - 2, 0), device=ids.device)
+        new_mask = pos.unsqueeze(0) < (lengths - 2).clamp(min=0).unsqueeze(1)
+        lm = layers[:, :, 1 : T2 - 1] * new_mask[:, None, :, None].to(layers.dtype)
+        return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
+                "token_embeddings": out["token_embedding"]}
+
+
+@torch.no_grad()
+def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_size: int = 4096) -> None:
+    """bilm-tf's ``dump_token_embeddings``: dataset ``embedding`` (n_vocab, P), vocabulary order."""
+    vocab = Vocabulary(vocab_file)
+    bilm = BiLM.from_files(options_file, weight_file)
+    ids = torch.tensor([word_to_char_ids(w) for w in vocab.words], dtype=torch.long)
+    emb = torch.cat([bilm.token_encoder(ids[s : s + batch_size]) for s in range(0, len(ids), batch_size)])
+    tmp = f"{os.fspath(outfile)}.tmp-{os.getpid()}"
+    with h5py.File(tmp, "w") as fh:
+        fh.create_dataset("embedding", data=emb.numpy().astype(np.float32))
+    os.replace(tmp, outfile)
+
+
+@torch.no_grad()
+def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, outfile) -> None:
+    """bilm-tf's ``dump_bilm_embeddings``: one sentence per batch, in file order, stateful; dataset per line
+    index, shape (n_layers+1, n_tokens, 2P)."""
+    model = BidirectionalLanguageModel(options_file, weight_file)
+    batcher = Batcher(vocab_file)
+    tmp = f"{os.fspath(outfile)}.tmp-{os.getpid()}"
+    with open(dataset_file, encoding="utf-8") as fin, h5py.File(tmp, "w") as fout:
+        for i, line in enumerate(fin):
+            sent = line.strip().split()
+            out = model(batcher.batch_sentences([sent]))
+            fout.create_dataset(str(i), data=out["lm_embeddings"][0, :, : len(sent)].numpy().astype(np.float32))
+    os.replace(tmp, outfile)
