@@ -7,6 +7,7 @@ Public API (AllenNLP names and contracts; code written for AllenNLP ports by cha
 """
 from ._backend import BackendUnavailableError
 from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
+from .compat import BidirectionalLanguageModel, ElmoTokenEmbedder, dump_bilm_embeddings, dump_token_embeddings
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM
 from .modules.scalar_mix import ScalarMix
@@ -25,6 +26,10 @@ __all__ = [
     "Elmo",
     "ElmoBiLM",
     "BiLM",
+    "BidirectionalLanguageModel",
+    "ElmoTokenEmbedder",
+    "dump_token_embeddings",
+    "dump_bilm_embeddings",
     "ScalarMix",
     "ElmoOptions",
     "OptionsError",
