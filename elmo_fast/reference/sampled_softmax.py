@@ -145,7 +145,7 @@ def sampled_softmax_loss_reference(
 
     hidden (N, P); targets (N,) int; sampled_ids (S,); true_expected (N,); sampled_expected (S,) (float64 from
     :func:`expected_count_reference`). Accidental hits (a sample equal to the row's target) get −FLT_MAX, as TF
-    adds −FLT_MAX to them (in fp64 −1e300, which gives the same zero probability). With ``sparse_grad`` the
+    adds −FLT_MAX to them (other dtypes: their most negative finite value, the same zero probability). With ``sparse_grad`` the
     gradients of ``weight`` and ``bias`` are sparse COO tensors over the target and sample rows.
     """
     dt = hidden.dtype
@@ -157,7 +157,8 @@ def sampled_softmax_loss_reference(
     s_logit = hidden @ w_s.t() + b_s - torch.log(sampled_expected).to(dt)
     if remove_accidental_hits:
         hits = targets.unsqueeze(1) == sampled_ids.unsqueeze(0)
-        s_logit = s_logit.masked_fill(hits, -FLT_MAX if dt != torch.float64 else -1.0e300)
+        # −FLT_MAX in fp32 (TF); the most negative finite value in other dtypes (bf16 cannot hold −FLT_MAX)
+        s_logit = s_logit.masked_fill(hits, torch.finfo(dt).min)
     row = torch.cat([true_logit.unsqueeze(1), s_logit], dim=1)
     loss = torch.logsumexp(row, dim=1) - true_logit
     return _reduce(loss, reduction)

@@ -1,0 +1,443 @@
+"""Sampled softmax (spec §6.5), the log-uniform sampler, and the full-softmax NLL (spec §6.7).
+
+Oracles: fp64 reference (``elmo_fast.reference.sampled_softmax``), an independent per-row loop, and
+``torch.nn.functional.cross_entropy``. Kernel tolerance (style anchors §8.4): max|kernel − fp64| ≤
+2·max|reference-in-dtype − fp64| + slack[dtype].
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import requires_triton
+from elmo_fast import ops
+from elmo_fast.modules.sampled_softmax import SampledSoftmaxLoss
+from elmo_fast.reference.sampled_softmax import (
+    expected_count_reference,
+    full_softmax_nll_reference,
+    log_uniform_ids_from_uniform,
+    log_uniform_probability,
+    log_uniform_sample_reference,
+    sampled_softmax_loss_reference,
+)
+
+SLACK = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _chi2_critical_999(df: int) -> float:
+    try:
+        from scipy.stats import chi2
+
+        return float(chi2.ppf(0.999, df))
+    except ImportError:  # Wilson–Hilferty approximation (within ~0.2% at df ≥ 30)
+        z = 3.090232306167813
+        return df * (1.0 - 2.0 / (9.0 * df) + z * math.sqrt(2.0 / (9.0 * df))) ** 3
+
+
+def _close(kernel: torch.Tensor, ref_dt: torch.Tensor, ref64: torch.Tensor, dtype, what: str):
+    kernel, ref_dt = kernel.to_dense().double(), ref_dt.to_dense().double()
+    ref64 = ref64.to_dense()
+    err = (kernel - ref64).abs().max().item()
+    budget = 2.0 * (ref_dt - ref64).abs().max().item() + SLACK[dtype] * max(1.0, ref64.abs().max().item())
+    assert torch.isfinite(kernel).all(), f"{what}: non-finite values"
+    assert err <= budget, f"{what}: max err {err:.3e} > budget {budget:.3e} ({dtype})"
+
+
+def _problem(N, P, V, S, *, seed=0, hits=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, P, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, P, generator=g, dtype=torch.float64) / math.sqrt(P)
+    bias = 0.3 * torch.randn(V, generator=g, dtype=torch.float64)
+    ids, tries = ops.log_uniform_sample(S, V, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[:hits] = ids[torch.randperm(S, generator=g)[:hits] % S]  # force accidental hits
+    return hidden, targets, weight, bias, ids, tries
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+
+@pytest.mark.parametrize("S,V,seed,chunk", [(1, 50, 0, None), (20, 50, 1, None), (40, 300, 2, None),
+                                             (50, 50, 3, None), (40, 300, 4, 7), (300, 300, 5, 64)],
+                         ids=["S1", "S20-V50", "S40-V300", "S=V", "chunk7", "S=V-chunk64"])
+def test_sampler_matches_tf_rejection_loop(S, V, seed, chunk):
+    a_ids, a_tries = ops.log_uniform_sample(S, V, generator=torch.Generator().manual_seed(seed), chunk=chunk)
+    b_ids, b_tries = log_uniform_sample_reference(S, V, generator=torch.Generator().manual_seed(seed), chunk=chunk)
+    assert torch.equal(a_ids, b_ids)
+    assert a_tries == b_tries
+    assert a_ids.dtype == torch.long and a_ids.shape == (S,)
+    assert a_ids.unique().numel() == S, "samples must be unique"
+    assert 0 <= int(a_ids.min()) and int(a_ids.max()) < V
+    assert a_tries >= S
+    if S == V:
+        assert torch.equal(a_ids.sort().values, torch.arange(V))
+
+
+def test_sampler_num_tries_counts_rejected_draws():
+    """Replay the stream by hand: num_tries = index of the draw giving the S-th distinct id, + 1."""
+    S, V, seed = 30, 60, 11
+    ids, tries = ops.log_uniform_sample(S, V, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    from elmo_fast.reference.sampled_softmax import sampler_chunk_size
+
+    draws = log_uniform_ids_from_uniform(
+        torch.rand(sampler_chunk_size(S, V), generator=g, dtype=torch.float64), V).tolist()
+    seen: list[int] = []
+    for i, d in enumerate(draws):
+        if d not in seen:
+            seen.append(d)
+        if len(seen) == S:
+            assert tries == i + 1
+            break
+    assert ids.tolist() == seen
+    assert tries > S  # with V = 2S the log-uniform law rejects (almost surely; fixed seed)
+
+
+def test_sampler_reproducible_and_advances():
+    g1 = torch.Generator().manual_seed(7)
+    g2 = torch.Generator().manual_seed(7)
+    a = ops.log_uniform_sample(40, 300, generator=g1)
+    b = ops.log_uniform_sample(40, 300, generator=g2)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    c = ops.log_uniform_sample(40, 300, generator=g1)
+    assert not torch.equal(a[0], c[0])
+
+
+def test_sampler_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        ops.log_uniform_sample(0, 10)
+    with pytest.raises(ValueError):
+        ops.log_uniform_sample(11, 10)
+
+
+def test_single_draw_distribution_chi_square():
+    """Raw draws follow P(k) = log((k+2)/(k+1)) / log(V+1) (the kept-first draw of the sampler with S = 1 too)."""
+    V, n = 50, 200_000
+    g = torch.Generator().manual_seed(0)
+    draws = log_uniform_ids_from_uniform(torch.rand(n, generator=g, dtype=torch.float64), V)
+    counts = torch.bincount(draws, minlength=V).double()
+    expected = n * log_uniform_probability(torch.arange(V), V)
+    assert abs(expected.sum().item() - n) < 1e-6
+    stat = ((counts - expected) ** 2 / expected).sum().item()
+    assert stat < _chi2_critical_999(V - 1), f"chi-square {stat:.1f}"
+    # the sampler with S = 1 keeps exactly one draw: its law is P too
+    g = torch.Generator().manual_seed(1)
+    m = 3000
+    firsts = torch.stack([ops.log_uniform_sample(1, V, generator=g)[0][0] for _ in range(m)])
+    counts = torch.bincount(firsts, minlength=V).double()
+    exp1 = m * log_uniform_probability(torch.arange(V), V)
+    stat = ((counts - exp1) ** 2 / exp1).sum().item()
+    assert stat < _chi2_critical_999(V - 1), f"chi-square (S=1 sampler) {stat:.1f}"
+
+
+def test_expected_count_closed_form_and_inclusion_probability():
+    V, S = 50, 10
+    ids = torch.arange(V)
+    p = log_uniform_probability(ids, V)
+    # num_tries == S: TF's special case p·S
+    assert torch.allclose(expected_count_reference(ids, S, S, V), p * S, rtol=1e-15, atol=0)
+    # otherwise 1 − (1 − p)^tries, computed stably
+    tries = 17
+    closed = 1.0 - (1.0 - p) ** tries
+    q = expected_count_reference(ids, tries, S, V)
+    assert torch.allclose(q, closed, rtol=1e-12, atol=0)
+    assert (q > 0).all() and (q <= 1).all()
+    # the formula is the probability that id k appears among `tries` i.i.d. draws
+    trials = 20_000
+    g = torch.Generator().manual_seed(3)
+    d = log_uniform_ids_from_uniform(torch.rand(trials, tries, generator=g, dtype=torch.float64), V)
+    present = torch.zeros(trials, V).scatter_(1, d, 1.0).mean(0).double()
+    se = torch.sqrt(closed * (1 - closed) / trials)
+    assert ((present - closed).abs() <= 5 * se + 1e-9).all()
+    # stability for the tiniest probabilities of a real vocabulary
+    big_v = 793_471
+    tiny = expected_count_reference(torch.tensor([big_v - 1]), 15_000, 8192, big_v)
+    pv = log_uniform_probability(torch.tensor([big_v - 1]), big_v)
+    assert torch.allclose(tiny, -torch.expm1(15_000 * torch.log1p(-pv)), rtol=1e-14)
+
+
+# --------------------------------------------------------------------------------------- reference oracle
+
+def _loop_loss(hidden, targets, weight, bias, ids, tries, remove_hits):
+    """Independent per-row TF sampled softmax in fp64 (accidental hits dropped from the row)."""
+    V, S = weight.shape[0], ids.numel()
+    p = lambda k: math.log((k + 2.0) / (k + 1.0)) / math.log(V + 1.0)  # noqa: E731
+    q = (lambda k: p(k) * S) if tries == S else (lambda k: 1.0 - (1.0 - p(k)) ** tries)  # noqa: E731
+    out = []
+    for n in range(hidden.shape[0]):
+        y = int(targets[n])
+        logit = lambda k: float(hidden[n] @ weight[k] + bias[k]) - math.log(q(k))  # noqa: E731
+        row = [logit(y)] + [logit(int(s)) for s in ids if not (remove_hits and int(s) == y)]
+        mx = max(row)
+        out.append(mx + math.log(sum(math.exp(r - mx) for r in row)) - row[0])
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("remove_hits", [True, False])
+def test_reference_matches_independent_loop(remove_hits):
+    hidden, targets, weight, bias, ids, tries = _problem(9, 7, 60, 12, hits=4)
+    tq = expected_count_reference(targets, tries, ids.numel(), 60)
+    sq = expected_count_reference(ids, tries, ids.numel(), 60)
+    got = sampled_softmax_loss_reference(hidden, targets, weight, bias, ids, tq, sq,
+                                         remove_accidental_hits=remove_hits, reduction="none")
+    torch.testing.assert_close(got, _loop_loss(hidden, targets, weight, bias, ids, tries, remove_hits),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_reference_gradcheck():
+    hidden, targets, weight, bias, ids, tries = _problem(4, 3, 20, 5, hits=2)
+    tq = expected_count_reference(targets, tries, 5, 20)
+    sq = expected_count_reference(ids, tries, 5, 20)
+    args = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    fn = lambda h, w, b: sampled_softmax_loss_reference(h, targets, w, b, ids, tq, sq, reduction="sum")  # noqa
+    assert torch.autograd.gradcheck(fn, args)
+
+
+def test_full_softmax_reference_is_cross_entropy():
+    hidden, targets, weight, bias, _, _ = _problem(7, 5, 40, 3)
+    for red in ("mean", "sum", "none"):
+        torch.testing.assert_close(full_softmax_nll_reference(hidden, targets, weight, bias, red),
+                                   F.cross_entropy(hidden @ weight.t() + bias, targets, reduction=red))
+
+
+# ------------------------------------------------------------------------------------------ fused kernels
+
+def _grads(loss_fn, tensors, reduction, seed=0):
+    args = [t.clone().requires_grad_() for t in tensors]
+    loss = loss_fn(*args)
+    up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(loss.dtype)
+    grads = torch.autograd.grad(loss, args, up if reduction == "none" else None)
+    return loss.detach(), grads
+
+
+SHAPES = [
+    pytest.param(13, 20, 300, 37, 3, id="N13-P20-V300-S37"),
+    pytest.param(16, 16, 64, 16, 0, id="tile-multiples"),
+    pytest.param(1, 5, 50, 1, 0, id="N1-P5-S1"),
+    pytest.param(16, 9, 257, 40, 16, id="all-rows-hit"),
+]
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,P,V,S,hits", SHAPES)
+def test_sampled_softmax_triton_matches_reference(N, P, V, S, hits, dtype):
+    hidden, targets, weight, bias, ids, tries = _problem(N, P, V, S, hits=hits, seed=N + S)
+    for reduction, remove_hits in (("mean", True), ("none", True), ("sum", False)):
+        def run(backend, dt):
+            def fn(h, w, b):
+                return ops.sampled_softmax_loss(h, targets, w, b, ids, tries, remove_accidental_hits=remove_hits,
+                                                reduction=reduction, backend=backend)
+            return _grads(fn, [t.to(dt) for t in (hidden, weight, bias)], reduction)
+
+        l64, g64 = run("reference", torch.float64)
+        ldt, gdt = run("reference", dtype)
+        lk, gk = run("triton", dtype)
+        assert lk.dtype == dtype and lk.shape == l64.shape
+        what = f"{reduction}/hits={remove_hits}"
+        _close(lk, ldt, l64, dtype, f"loss {what}")
+        for name, a, b, c in zip(("hidden", "weight", "bias"), gk, gdt, g64):
+            assert a.dtype == dtype
+            _close(a, b, c, dtype, f"d{name} {what}")
+
+
+@pytest.mark.triton
+@requires_triton
+def test_sampled_softmax_triton_no_rejection_branch():
+    """num_tries == S uses Q = p·S; S = 1 never rejects."""
+    hidden, targets, weight, bias, ids, tries = _problem(8, 16, 100, 1, seed=5)
+    assert tries == 1
+    a = ops.sampled_softmax_loss(hidden.float(), targets, weight.float(), bias.float(), ids, tries,
+                                 backend="triton")
+    b = ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="reference")
+    torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[pytest.mark.triton,
+                                                                               requires_triton])])
+def test_sparse_grad_equals_dense_rows(backend):
+    hidden, targets, weight, bias, ids, tries = _problem(12, 16, 200, 30, hits=3, seed=9)
+    hidden, weight, bias = hidden.float(), weight.float(), bias.float()
+    targets[5] = targets[6]  # a repeated target: its row must be summed once
+
+    def run(sparse):
+        w = weight.clone().requires_grad_()
+        b = bias.clone().requires_grad_()
+        ops.sampled_softmax_loss(hidden, targets, w, b, ids, tries, backend=backend, sparse_grad=sparse).backward()
+        return w.grad, b.grad
+
+    dw, db = run(False)
+    sw, sb = run(True)
+    assert sw.is_sparse and sb.is_sparse and not dw.is_sparse
+    rows = torch.unique(torch.cat([ids, targets]))
+    sw_c, sb_c = sw.coalesce(), sb.coalesce()
+    assert torch.equal(sw_c.indices()[0], rows) and torch.equal(sb_c.indices()[0], rows)
+    torch.testing.assert_close(sw_c.values(), dw[rows], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(sb_c.values(), db[rows], rtol=1e-6, atol=1e-7)
+    untouched = torch.ones(200, dtype=torch.bool)
+    untouched[rows] = False
+    assert (dw[untouched] == 0).all() and (db[untouched] == 0).all()
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("N,P,V", [(13, 20, 300), (16, 16, 32), (1, 7, 77)], ids=["N13-V300", "multiples", "N1-V77"])
+def test_full_softmax_triton_matches_cross_entropy(N, P, V, dtype):
+    hidden, targets, weight, bias, _, _ = _problem(N, P, V, 1, seed=N + V)
+    for reduction in ("mean", "none", "sum"):
+        def ce(h, w, b):
+            return F.cross_entropy(h @ w.t() + b, targets, reduction=reduction)
+
+        def kern(h, w, b):
+            return ops.full_softmax_nll(h, targets, w, b, reduction, backend="triton")
+
+        l64, g64 = _grads(ce, [hidden, weight, bias], reduction)
+        ldt, gdt = _grads(ce, [t.to(dtype) for t in (hidden, weight, bias)], reduction)
+        lk, gk = _grads(kern, [t.to(dtype) for t in (hidden, weight, bias)], reduction)
+        _close(lk, ldt, l64, dtype, f"nll {reduction}")
+        for name, a, b, c in zip(("hidden", "weight", "bias"), gk, gdt, g64):
+            _close(a, b, c, dtype, f"d{name} {reduction}")
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("splits", [1, 3, 100])
+def test_full_softmax_column_splits(splits):
+    from elmo_fast.kernels.softmax import softmax_lse_fwd
+
+    hidden, targets, weight, bias, _, _ = _problem(5, 16, 230, 1, seed=2)
+    h, w, b = hidden.float(), weight.float(), bias.float()
+    lse, tgt = softmax_lse_fwd(h, w, None, b, targets, b[targets].contiguous(), mask_hits=False,
+                               num_splits=splits)
+    logits = hidden @ weight.t() + bias
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tgt.double(), logits.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- module
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[pytest.mark.triton,
+                                                                               requires_triton])])
+def test_module_train_and_eval(backend):
+    V, P, S, N = 120, 16, 20, 10
+    m = SampledSoftmaxLoss(V, P, S, seed=123, backend=backend)
+    assert m.softmax_W.shape == (V, P) and m.softmax_b.shape == (V,)
+    assert (m.softmax_b == 0).all()
+    assert abs(m.softmax_W.std().item() - 1 / math.sqrt(P)) < 0.03
+    hidden = torch.randn(N, P)
+    targets = torch.randint(0, V, (N,))
+
+    m.train()
+    loss1 = m(hidden, targets)
+    ids1, tries1 = m.last_samples
+    assert ids1.numel() == S and loss1.dim() == 0
+    expected = ops.sampled_softmax_loss(hidden, targets, m.softmax_W, m.softmax_b, ids1, tries1, backend="reference")
+    torch.testing.assert_close(loss1, expected, rtol=1e-5, atol=1e-6)
+    loss1.backward()
+    assert m.softmax_W.grad is not None and m.softmax_b.grad is not None
+    m(hidden, targets)
+    assert not torch.equal(m.last_samples[0], ids1), "each training call draws a fresh sample set"
+
+    m.eval()
+    with torch.no_grad():
+        full = m(hidden, targets)
+    torch.testing.assert_close(full, F.cross_entropy(hidden @ m.softmax_W.t() + m.softmax_b, targets),
+                               rtol=1e-5, atol=1e-6)
+    # allennlp's check: the sampled loss is below the full one (the sample row is a subset, with −log Q ≥ 0 here)
+    assert loss1.item() < full.item()
+
+
+def test_module_state_dict_resumes_sampler():
+    a = SampledSoftmaxLoss(300, 8, 40, seed=5)
+    h, y = torch.randn(4, 8), torch.randint(0, 300, (4,))
+    a(h, y)
+    a(h, y)
+    state = a.state_dict()
+    assert "_extra_state" in state
+    b = SampledSoftmaxLoss(300, 8, 40, seed=999)
+    b.load_state_dict(state)
+    assert torch.equal(b.last_samples[0], a.last_samples[0]) and b.last_samples[1] == a.last_samples[1]
+    for _ in range(3):
+        a(h, y)
+        b(h, y)
+        assert torch.equal(a.last_samples[0], b.last_samples[0])
+    # a fresh module with the same seed draws the same first set
+    c, d = SampledSoftmaxLoss(300, 8, 40, seed=42), SampledSoftmaxLoss(300, 8, 40, seed=42)
+    assert torch.equal(c.sample()[0], d.sample()[0])
+
+
+def test_module_shared_embedding_and_sparse():
+    emb = torch.nn.Embedding(50, 8)
+    m = SampledSoftmaxLoss(50, 8, 10, seed=0, share_embedding=emb, sparse=True)
+    assert m.softmax_W is emb.weight and m.tied
+    w_before = emb.weight.detach().clone()
+    m.reset_parameters()
+    assert torch.equal(emb.weight, w_before), "reset must not re-initialise a tied embedding"
+    ids = torch.randint(0, 50, (6,))
+    loss = m(emb(ids), torch.randint(0, 50, (6,)))
+    loss.backward()
+    assert emb.weight.grad is not None  # dense (from the embedding) + sparse (softmax) accumulate
+    assert m.softmax_b.grad.is_sparse
+    with pytest.raises(ValueError):
+        SampledSoftmaxLoss(50, 9, 10, share_embedding=emb)
+    opt = torch.optim.Adagrad([m.softmax_b], lr=0.2, initial_accumulator_value=1.0)
+    before = m.softmax_b.detach().clone()
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        opt.step()  # a sparse-aware optimizer takes the sparse bias gradient
+    touched = m.softmax_b.grad.coalesce().indices()[0]
+    changed = (m.softmax_b.detach() != before).nonzero().squeeze(1)
+    assert set(changed.tolist()) <= set(touched.tolist())
+
+
+def test_module_explicit_samples_and_reduction():
+    m = SampledSoftmaxLoss(60, 8, 10, seed=1, reduction="none")
+    h, y = torch.randn(5, 8), torch.randint(0, 60, (5,))
+    ids, tries = ops.log_uniform_sample(10, 60, generator=torch.Generator().manual_seed(0))
+    out = m(h, y, samples=(ids, tries))
+    assert out.shape == (5,)
+    assert m.last_samples[0] is ids
+
+
+# ---------------------------------------------------------------------------------------------- real sizes
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_sampled_softmax_gpu_real_size():
+    dev, V, P, S, N = "cuda", 793_471, 512, 8192, 1024
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids, tries = ops.log_uniform_sample(S, V, generator=g, device=dev)
+    assert ids.unique().numel() == S
+    h = torch.randn(N, P, device=dev)
+    w = torch.randn(V, P, device=dev) / math.sqrt(P)
+    b = torch.zeros(V, device=dev)
+    y = torch.randint(0, V, (N,), device=dev)
+    y[:64] = ids[:64]
+    for dt in (torch.float32, torch.bfloat16):
+        def run(backend, d):
+            args = [t.to(d).requires_grad_() for t in (h, w, b)]
+            loss = ops.sampled_softmax_loss(args[0], y, args[1], args[2], ids, tries, backend=backend)
+            return (loss.detach(), *torch.autograd.grad(loss, args))
+        r64 = run("reference", torch.float64)
+        rdt = run("reference", dt)
+        k = run("triton", dt)
+        for name, a, bb, c in zip(("loss", "dh", "dW", "db"), k, rdt, r64):
+            _close(a, bb, c, dt, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_full_softmax_gpu_real_size():
+    dev, V, P, N = "cuda", 793_471, 512, 256
+    h = torch.randn(N, P, device=dev)
+    w = torch.randn(V, P, device=dev) / math.sqrt(P)
+    b = torch.randn(V, device=dev) * 0.1
+    y = torch.randint(0, V, (N,), device=dev)
+    for dt in (torch.float32, torch.bfloat16):
+        ref64 = full_softmax_nll_reference(h.double(), y, w.double(), b.double())
+        refdt = full_softmax_nll_reference(h.to(dt), y, w.to(dt), b.to(dt))
+        k = ops.full_softmax_nll(h.to(dt), y, w.to(dt), b.to(dt), backend="triton")
+        _close(k, refdt, ref64, dt, "full nll")
