@@ -1,0 +1,223 @@
+"""Training configurations: the published original (spec §6.1), a small one (CPU demo) and a tiny one (tests).
+
+Every field is also a command-line option (``--batch-size``, ``--lstm-dim``, ...; see ``cli.py``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A training configuration is invalid or does not fit the machine."""
+
+
+@dataclass
+class TrainConfig:
+    # ---- model (char CNN + LSTMP); written to options.json
+    char_embed_dim: int = 16
+    filters: list = field(default_factory=lambda: [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512],
+                                                   [7, 1024]])
+    n_highway: int = 2
+    activation: str = "relu"
+    max_characters_per_token: int = 50
+    lstm_dim: int = 4096
+    projection_dim: int = 512
+    n_layers: int = 2
+    cell_clip: float | None = 3.0
+    proj_clip: float | None = 3.0
+    use_skip_connections: bool = True
+    # ---- optimisation (bilm-tf names where they exist)
+    dropout: float = 0.1
+    batch_size: int = 128  # rows per tower (per process in DDP, per virtual tower in one process)
+    unroll_steps: int = 20
+    n_negative_samples_batch: int = 8192
+    sample_softmax: bool = True
+    learning_rate: float = 0.2
+    initial_accumulator_value: float = 1.0
+    all_clip_norm_val: float = 10.0
+    n_epochs: int = 10
+    n_train_tokens: int | None = None  # None: counted from the corpus (estimated for a large one)
+    towers: int = 1  # data-parallel towers inside one process (each: own rows, data shard and sampler)
+    # ---- run control
+    seed: int = 0
+    max_steps: int | None = None
+    time_budget: float | None = None  # seconds of training (then checkpoint, eval and stop)
+    checkpoint_every: int = 1250
+    keep_checkpoints: int = 2
+    eval_every: int | None = None  # held-out perplexity every N steps (and at the end)
+    eval_batch_size: int = 256
+    eval_unroll_steps: int = 1
+    eval_max_batches: int | None = None
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    backend: str = "auto"  # auto | reference | triton | cuda (elmo_fast kernels)
+    bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
+    queue_size: int = 8
+    vocab_min_count: int = 1
+    vocab_max_size: int | None = None
+    vocab_check_lines: int = 1_000_000
+    check_vocab_order: bool = True
+    check_memory: bool = True
+    sleep_per_step: float = 0.0  # testing aid: slows a run down so that it can be killed mid-way
+
+    def validate(self) -> "TrainConfig":
+        def pos(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+        for n in ("char_embed_dim", "lstm_dim", "projection_dim", "n_layers", "batch_size", "unroll_steps",
+                  "n_negative_samples_batch", "n_epochs", "towers", "checkpoint_every", "keep_checkpoints",
+                  "eval_batch_size", "eval_unroll_steps", "log_every", "queue_size", "max_characters_per_token"):
+            pos(n)
+        if self.activation not in ("relu", "tanh"):
+            raise ConfigError(f"activation must be relu or tanh, got {self.activation!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.projection_dim > self.lstm_dim:
+            raise ConfigError(f"projection_dim ({self.projection_dim}) exceeds lstm_dim ({self.lstm_dim})")
+        if not self.filters or any(len(f) != 2 or f[0] < 1 or f[1] < 1 for f in self.filters):
+            raise ConfigError(f"filters must be a non-empty list of [width, count], got {self.filters!r}")
+        if max(f[0] for f in self.filters) > self.max_characters_per_token:
+            raise ConfigError("a filter is wider than max_characters_per_token")
+        if self.max_characters_per_token != 50:
+            raise ConfigError("max_characters_per_token must be 50: elmo_fast.Elmo/batch_to_ids use 50 ids a token")
+        if self.learning_rate <= 0 or self.initial_accumulator_value <= 0:
+            raise ConfigError("learning_rate and initial_accumulator_value must be > 0")
+        return self
+
+    def options(self, n_tokens_vocab: int) -> dict:
+        """The bilm-tf training options dict (``n_characters`` 261; the dump writes 262)."""
+        return {
+            "bidirectional": True,
+            "char_cnn": {"activation": self.activation, "embedding": {"dim": self.char_embed_dim},
+                         "filters": [list(map(int, f)) for f in self.filters], "max_characters_per_token":
+                             self.max_characters_per_token, "n_characters": 261, "n_highway": self.n_highway},
+            "dropout": self.dropout,
+            "lstm": {"cell_clip": self.cell_clip, "dim": self.lstm_dim, "n_layers": self.n_layers,
+                     "proj_clip": self.proj_clip, "projection_dim": self.projection_dim,
+                     "use_skip_connections": self.use_skip_connections},
+            "all_clip_norm_val": self.all_clip_norm_val,
+            "n_epochs": self.n_epochs,
+            "n_train_tokens": self.n_train_tokens,
+            "batch_size": self.batch_size,
+            "n_tokens_vocab": n_tokens_vocab,
+            "unroll_steps": self.unroll_steps,
+            "n_negative_samples_batch": self.n_negative_samples_batch,
+            "sample_softmax": self.sample_softmax,
+            "learning_rate": self.learning_rate,
+        }
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys {unknown}")
+        return cls(**d)
+
+
+def original() -> TrainConfig:
+    """bilm-tf ``bin/train_elmo.py`` (spec §6.1): 2x4096_512_2048cnn_2xhighway; 3 GPUs x 128 rows."""
+    return TrainConfig(n_train_tokens=768648884)
+
+
+def small() -> TrainConfig:
+    """A CPU-sized biLM for the demo: 2x256_64 LSTMP, 256-filter CNN, 1 highway."""
+    return TrainConfig(char_embed_dim=16, filters=[[1, 16], [2, 16], [3, 32], [4, 64], [5, 128]], n_highway=1,
+                       lstm_dim=256, projection_dim=64, batch_size=32, unroll_steps=20, n_negative_samples_batch=512,
+                       n_epochs=1, checkpoint_every=200, eval_every=100, eval_batch_size=64, eval_unroll_steps=20,
+                       eval_max_batches=30, log_every=10)
+
+
+def tiny() -> TrainConfig:
+    """Test-sized (bilm-tf's own training tests use LSTM 16/8)."""
+    return TrainConfig(char_embed_dim=4, filters=[[1, 4], [2, 8], [3, 16], [4, 32]], n_highway=1, lstm_dim=32,
+                       projection_dim=16, batch_size=4, unroll_steps=8, n_negative_samples_batch=24, n_epochs=1,
+                       checkpoint_every=50, eval_every=None, eval_batch_size=8, eval_unroll_steps=8, log_every=5,
+                       queue_size=4)
+
+
+PRESETS = {"original": original, "small": small, "tiny": tiny}
+
+
+def preset(name: str) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown config {name!r}; choose one of {sorted(PRESETS)} or a JSON file")
+    return PRESETS[name]()
+
+
+def load_config(name_or_path: str) -> TrainConfig:
+    if name_or_path in PRESETS:
+        return preset(name_or_path)
+    if os.path.isfile(name_or_path):
+        with open(name_or_path, encoding="utf-8") as fh:
+            return TrainConfig.from_dict(json.load(fh))
+    raise ConfigError(f"unknown config {name_or_path!r}; choose one of {sorted(PRESETS)} or a JSON file")
+
+
+# ------------------------------------------------------------------------------------------- memory estimate
+def count_parameters(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
+    d, F_, P, H, L = cfg.char_embed_dim, sum(f[1] for f in cfg.filters), cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
+    cnn = 261 * d + sum(w * d * n + n for w, n in cfg.filters) + cfg.n_highway * 2 * (F_ * F_ + F_)
+    if F_ != P:
+        cnn += F_ * P + P
+    lstm = 2 * L * (2 * P * 4 * H + 4 * H + (H * P if P < H else 0))
+    softmax = vocab_size * P + vocab_size
+    return {"cnn": cnn, "lstm": lstm, "softmax": softmax, "total": cnn + lstm + softmax}
+
+
+def estimate_memory(cfg: TrainConfig, vocab_size: int, cuda: bool) -> dict[str, int]:
+    """Bytes: parameters + gradients + Adagrad accumulators + activations kept for backward (rough upper bound)."""
+    p = count_parameters(cfg, vocab_size)
+    dense = p["cnn"] + p["lstm"]
+    params = 4 * (p["total"] * 2 + dense)  # weights + accumulators (fp32) + dense grads
+    act_bytes = 2 if (cuda and cfg.bf16) else 4
+    B, T, P, H, L = cfg.batch_size * cfg.towers, cfg.unroll_steps, cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
+    F_ = sum(f[1] for f in cfg.filters)
+    n_tok = 2 * B * T  # both directions
+    per_tok_lstm = L * (4 * H * 3 + H * 3 + P * 4)  # gates, c, tanh(c), m, h, dropout masks, residual
+    per_tok_cnn = cfg.max_characters_per_token * (cfg.char_embed_dim + 2 * F_) + F_ * (2 + 4 * cfg.n_highway) + P
+    S = cfg.n_negative_samples_batch if cfg.sample_softmax else vocab_size
+    softmax_act = 2 * B * T * S * 3 + 2 * (S + 2 * B * T) * P * 2
+    acts = act_bytes * n_tok * (per_tok_lstm + per_tok_cnn) + 4 * softmax_act
+    return {"parameters": params, "activations": acts, "total": params + acts}
+
+
+def available_memory(device) -> int | None:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.9) -> dict[str, int]:
+    import torch
+
+    est = estimate_memory(cfg, vocab_size, torch.device(device).type == "cuda")
+    avail = available_memory(device)
+    if avail is not None and est["total"] > fraction * avail:
+        gib = 1 << 30
+        raise ConfigError(
+            f"the configuration needs about {est['total'] / gib:.1f} GiB on {device} (parameters+optimizer "
+            f"{est['parameters'] / gib:.1f} GiB, activations {est['activations'] / gib:.1f} GiB for "
+            f"{cfg.batch_size}x{cfg.towers} rows x {cfg.unroll_steps} steps, vocabulary {vocab_size}) but only "
+            f"{avail / gib:.1f} GiB is available; lower --batch-size/--unroll-steps/--n-negative-samples-batch, "
+            "shrink the model or vocabulary (--vocab-max-size), or pass --no-check-memory")
+    return est

@@ -1,0 +1,445 @@
+"""Training data (spec §6.2, §6.3): vocabulary, sharded corpus, bilm-tf batch packing, background loading.
+
+Semantics follow bilm-tf's ``LMDataset`` / ``BidirectionalLMDataset``:
+
+* shards come from a glob; in training they are drawn at random without replacement and the list is reshuffled
+  when used up (iteration never ends); in test mode each shard is read once, in sorted order, then iteration stops;
+* a shard is loaded whole and (training) its sentences shuffled; a sentence is ``[<S>, w1..wn, </S>]``, the reverse
+  dataset reverses the words first and encodes ``[</S>, wn..w1, <S>]``, with its own random stream;
+* each of the B rows is a continuous stream of sentences; T slots are filled by copying ``k = min(left - 1, free)``
+  tokens as inputs and the following k as targets, so ``</S>`` is only ever a target and ``<S>`` only an input;
+  sentences continue in the same row in the next batch; a batch that cannot be filled is dropped and ends the data.
+
+Deviation: blank lines are skipped (bilm-tf would emit a ``<S> -> </S>`` pair for them).
+
+Char ids are *inference* ids (raw + 1, see ``elmo_fast.chars``); the zero id never occurs in packed batches.
+Every stream can report its position (``get_state``) after any batch and be restored from it (``set_state``), so a
+resumed run continues with exactly the batches an uninterrupted run would have seen.
+"""
+from __future__ import annotations
+
+import glob as _glob
+import os
+import queue
+import random
+import threading
+from collections import Counter
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, Vocabulary, word_to_char_ids
+
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+
+
+class DataError(ValueError):
+    """A corpus or vocabulary cannot be used for training; the message says what and where."""
+
+
+# --------------------------------------------------------------------------------------------- corpus files
+def resolve_shards(pattern: str | os.PathLike | list, what: str = "corpus") -> list[str]:
+    """Glob pattern (or list of patterns/paths) -> sorted existing files; raises DataError if none."""
+    pats = [pattern] if isinstance(pattern, (str, os.PathLike)) else list(pattern)
+    files: set[str] = set()
+    for p in pats:
+        p = os.fspath(p)
+        if os.path.isdir(p):
+            raise DataError(f"{what}: '{p}' is a directory; give a file or a glob such as '{p}/*.txt'")
+        hits = _glob.glob(p)
+        if not hits and os.path.isfile(p):
+            hits = [p]
+        files.update(h for h in hits if os.path.isfile(h))
+    if not files:
+        raise DataError(f"{what}: no file matches {pats if len(pats) > 1 else pats[0]!s} (missing corpus?)")
+    return sorted(files)
+
+
+def read_shard(path: str) -> list[list[str]]:
+    """One tokenized sentence a line -> token lists (blank lines skipped). Strict UTF-8 with a clear error."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise DataError(f"cannot read corpus shard {path}: {exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"corpus shard {path} is not UTF-8: invalid byte 0x{data[exc.start]:02x} on line {line} "
+                        f"(byte offset {exc.start}); convert it, e.g. `iconv -f latin1 -t utf-8`") from None
+    return [toks for toks in (line.split() for line in text.splitlines()) if toks]
+
+
+def check_corpus(files: list[str], what: str = "corpus", full_check_bytes: int = 256 << 20) -> None:
+    """Fail early on an empty or non-UTF-8 corpus. Small corpora are decoded whole; large ones shard 0 + sizes."""
+    total = sum(os.path.getsize(f) for f in files)
+    if total == 0:
+        raise DataError(f"{what}: all {len(files)} file(s) are empty ({files[0]}{', ...' if len(files) > 1 else ''})")
+    to_check = files if total <= full_check_bytes else files[:1]
+    n = 0
+    for f in to_check:
+        n += len(read_shard(f))
+    if n == 0 and to_check is files:
+        raise DataError(f"{what}: no sentences (every line of {len(files)} file(s) is blank)")
+
+
+def count_tokens(files: list[str], max_lines: int | None = None) -> tuple[Counter, int, int, bool]:
+    """Word counts over the shards in sorted order. Returns (counts, n_sentences, n_tokens, complete)."""
+    counts: Counter = Counter()
+    n_sent = n_tok = 0
+    for f in files:
+        for toks in read_shard(f):
+            if max_lines is not None and n_sent >= max_lines:
+                return counts, n_sent, n_tok, False
+            counts.update(toks)
+            n_sent += 1
+            n_tok += len(toks)
+    return counts, n_sent, n_tok, True
+
+
+# --------------------------------------------------------------------------------------------- vocabulary
+def build_vocab(counts: Counter, min_count: int = 1, max_size: int | None = None) -> list[str]:
+    """``<S>``, ``</S>``, ``<UNK>``, then words by descending count, ties by code-point order of the word."""
+    words = [w for w, c in counts.items() if c >= min_count and w not in SPECIAL_TOKENS]
+    words.sort(key=lambda w: (-counts[w], w))
+    if max_size is not None:
+        words = words[: max(0, max_size - len(SPECIAL_TOKENS))]
+    return list(SPECIAL_TOKENS) + words
+
+
+def write_vocab(words: list[str], path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for w in words:
+            fh.write(w + "\n")
+    os.replace(tmp, path)
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    def rank(x):
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x), dtype=np.float64)
+        xs = x[order]
+        # average ranks for ties
+        _, start, cnt = np.unique(xs, return_index=True, return_counts=True)
+        avg = start + (cnt - 1) / 2.0
+        r[order] = np.repeat(avg, cnt)
+        return r
+
+    ra, rb = rank(a), rank(b)
+    ra -= ra.mean()
+    rb -= rb.mean()
+    den = np.sqrt((ra * ra).sum() * (rb * rb).sum())
+    return float((ra * rb).sum() / den) if den > 0 else 1.0
+
+
+def load_training_vocab(path: str | os.PathLike, counts: Counter | None = None, min_correlation: float = 0.3,
+                        min_checked: int = 20) -> Vocabulary:
+    """Read a bilm-tf vocabulary for training and validate it.
+
+    * the file must exist and be UTF-8; no duplicate entries;
+    * ``<S>``, ``</S>`` and ``<UNK>`` must all be present, as the first three lines (spec §6.2);
+    * with corpus ``counts``: the remaining words must be sorted by descending frequency, since the log-uniform
+      sampler assumes id ~ frequency rank. A vocabulary from another corpus is fine, so the test is the Spearman
+      correlation between vocabulary position and (negative) count over the words the corpus contains; below
+      ``min_correlation`` is an error (alphabetical or random orders score ~0, reversed ones -1).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"vocabulary file not found: {path}")
+    try:
+        vocab = Vocabulary(path)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"vocabulary file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    words = vocab.words
+    if not words:
+        raise DataError(f"vocabulary file {path} is empty")
+    missing = [t for t in SPECIAL_TOKENS if t not in vocab.word_to_id]
+    if missing:
+        raise DataError(f"vocabulary {path} lacks the special token(s) {missing}; its first three lines must be "
+                        f"<S>, </S>, <UNK> (build one with `elmo-fast train` without --vocab, which writes vocab.txt)")
+    misplaced = [t for t in SPECIAL_TOKENS if vocab.word_to_id[t] > 2]
+    if misplaced:
+        raise DataError(f"vocabulary {path}: {misplaced} must be among the first three lines (found at lines "
+                        f"{[vocab.word_to_id[t] + 1 for t in misplaced]})")
+    if len(vocab.word_to_id) != len(words):
+        seen, dup = set(), None
+        for w in words:
+            if w in seen:
+                dup = w
+                break
+            seen.add(w)
+        raise DataError(f"vocabulary {path} has duplicate entries, e.g. {dup!r}")
+    if counts is not None:
+        rest = words[3:]
+        c = np.array([counts.get(w, 0) for w in rest], dtype=np.float64)
+        pos = np.nonzero(c > 0)[0]
+        if len(pos) >= min_checked:
+            rho = _spearman(pos.astype(np.float64), -c[pos])
+            if rho < min_correlation:
+                # show one inversion as an example
+                ex = ""
+                for a, b in zip(pos[:-1], pos[1:]):
+                    if c[b] > c[a]:
+                        ex = (f"; e.g. {rest[b]!r} (count {int(c[b])}, line {b + 4}) comes after {rest[a]!r} "
+                              f"(count {int(c[a])}, line {a + 4})")
+                        break
+                raise DataError(
+                    f"vocabulary {path} is not sorted by descending corpus frequency (rank correlation {rho:.2f} "
+                    f"< {min_correlation}){ex}. The sampled softmax assumes id ~ frequency rank; rebuild the "
+                    "vocabulary (omit --vocab) or pass --no-check-vocab-order to skip this check")
+    return vocab
+
+
+# --------------------------------------------------------------------------------------------- streams
+class CharCache:
+    """word -> (L,) int32 inference char ids, memoised."""
+
+    def __init__(self, max_chars: int):
+        self.max_chars = max_chars
+        self._d: dict[str, np.ndarray] = {}
+
+    def __call__(self, word: str) -> np.ndarray:
+        a = self._d.get(word)
+        if a is None:
+            a = self._d[word] = np.asarray(word_to_char_ids(word, self.max_chars, shift=1), dtype=np.int32)
+        return a
+
+
+class SentenceSource:
+    """Sentences from shards, bilm-tf order (training: random shard without replacement, shuffled sentences)."""
+
+    def __init__(self, shards: list[str], reverse: bool, test: bool, shuffle_on_load: bool, seed: str | int):
+        if not shards:
+            raise DataError("no shards")
+        self.shards = list(shards)
+        self.reverse = reverse
+        self.test = test
+        self.shuffle = shuffle_on_load
+        self.rng = random.Random(seed)
+        self.order: list[int] = list(range(len(shards))) if test else []
+        self.order_pos = -1
+        self.shard_rng_state = None
+        self.sent_pos = 0
+        self.sentences: list[list[str]] | None = None
+
+    def _load(self) -> None:
+        self.sentences = read_shard(self.shards[self.order[self.order_pos]])
+        if self.shuffle:
+            self.rng.shuffle(self.sentences)
+
+    def _next_shard(self) -> None:
+        self.order_pos += 1
+        if self.order_pos >= len(self.order):
+            if self.test:
+                raise StopIteration
+            self.order = list(range(len(self.shards)))
+            self.rng.shuffle(self.order)
+            self.order_pos = 0
+        self.shard_rng_state = self.rng.getstate()
+        self._load()
+        self.sent_pos = 0
+
+    def next(self) -> list[str]:
+        empty_loads = 0
+        while self.sentences is None or self.sent_pos >= len(self.sentences):
+            self._next_shard()
+            if not self.sentences:
+                empty_loads += 1
+                if empty_loads > 2 * len(self.shards):
+                    raise DataError(f"corpus has no sentences ({len(self.shards)} shard(s), all blank)")
+        toks = self.sentences[self.sent_pos]
+        self.sent_pos += 1
+        if self.reverse:
+            return [EOS_TOKEN, *reversed(toks), BOS_TOKEN]
+        return [BOS_TOKEN, *toks, EOS_TOKEN]
+
+    def get_state(self) -> dict:
+        return {"order": list(self.order), "order_pos": self.order_pos, "shard_rng_state": self.shard_rng_state,
+                "sent_pos": self.sent_pos, "loaded": self.sentences is not None, "rng_state": self.rng.getstate()}
+
+    def set_state(self, st: dict) -> None:
+        self.order = list(st["order"])
+        self.order_pos = st["order_pos"]
+        self.sent_pos = st["sent_pos"]
+        self.shard_rng_state = st["shard_rng_state"]
+        if st["loaded"]:
+            # replay the shard's shuffle from the state just before it: the rng ends where the original run had it
+            self.rng.setstate(st["shard_rng_state"])
+            self._load()
+        else:
+            self.sentences = None
+            self.rng.setstate(st["rng_state"])
+
+
+class LMStream:
+    """One direction of bilm-tf's ``LMDataset``: packs sentences into (B, T) batches, rows carried over."""
+
+    def __init__(self, shards: list[str], vocab: Vocabulary, batch_size: int, unroll_steps: int, max_chars: int,
+                 reverse: bool = False, test: bool = False, shuffle_on_load: bool | None = None,
+                 seed: str | int = 0, char_cache: CharCache | None = None):
+        self.source = SentenceSource(shards, reverse, test, (not test) if shuffle_on_load is None else shuffle_on_load,
+                                     seed)
+        self.vocab = vocab
+        self.B, self.T, self.L = batch_size, unroll_steps, max_chars
+        self.chars = char_cache or CharCache(max_chars)
+        self.rows: list[list[str] | None] = [None] * batch_size  # the row's current sentence (words)
+        self.row_ids: list[np.ndarray | None] = [None] * batch_size
+        self.offset = [0] * batch_size
+        self.done = False
+
+    def _ids(self, words: list[str]) -> np.ndarray:
+        w2i, unk = self.vocab.word_to_id, self.vocab.unk
+        return np.fromiter((w2i.get(w, unk) for w in words), dtype=np.int64, count=len(words))
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        """The next (B, T) batch; raises StopIteration when a batch cannot be filled (it is dropped)."""
+        if self.done:
+            raise StopIteration
+        B, T = self.B, self.T
+        inputs = np.zeros((B, T), dtype=np.int64)
+        targets = np.zeros((B, T), dtype=np.int64)
+        words_out: list[list[str]] = []
+        for i in range(B):
+            row_words: list[str] = []
+            t = 0
+            while t < T:
+                ids = self.row_ids[i]
+                if ids is None or len(ids) - self.offset[i] <= 1:
+                    try:
+                        w = self.source.next()
+                    except StopIteration:
+                        self.done = True
+                        raise
+                    self.rows[i], self.row_ids[i], self.offset[i] = w, self._ids(w), 0
+                    ids = self.row_ids[i]
+                o = self.offset[i]
+                k = min(len(ids) - o - 1, T - t)
+                inputs[i, t : t + k] = ids[o : o + k]
+                targets[i, t : t + k] = ids[o + 1 : o + 1 + k]
+                row_words.extend(self.rows[i][o : o + k])
+                self.offset[i] = o + k
+                t += k
+            words_out.append(row_words)
+        chars = np.stack([self.chars(w) for row in words_out for w in row]).reshape(B, T, self.L)
+        return {"token_ids": inputs, "tokens_characters": chars, "next_token_id": targets}
+
+    def get_state(self) -> dict:
+        return {"source": self.source.get_state(), "rows": list(self.rows), "offset": list(self.offset),
+                "done": self.done}
+
+    def set_state(self, st: dict) -> None:
+        self.source.set_state(st["source"])
+        self.rows = [list(r) if r is not None else None for r in st["rows"]]
+        self.row_ids = [self._ids(r) if r is not None else None for r in self.rows]
+        self.offset = list(st["offset"])
+        self.done = st["done"]
+
+
+class BidirectionalStream:
+    """Forward and reverse ``LMStream`` over the same shards with independent shuffling (bilm-tf semantics)."""
+
+    def __init__(self, shards: list[str], vocab: Vocabulary, batch_size: int, unroll_steps: int, max_chars: int,
+                 test: bool = False, shuffle_on_load: bool | None = None, seed: str | int = 0):
+        cache = CharCache(max_chars)
+        self.fwd = LMStream(shards, vocab, batch_size, unroll_steps, max_chars, False, test, shuffle_on_load,
+                            f"{seed}/forward", cache)
+        self.rev = LMStream(shards, vocab, batch_size, unroll_steps, max_chars, True, test, shuffle_on_load,
+                            f"{seed}/reverse", cache)
+
+    def next_batch(self) -> dict[str, np.ndarray]:
+        f = self.fwd.next_batch()
+        r = self.rev.next_batch()
+        out = dict(f)
+        out.update({k + "_reverse": v for k, v in r.items()})
+        return out
+
+    def get_state(self) -> dict:
+        return {"fwd": self.fwd.get_state(), "rev": self.rev.get_state()}
+
+    def set_state(self, st: dict) -> None:
+        self.fwd.set_state(st["fwd"])
+        self.rev.set_state(st["rev"])
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+
+_END = object()
+
+
+class BackgroundLoader:
+    """Runs ``stream.next_batch`` in a daemon thread with a bounded queue.
+
+    ``position`` is the stream state *after the last batch handed out* (not after the read-ahead), so a checkpoint
+    taken between steps resumes exactly. Errors in the worker are re-raised in the consumer.
+    """
+
+    def __init__(self, stream, queue_size: int = 4, state: dict | None = None):
+        self.stream = stream
+        if state is not None:
+            stream.set_state(state)
+        self.position = stream.get_state()
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="elmo-fast-data", daemon=True)
+        self._finished = False
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    b = self.stream.next_batch()
+                except StopIteration:
+                    self._put(_END)
+                    return
+                if not self._put((b, self.stream.get_state())):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            self._put(exc)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._finished:
+            raise StopIteration
+        item = self._q.get()
+        if item is _END:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        batch, self.position = item
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout=5)
+
+
+def iter_sentences(files: Iterable[str]):
+    for f in files:
+        yield from read_shard(f)
