@@ -75,7 +75,8 @@ class BidirectionalLanguageModel(nn.Module):
                 emb = torch.from_numpy(fh["embedding"][...].astype(np.float32))
             P = self._bilm.options.projection_dim
             if emb.dim() != 2 or emb.shape[1] != P:
-                raise ValueError(f"{embedding_weight_file}: 'embedding' has shape {tuple(emb.shape)}, expected (n, {P})")
+                raise ValueError(
+                    f"{embedding_weight_file}: 'embedding' has shape {tuple(emb.shape)}, expected (n, {P})")
             self.register_buffer("_embedding", torch.cat([emb.new_zeros(1, P), emb]))
 
     def reset_states(self, mask=None) -> None:

@@ -78,7 +78,8 @@ def test_statefulness_rules(tiny_model):
     h_before = [s.clone() for s in bilm._bilm._states]
     bilm(ids[:2])
     h_after = bilm._bilm._states
-    assert torch.equal(h_after[0][:, :, 2], h_before[0][:, :, 2]) and torch.equal(h_after[1][:, :, 2], h_before[1][:, :, 2])
+    assert torch.equal(h_after[0][:, :, 2], h_before[0][:, :, 2])
+    assert torch.equal(h_after[1][:, :, 2], h_before[1][:, :, 2])
     assert not torch.equal(h_after[0][:, :, 0], h_before[0][:, :, 0])
     # a larger batch adds zero rows: row 3 behaves like a fresh model
     big = elmo_fast.batch_to_ids(SENTS + [["Fourth", "one"]])

@@ -1,6 +1,5 @@
 """The reference engine against hand-computed cases and an independent NumPy oracle."""
 import copy
-import json
 import math
 
 import numpy as np
@@ -16,7 +15,7 @@ from elmo_fast.reference import (
     token_encoder_reference,
 )
 from elmo_fast.reference.char_cnn import char_cnn_naive
-from elmo_fast.testing import TINY_OPTIONS, random_arrays, write_random_model
+from elmo_fast.testing import TINY_OPTIONS, write_random_model
 from naive_numpy import NaiveBiLM, sigmoid
 
 
@@ -158,7 +157,10 @@ def test_gradcheck_reference_ops_fp64():
     layers = [torch.randn(2, 3, 4, **dd) for _ in range(3)]
     w, g = torch.randn(3, **dd), torch.tensor(1.3, **dd)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    assert torch.autograd.gradcheck(lambda *a: scalar_mix_reference(list(a[:3]), a[3], a[4], mask, True), (*layers, w, g))
+    def mix(*a):
+        return scalar_mix_reference(list(a[:3]), a[3], a[4], mask, True)
+
+    assert torch.autograd.gradcheck(mix, (*layers, w, g))
 
 
 def test_scalar_mix_values():

@@ -180,7 +180,8 @@ class Elmo(nn.Module):
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs must be a torch.LongTensor from batch_to_ids, got {type(inputs).__name__}")
         if inputs.dim() < 3:
-            raise ValueError(f"inputs must have shape (batch, tokens, 50) or (..., tokens, 50), got {tuple(inputs.shape)}")
+            raise ValueError(
+                f"inputs must have shape (batch, tokens, 50) or (..., tokens, 50), got {tuple(inputs.shape)}")
         original_shape = inputs.shape
         if inputs.dim() > 3:
             reshaped = inputs.reshape(-1, *original_shape[-2:])

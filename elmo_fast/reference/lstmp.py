@@ -65,7 +65,8 @@ def lstmp_reference(
     fbias = torch.zeros(4 * H, dtype=gates_x.dtype, device=x.device)
     fbias[2 * H : 3 * H] = forget_bias
     # active rows per step: a prefix of the sorted batch (host-side ints; lengths are tiny).
-    n_active = [int(v) for v in (sorted_len.unsqueeze(0) > torch.arange(T, device=x.device).unsqueeze(1)).sum(1).tolist()]
+    steps_t = torch.arange(T, device=x.device).unsqueeze(1)
+    n_active = [int(v) for v in (sorted_len.unsqueeze(0) > steps_t).sum(1).tolist()]
 
     outputs: list[torch.Tensor | None] = [None] * T
     steps = range(T - 1, -1, -1) if reverse else range(T)
