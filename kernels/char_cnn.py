@@ -72,6 +72,38 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+              DC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    # Window matrix at position p, gathered from the table: A[t, j] = E[ids[t, p + j // DC], j % DC].
+    q = p + jk
+    m2 = tmask[:, None] & (jmask & (q < L))[None, :]
+    cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
+    a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+    s = _dot(a, wt, UPCAST, IEEE).to(ACC)
+    take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)  # strict: ties keep the first window
+    best = tl.where(take, s, best)
+    arg = tl.where(take, p, arg)
+    return best, arg
+
+
+@triton.jit
+def _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+              DC: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
+              UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    gp = tl.where(arg == p, g, 0.0).to(wt.dtype)  # grads of the (token, filter) pairs won by window p
+    q = p + jk
+    m2 = tmask[:, None] & (jmask & (q < L))[None, :]
+    if NEED_W:
+        cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
+        a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+        gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
+    if NEED_EMB:
+        gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
+        tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2)
+    return gw
+
+
+@triton.jit
 def _char_cnn_fwd_kernel(
     ids_ptr, emb_ptr, w_ptr, bias_ptr, wid_ptr, klen_ptr, perm_ptr, bound_ptr,
     out_ptr, arg_ptr,
@@ -79,7 +111,7 @@ def _char_cnn_fwd_kernel(
     DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
     ACT: tl.constexpr, HAS_PAD: tl.constexpr, SAVE_ARG: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
     """ids (N, L) int; emb (V, DC); w (KWD, F) packed; bias/wid (F,); klen/perm (N,); bound (n_tblocks,).
 
@@ -112,17 +144,16 @@ def _char_cnn_fwd_kernel(
     arg = tl.zeros((BLOCK_T, BLOCK_F), tl.int32)
     # Explicit windows: p < klen[t] (they touch a real character) and p < nwin[f].
     p_end = tl.minimum(tl.load(bound_ptr + pid_t), L - tl.min(tl.where(fmask, wid, 1 << 20), axis=0) + 1)
-    p = 0
-    while p < p_end:
-        q = p + jk
-        m2 = tmask[:, None] & (jmask & (q < L))[None, :]
-        cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
-        a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
-        s = _dot(a, wt, UPCAST, IEEE).to(ACC)
-        take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)
-        best = tl.where(take, s, best)
-        arg = tl.where(take, p, arg)
-        p += 1
+    if WHILE_LOOPS:
+        p = 0
+        while p < p_end:
+            best, arg = _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+                                  DC, UPCAST, IEEE, ACC)
+            p += 1
+    else:
+        for p in range(0, p_end):
+            best, arg = _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+                                  DC, UPCAST, IEEE, ACC)
     # All-padding windows (they exist for filter f iff klen[t] < nwin[f]); the winner is stored as klen[t].
     if HAS_PAD:
         take = (klen >= 0)[:, None] & (klen[:, None] < nwin[None, :]) & (pv[None, :] > best)
@@ -154,7 +185,7 @@ def _char_cnn_bwd_kernel(
     DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
     ACT: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
     """Grads: gw (KWD, F) fp32 += A_p^T Gp; gb (F,) fp32 += sum_t G; gwin (N, L, DC) fp32 += Gp W^T at p."""
     pid_t = tl.program_id(0)
@@ -185,19 +216,16 @@ def _char_cnn_bwd_kernel(
         # Winners sit at p <= klen[t] <= bound (pad winners at exactly klen[t]).
         p_end = tl.minimum(tl.load(bound_ptr + pid_t) + 1,
                            L - tl.min(tl.where(fmask, wid, 1 << 20), axis=0) + 1)
-        p = 0
-        while p < p_end:
-            gp = tl.where(arg == p, g, 0.0).to(wt.dtype)
-            q = p + jk
-            m2 = tmask[:, None] & (jmask & (q < L))[None, :]
-            if NEED_W:
-                cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
-                a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
-                gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
-            if NEED_EMB:
-                gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
-                tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2)
-            p += 1
+        if WHILE_LOOPS:
+            p = 0
+            while p < p_end:
+                gw = _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+                               DC, NEED_W, NEED_EMB, UPCAST, IEEE, ACC)
+                p += 1
+        else:
+            for p in range(0, p_end):
+                gw = _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+                               DC, NEED_W, NEED_EMB, UPCAST, IEEE, ACC)
         if NEED_W:
             tl.atomic_add(gw_ptr + j[:, None] * F + rf[None, :], gw, mask=jmask[:, None] & fmask[None, :])
 
@@ -228,7 +256,7 @@ def _embed_grad_kernel(
         d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :],
                     mask=rmask[:, None] & (c < DC)[None, :], other=0.0)
         acc += tl.dot(onehot, d, input_precision="ieee")
-        r0 += BLOCK_R
+        r0 += BLOCK_R  # (while: see _while_loops)
     tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
 
 
@@ -236,8 +264,8 @@ def _embed_grad_kernel(
 
 
 def _config(device: torch.device) -> dict:
-    if device.type != "cuda":  # interpreter: the smallest tiles tl.dot accepts on a GPU, fewest numpy ops
-        return dict(BLOCK_T=16, BLOCK_F=16, num_warps=1)
+    if device.type != "cuda":  # interpreter: small tiles, few numpy ops
+        return dict(BLOCK_T=16, BLOCK_F=32, num_warps=1)
     return dict(BLOCK_T=64, BLOCK_F=64, num_warps=4)
 
 
@@ -245,6 +273,12 @@ def _dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
     upcast = dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret()
     ieee = dtype == torch.float32
     return upcast, ieee
+
+
+def _while_loops(device: torch.device) -> bool:
+    """The interpreter (with numpy >= 2.4) cannot use runtime ints as range() bounds, so kernels take a
+    ``while`` loop there; compiled code keeps ``for`` loops, which Triton can software-pipeline."""
+    return device.type != "cuda"
 
 
 def _acc(dtype: torch.dtype):
@@ -297,7 +331,7 @@ def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg
         N, F, L, PAD_CHAR_ID,
         DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
         BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
-        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], num_warps=cfg["num_warps"],
+        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], WHILE_LOOPS=_while_loops(ids.device), num_warps=cfg["num_warps"],
     )
     return out, (arg if save_arg else None), perm, bound
 
@@ -323,7 +357,7 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
         N, F, L,
         DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
         BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
-        UPCAST=upcast, IEEE=ieee, ACC=tl_acc, num_warps=cfg["num_warps"],
+        UPCAST=upcast, IEEE=ieee, ACC=tl_acc, WHILE_LOOPS=_while_loops(dev), num_warps=cfg["num_warps"],
     )
     gemb = None
     if need_emb:

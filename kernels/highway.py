@@ -1,0 +1,296 @@
+"""Fused highway layer in Triton (spec §2.2 step 5, TF convention; oracle ``elmo_fast.reference.char_cnn``).
+
+    zc = x·W_carry + b_carry,  zt = x·W_transform + b_transform,  g = σ(zc)
+    y  = g ⊙ relu(zt) + (1 − g) ⊙ x
+
+Forward (``_highway_fused_kernel``, MODE 0): one program computes both products for an output tile,
+sharing the x tile of every K step, and applies bias, sigmoid, relu and the combine in the epilogue; zc and
+zt never reach memory. Only the inputs are saved for backward (no (N, F) activations): backward recomputes
+the two products in the same kernel (MODE 1), whose epilogue writes
+
+    dzc = dy ⊙ (relu(zt) − x) ⊙ g(1 − g)   and   dzt = dy ⊙ g ⊙ [zt > 0]   into dz (N, 2F), x's dtype,
+    dy ⊙ (1 − g)                                                        into dxd (N, F), fp32.
+
+Then ``_mm_kernel`` computes dx = dxd + dzc·W_carryᵀ + dzt·W_transformᵀ (one kernel, two K loops, the
+add in the epilogue) and dW = xᵀ·dz for both weights (one launch, grid axis 2 picks the weight), with the
+bias gradients (column sums of dz) accumulated by the programs of the first row tile.
+
+dtypes: fp32 (IEEE products, no TF32), bf16/fp16 (fp32 accumulation), fp64 (for near-exact tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from elmo_fast._backend import triton_interpret
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # UPCAST: the interpreter's numpy dot mishandles bf16, so there both operands go to fp32 (exact for bf16).
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row tiles share the B column tiles while they are in L2.
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BLOCK_M)
+    n_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _pair_step(x_ptr, wc_ptr, wt_ptr, rm64, rn, mmask, nmask, k0, F, acc_c, acc_t,
+               BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # One K step of both products; the x tile is loaded once for the two.
+    rk = k0 + tl.arange(0, BLOCK_K)
+    kmask = rk < F
+    a = tl.load(x_ptr + rm64[:, None] * F + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+    bmask = kmask[:, None] & nmask[None, :]
+    bc_t = tl.load(wc_ptr + rk[:, None] * F + rn[None, :], mask=bmask, other=0.0)
+    bt_t = tl.load(wt_ptr + rk[:, None] * F + rn[None, :], mask=bmask, other=0.0)
+    acc_c = _dot(a, bc_t, acc_c, UPCAST, IEEE)
+    acc_t = _dot(a, bt_t, acc_t, UPCAST, IEEE)
+    return acc_c, acc_t
+
+
+@triton.jit
+def _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn, acc, cs,
+             DUAL: tl.constexpr, COLSUM: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+             IEEE: tl.constexpr, ACC: tl.constexpr):
+    rk = k0 + tl.arange(0, BLOCK_K)
+    kmask = rk < K
+    amask = mmask[:, None] & kmask[None, :]
+    bmask = kmask[:, None] & nmask[None, :]
+    a_offs = rm64[:, None] * s_am + rk[None, :].to(tl.int64) * s_ak
+    b_offs = rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
+    a = tl.load(a_ptr + a_offs, mask=amask, other=0.0)
+    b = tl.load(b_ptr + b_offs, mask=bmask, other=0.0)
+    acc = _dot(a, b, acc, UPCAST, IEEE)
+    if COLSUM:
+        cs += tl.sum(b.to(ACC), axis=0)
+    if DUAL:
+        a2 = tl.load(a2_ptr + a_offs, mask=amask, other=0.0)
+        b2 = tl.load(b2_ptr + b_offs, mask=bmask, other=0.0)
+        acc = _dot(a2, b2, acc, UPCAST, IEEE)
+    return acc, cs
+
+
+@triton.jit
+def _highway_fused_kernel(
+    x_ptr, wc_ptr, bc_ptr, wt_ptr, bt_ptr, dy_ptr, y_ptr, dz_ptr, dxd_ptr,
+    M, F,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+):
+    """x (M, F); wc, wt (F, F) row-major (x·W); bc, bt (F,). MODE 0: y (M, F). MODE 1: dz (M, 2F), dxd (M, F)."""
+    pid_m, pid_n = _tile_ids(M, F, BLOCK_M, BLOCK_N, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < F
+    rm64 = rm.to(tl.int64)
+    acc_c = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    acc_t = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    if WHILE_LOOPS:
+        k0 = 0
+        while k0 < F:
+            acc_c, acc_t = _pair_step(x_ptr, wc_ptr, wt_ptr, rm64, rn, mmask, nmask, k0, F, acc_c, acc_t,
+                                      BLOCK_K, UPCAST, IEEE)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, F, BLOCK_K):
+            acc_c, acc_t = _pair_step(x_ptr, wc_ptr, wt_ptr, rm64, rn, mmask, nmask, k0, F, acc_c, acc_t,
+                                      BLOCK_K, UPCAST, IEEE)
+    zc = acc_c + tl.load(bc_ptr + rn, mask=nmask, other=0.0).to(ACC)[None, :]
+    zt = acc_t + tl.load(bt_ptr + rn, mask=nmask, other=0.0).to(ACC)[None, :]
+    g = 1.0 / (1.0 + tl.exp(-zc))
+    t = tl.maximum(zt, 0.0)
+    omask = mmask[:, None] & nmask[None, :]
+    offs = rm64[:, None] * F + rn[None, :]
+    xr = tl.load(x_ptr + offs, mask=omask, other=0.0).to(ACC)
+    if MODE == 0:
+        y = g * t + (1.0 - g) * xr
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        dy = tl.load(dy_ptr + offs, mask=omask, other=0.0).to(ACC)
+        dzt = tl.where(zt > 0.0, dy * g, 0.0)
+        dzc = dy * (t - xr) * g * (1.0 - g)
+        zoffs = rm64[:, None] * (2 * F) + rn[None, :]
+        tl.store(dz_ptr + zoffs, dzc.to(dz_ptr.dtype.element_ty), mask=omask)
+        tl.store(dz_ptr + zoffs + F, dzt.to(dz_ptr.dtype.element_ty), mask=omask)
+        tl.store(dxd_ptr + offs, (dy * (1.0 - g)).to(dxd_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _mm_kernel(
+    a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, add_ptr, cs_ptr,
+    M, N, K,
+    s_am, s_ak, s_bk, s_bn, s_cm,
+    s_az, s_bz, s_cz, s_csz,
+    DUAL: tl.constexpr, HAS_ADD: tl.constexpr, COLSUM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+):
+    """c[z] (M, N) = a[z]·b[z] (+ a2·b2 if DUAL) (+ add, same layout as c); any strides for a and b.
+
+    COLSUM: cs[z] (N,) = column sums of b[z] over K, written by the programs with pid_m == 0.
+    """
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    z = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    rm64 = rm.to(tl.int64)
+    a_ptr += z * s_az
+    b_ptr += z * s_bz
+    acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
+    cs = tl.zeros((BLOCK_N,), ACC)
+    if WHILE_LOOPS:
+        k0 = 0
+        while k0 < K:
+            acc, cs = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
+                               acc, cs, DUAL, COLSUM, BLOCK_K, UPCAST, IEEE, ACC)
+            k0 += BLOCK_K
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            acc, cs = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
+                               acc, cs, DUAL, COLSUM, BLOCK_K, UPCAST, IEEE, ACC)
+    omask = mmask[:, None] & nmask[None, :]
+    offs = rm64[:, None] * s_cm + rn[None, :]
+    if HAS_ADD:
+        acc += tl.load(add_ptr + offs, mask=omask, other=0.0).to(ACC)
+    tl.store(c_ptr + z * s_cz + offs, acc.to(c_ptr.dtype.element_ty), mask=omask)
+    if COLSUM:
+        tl.store(cs_ptr + z * s_csz + rn, cs.to(cs_ptr.dtype.element_ty), mask=nmask & (pid_m == 0))
+
+
+# --------------------------------------------------------------------------------------------- host side
+
+
+def _config(device: torch.device) -> dict:
+    if device.type != "cuda":  # interpreter: few, mid-sized numpy ops
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1)
+    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _flags(dtype: torch.dtype, device: torch.device) -> dict:
+    return dict(
+        UPCAST=dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret(),
+        IEEE=dtype == torch.float32,
+        ACC=tl.float64 if dtype == torch.float64 else tl.float32,
+        # The interpreter (numpy >= 2.4) cannot use runtime ints as range() bounds; compiled code keeps
+        # `for` loops, which Triton software-pipelines.
+        WHILE_LOOPS=device.type != "cuda",
+    )
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def highway_fwd(x, wc, bc, wt, bt):
+    M, F = x.shape
+    cfg = _config(x.device)
+    y = torch.empty_like(x)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(F, cfg["BLOCK_N"]),)
+    _highway_fused_kernel[grid](x, wc, bc, wt, bt, x, y, y, y, M, F, MODE=0, **cfg, **_flags(x.dtype, x.device))
+    return y
+
+
+def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype: torch.dtype | None = None):
+    """Returns (dx or None, dWc, dbc, dWt, dbt) (weights' grads None unless need_w).
+
+    dx has x's dtype; the weight and bias grads ``w_grad_dtype`` (default x's).
+    """
+    M, F = x.shape
+    dev = x.device
+    cfg = _config(dev)
+    flags = _flags(x.dtype, dev)
+    acc = _acc_dtype(x.dtype)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
+    dxd = torch.empty((M, F), device=dev, dtype=acc)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(F, bn),)
+    _highway_fused_kernel[grid](x, wc, bc, wt, bt, dy, x, dz, dxd, M, F, MODE=1, **cfg, **flags)
+    dx = None
+    if need_x:
+        dx = torch.empty_like(x)
+        # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
+        _mm_kernel[(triton.cdiv(M, bm) * triton.cdiv(F, bn), 1)](
+            dz, wc, dz[:, F:], wt, dx, dxd, dx,
+            M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0,
+            DUAL=True, HAS_ADD=True, COLSUM=False, **cfg, **flags,
+        )
+    dwc = dbc = dwt = dbt = None
+    if need_w:
+        gdt = w_grad_dtype or x.dtype
+        dw = torch.empty((2, F, F), device=dev, dtype=gdt)
+        db = torch.empty((2, F), device=dev, dtype=gdt)
+        # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
+        _mm_kernel[(triton.cdiv(F, bm) * triton.cdiv(F, bn), 2)](
+            x, dz, x, dz, dw, dw, db,
+            F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F,
+            DUAL=False, HAS_ADD=False, COLSUM=True, **cfg, **flags,
+        )
+        dwc, dwt = dw[0], dw[1]
+        dbc, dbt = db[0], db[1]
+    return dx, dwc, dbc, dwt, dbt
+
+
+class HighwayFunction(torch.autograd.Function):
+    """Saves only the inputs; backward recomputes both products in its fused kernel."""
+
+    @staticmethod
+    def forward(ctx, x, wc, bc, wt, bt):
+        dt = x.dtype
+        ws = [t.to(dt).contiguous() for t in (wc, bc, wt, bt)]
+        x = x.contiguous()
+        y = highway_fwd(x, *ws)
+        ctx.save_for_backward(x, *ws)
+        ctx.pdtypes = [t.dtype for t in (wc, bc, wt, bt)]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wc, bc, wt, bt = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx, dwc, dbc, dwt, dbt = highway_bwd(x, wc, bc, wt, bt, dy.contiguous().to(x.dtype), need[0],
+                                             any(need[1:]), ctx.pdtypes[0])
+        grads = [dwc, dbc, dwt, dbt]
+        grads = [g.to(d) if (g is not None and n) else None for g, d, n in zip(grads, ctx.pdtypes, need[1:])]
+        return (dx, *grads)
+
+
+def highway_triton(
+    x: torch.Tensor,
+    w_carry: torch.Tensor,
+    b_carry: torch.Tensor,
+    w_transform: torch.Tensor,
+    b_transform: torch.Tensor,
+) -> torch.Tensor:
+    """x (..., F) -> (..., F): g = σ(x·W_carry + b_carry); y = g·relu(x·W_transform + b_transform) + (1−g)·x.
+
+    W_carry, W_transform (F, F) in the TF layout (x·W); fused forward and backward (see module doc).
+    """
+    lead = x.shape[:-1]
+    F = x.shape[-1]
+    x2 = x.reshape(-1, F)
+    if x2.shape[0] == 0:
+        return x.clone()
+    return HighwayFunction.apply(x2, w_carry, b_carry, w_transform, b_transform).reshape(*lead, F)
