@@ -1,0 +1,273 @@
+"""``elmo-fast train`` and ``elmo-fast dump-weights``.
+
+``add_subcommands(subparsers)`` registers both on an argparse subparsers object (the main ``elmo-fast`` CLI calls
+it); ``python -m elmo_fast.training.cli train ...`` works on its own too. Multi-process:
+``torchrun --nproc_per_node N -m elmo_fast.training.cli train ...`` (or ``torchrun ... $(which elmo-fast) train``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import typing
+
+from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config
+from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
+
+# fields that may change on --resume (run control); the rest must match the checkpoint
+RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
+             "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "sleep_per_step", "n_epochs",
+             "n_train_tokens", "device", "backend", "bf16", "check_memory", "check_vocab_order", "vocab_check_lines"}
+
+
+def _field_type(f: dataclasses.Field):
+    hints = typing.get_type_hints(TrainConfig)
+    t = hints[f.name]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if args:
+        t = args[0]
+    return t
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("configuration (defaults come from --config; every field can be overridden)")
+    for f in dataclasses.fields(TrainConfig):
+        t = _field_type(f)
+        flag = "--" + f.name.replace("_", "-")
+        if t is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        elif t is list:
+            g.add_argument(flag, dest=f.name, type=json.loads, default=argparse.SUPPRESS,
+                           help="JSON, e.g. '[[1,32],[2,32]]'")
+        else:
+            g.add_argument(flag, dest=f.name, type=_nullable(t), default=argparse.SUPPRESS)
+
+
+def _nullable(t):
+    def conv(s: str):
+        if s.lower() in ("none", "null"):
+            return None
+        return t(s)
+
+    conv.__name__ = t.__name__
+    return conv
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--train-prefix", "--corpus", dest="corpus", default=None,
+                   help="glob of training shards (one tokenized sentence a line); default: the embedded corpus")
+    p.add_argument("--heldout", default=None, help="glob of held-out shards (perplexity); default: none, or the "
+                   "embedded corpus's held-out split")
+    p.add_argument("--vocab", default=None, help="vocabulary file (<S>, </S>, <UNK> first, then by frequency); "
+                   "default: built from the corpus and written to SAVE_DIR/vocab.txt")
+    p.add_argument("--save-dir", required=True, help="checkpoints, options.json, vocab.txt, train_log.jsonl")
+    p.add_argument("--config", default="small", help=f"preset {sorted(PRESETS)} or a JSON file (default small)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the latest checkpoint in --save-dir (or the given checkpoint file)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--quiet", action="store_true", help="do not echo the JSON log lines to stdout")
+    _add_config_args(p)
+
+
+def add_dump_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-dir", required=True, help="a training directory (or use --checkpoint)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file (default: the latest in --save-dir)")
+    p.add_argument("--outfile", "--weight-file", dest="outfile", required=True, help="hdf5 weights to write")
+    p.add_argument("--options-file", default=None, help="inference options.json to write (default: next to "
+                   "--outfile, named options.json)")
+
+
+def add_subcommands(subparsers) -> None:
+    tp = subparsers.add_parser("train", help="pretrain a biLM from a corpus (bilm-tf semantics)",
+                               description="Pretrain a character-CNN biLM; one process, or many under torchrun.")
+    add_train_arguments(tp)
+    tp.set_defaults(func=cmd_train)
+    dp = subparsers.add_parser("dump-weights", help="write a trained biLM as options.json + hdf5 (published layout)")
+    add_dump_arguments(dp)
+    dp.set_defaults(func=cmd_dump_weights)
+
+
+# ------------------------------------------------------------------------------------------------- train
+def _overrides(args) -> dict:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def prepare(args, dinfo):
+    """Resolve config, corpus, vocabulary and checkpoint. Returns (cfg, vocab, train_files, heldout_files, ckpt)."""
+    from .trainer import latest_checkpoint, load_checkpoint
+
+    save_dir = args.save_dir
+    over = _overrides(args)
+    ckpt = None
+    if args.resume:
+        path = latest_checkpoint(save_dir if args.resume == "latest" else args.resume)
+        if path is None:
+            raise ConfigError(f"--resume: no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
+        ckpt = load_checkpoint(path)
+        base = ckpt["config"]
+        bad = {k: v for k, v in over.items() if k not in RESUMABLE and base.get(k) != v}
+        if bad:
+            raise ConfigError(f"--resume: {sorted(bad)} differ from the checkpoint's configuration; only run-control "
+                              f"options may change ({sorted(RESUMABLE)})")
+        cfg = TrainConfig.from_dict({**base, **over})
+        with open(os.path.join(save_dir, "run.json"), encoding="utf-8") as fh:
+            run = json.load(fh)
+        corpus, heldout, vocab_path = run["corpus"], run["heldout"], os.path.join(save_dir, "vocab.txt")
+    else:
+        cfg = load_config(args.config)
+        cfg = TrainConfig.from_dict({**cfg.to_dict(), **over})
+        corpus, heldout, vocab_path = args.corpus, args.heldout, args.vocab
+        if corpus is None:
+            from .corpus import default_corpus
+
+            d = os.path.join(save_dir, "corpus")
+            if dinfo.is_main:
+                default_corpus(d)
+            _barrier(dinfo)
+            corpus = os.path.join(d, "train-*.txt")
+            if heldout is None:
+                heldout = os.path.join(d, "heldout-*.txt")
+    cfg.validate()
+    train_files = resolve_shards(corpus, "training corpus")
+    check_corpus(train_files, "training corpus")
+    heldout_files = None
+    if heldout:
+        heldout_files = resolve_shards(heldout, "held-out corpus")
+        check_corpus(heldout_files, "held-out corpus")
+
+    os.makedirs(save_dir, exist_ok=True)
+    if ckpt is not None:
+        vocab = load_training_vocab(vocab_path)
+    elif vocab_path is None:
+        counts, n_sent, n_tok, _ = count_tokens(train_files)
+        words = build_vocab(counts, cfg.vocab_min_count, cfg.vocab_max_size)
+        if dinfo.is_main:
+            write_vocab(words, os.path.join(save_dir, "vocab.txt"))
+        from ..chars import Vocabulary
+
+        vocab = Vocabulary(words=words)
+        if cfg.n_train_tokens is None:
+            cfg.n_train_tokens = n_tok
+    else:
+        counts, n_sent, n_tok, complete = count_tokens(train_files, cfg.vocab_check_lines)
+        vocab = load_training_vocab(vocab_path, counts if cfg.check_vocab_order else None)
+        if dinfo.is_main and os.path.abspath(vocab_path) != os.path.abspath(os.path.join(save_dir, "vocab.txt")):
+            shutil.copyfile(vocab_path, os.path.join(save_dir, "vocab.txt"))
+        if cfg.n_train_tokens is None:
+            if complete:
+                cfg.n_train_tokens = n_tok
+            else:  # estimate from the bytes read so far
+                size = sum(os.path.getsize(f) for f in train_files)
+                read = sum(len(" ".join(s)) + 1 for s in _first_lines(train_files, n_sent))
+                cfg.n_train_tokens = int(n_tok * size / max(read, 1))
+    if dinfo.is_main and ckpt is None:
+        with open(os.path.join(save_dir, "run.json"), "w", encoding="utf-8") as fh:
+            json.dump({"corpus": os.path.abspath(corpus) if os.path.exists(corpus) else corpus,
+                       "heldout": heldout, "world_size": dinfo.world_size}, fh, indent=2)
+        with open(os.path.join(save_dir, "config.json"), "w", encoding="utf-8") as fh:
+            json.dump(cfg.to_dict(), fh, indent=2)
+        with open(os.path.join(save_dir, "options.json"), "w", encoding="utf-8") as fh:
+            json.dump(cfg.options(len(vocab)), fh, indent=2)
+    return cfg, vocab, train_files, heldout_files, ckpt
+
+
+def _first_lines(files, n):
+    from .data import read_shard
+
+    k = 0
+    for f in files:
+        for s in read_shard(f):
+            if k >= n:
+                return
+            yield s
+            k += 1
+
+
+def _barrier(dinfo):
+    if dinfo.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def run_train(args) -> dict:
+    import torch
+
+    from .trainer import JsonLog, Trainer, resolve_device, setup_distributed, train_loop
+
+    pref = getattr(args, "device", "auto")
+    dinfo = setup_distributed(pref)
+    try:
+        cfg, vocab, train_files, heldout_files, ckpt = prepare(args, dinfo)
+        device = resolve_device(cfg.device, dinfo)
+        if cfg.check_memory:
+            check_memory(cfg, len(vocab), device)
+        log = JsonLog(os.path.join(args.save_dir, "train_log.jsonl"), dinfo.is_main, echo=not args.quiet)
+        log({"event": "start", "world_size": dinfo.world_size, "towers": cfg.towers, "device": str(device),
+             "vocab_size": len(vocab), "train_shards": len(train_files),
+             "heldout_shards": len(heldout_files or []), "resumed_from_step": ckpt["step"] if ckpt else 0,
+             "n_train_tokens": cfg.n_train_tokens, "threads": torch.get_num_threads()})
+        trainer = Trainer(cfg, vocab, train_files, heldout_files, args.save_dir, dinfo, device, ckpt, log)
+        return train_loop(trainer, log, progress=not args.no_progress)
+    finally:
+        if dinfo.initialised_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def cmd_train(args) -> int:
+    try:
+        run_train(args)
+    except (ConfigError, DataError) as exc:
+        print(f"elmo-fast train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- dump
+def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, checkpoint: str | None = None) -> str:
+    """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262)."""
+    from ..models.bilm import BiLM
+    from ..options import ElmoOptions
+    from .trainer import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint(checkpoint or save_dir)
+    if path is None:
+        raise ConfigError(f"no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
+    ck = load_checkpoint(path)
+    model = BiLM(ElmoOptions.from_dict(ck["options"]), backend="reference", stateful=False)
+    model.load_state_dict(ck["model"])
+    if options_file is None:
+        options_file = os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
+    os.makedirs(os.path.dirname(os.path.abspath(outfile)), exist_ok=True)
+    model.save_weights(outfile, options_file)
+    return path
+
+
+def cmd_dump_weights(args) -> int:
+    try:
+        path = dump_weights(args.save_dir, args.outfile, args.options_file, args.checkpoint)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"elmo-fast dump-weights: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"event": "dumped", "checkpoint": path, "weights": args.outfile,
+                      "options": args.options_file or os.path.join(os.path.dirname(os.path.abspath(args.outfile)),
+                                                                   "options.json")}))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="elmo-fast", description="elmo_fast biLM training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
