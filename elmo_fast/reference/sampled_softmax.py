@@ -51,7 +51,7 @@ def sampler_chunk_size(num_sampled: int, vocab_size: int) -> int:
     lo, hi = float(num_sampled), float(num_sampled)
     while distinct(hi) < num_sampled and hi < 2.0**40:
         lo, hi = hi, hi * 2.0
-    for _ in range(60):
+    while hi - lo > 0.01 * hi:  # 1% is plenty for a chunk size
         mid = 0.5 * (lo + hi)
         if distinct(mid) < num_sampled:
             lo = mid

@@ -1,0 +1,213 @@
+"""Benchmarks: TF sampled softmax (fwd+bwd) and full-softmax NLL, fused Triton vs unfused torch.
+
+* CPU part (pytest-benchmark, small sizes): the reference (= unfused torch) path and the sampler.
+  ``python -m pytest -q bench/bench_softmax.py --benchmark-disable`` runs each once as a smoke test.
+* GPU part (skipped without CUDA): ``triton.testing.do_bench`` at the bilm-tf sizes, bf16:
+  sampled: N=7,680 (384 rows × 20 steps), S=8,192, P=512, V=793,471, fwd+bwd;
+  full: N=2,048, V=793,471, fwd (evaluation) and fwd+bwd.
+  Providers: ``torch`` (unfused: gathers, matmul, logsumexp, autograd; the reference path) and ``triton``
+  (fused kernels; dense and sparse weight gradients). Reports ms (p50/p20/p80), TFLOP/s and peak memory, and
+  appends CSV rows (device, versions, git commit, command) to ``bench/results/softmax.csv`` or
+  ``$ELMO_FAST_BENCH_CSV``. Correctness is checked first; no speedup is printed on a mismatch.
+  Also runnable as ``python bench/bench_softmax.py``.
+
+FLOP counts (multiply-add = 2): sampled forward 2·N·(S+1)·P, backward 2× that (dH and dW); full softmax
+forward 2·N·V·P, backward 2× that.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elmo_fast import ops
+
+ROOT = Path(__file__).resolve().parents[1]
+CSV_FIELDS = ["date", "op", "provider", "mode", "shape", "dtype", "ms_p50", "ms_p20", "ms_p80", "tflops",
+              "peak_mem_mib", "device", "torch", "triton", "cuda", "commit", "command"]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels/softmax.py", "elmo_fast"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _versions() -> dict:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # noqa: BLE001
+        tv = "none"
+    return {"torch": torch.__version__, "triton": tv, "cuda": torch.version.cuda or "none"}
+
+
+def write_rows(rows: list[dict]) -> Path:
+    path = Path(os.environ.get("ELMO_FAST_BENCH_CSV", ROOT / "bench" / "results" / "softmax.csv"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    return path
+
+
+def make_problem(N, P, V, S, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(N, P, device=device, generator=g).to(dtype)
+    weight = (torch.randn(V, P, device=device, generator=g) / math.sqrt(P)).to(dtype)
+    bias = torch.zeros(V, device=device, dtype=dtype)
+    targets = torch.randint(0, V, (N,), device=device, generator=g)
+    ids, tries = ops.log_uniform_sample(S, V, generator=g, device=device) if S else (None, None)
+    return hidden, targets, weight, bias, ids, tries
+
+
+def sampled_step(hidden, targets, weight, bias, ids, tries, backend, sparse=False):
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    b = bias.detach().requires_grad_()
+    loss = ops.sampled_softmax_loss(h, targets, w, b, ids, tries, backend=backend, sparse_grad=sparse)
+    loss.backward()
+    return loss, h.grad, w.grad, b.grad
+
+
+def full_step(hidden, targets, weight, bias, backend, backward):
+    if not backward:
+        with torch.no_grad():
+            return ops.full_softmax_nll(hidden, targets, weight, bias, backend=backend)
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    b = bias.detach().requires_grad_()
+    loss = ops.full_softmax_nll(h, targets, w, b, backend=backend)
+    loss.backward()
+    return loss
+
+
+# ----------------------------------------------------------------------------------------------- CPU part
+
+@pytest.mark.benchmark(group="softmax-cpu")
+def test_cpu_sampled_reference_fwd_bwd(benchmark):
+    prob = make_problem(256, 64, 20_000, 512, torch.float32, "cpu")
+    loss = benchmark(sampled_step, *prob, "reference")[0]
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.benchmark(group="softmax-cpu")
+def test_cpu_full_reference_fwd(benchmark):
+    hidden, targets, weight, bias, _, _ = make_problem(64, 64, 20_000, 0, torch.float32, "cpu")
+    loss = benchmark(full_step, hidden, targets, weight, bias, "reference", False)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.benchmark(group="softmax-cpu")
+def test_cpu_sampler(benchmark):
+    g = torch.Generator().manual_seed(0)
+    ids, tries = benchmark(ops.log_uniform_sample, 8192, 793_471, generator=g)
+    assert ids.numel() == 8192 and tries >= 8192
+
+
+# ----------------------------------------------------------------------------------------------- GPU part
+
+def _measure(fn, flops: float, device) -> dict:
+    import triton.testing
+
+    torch.cuda.synchronize(device)
+    fn()  # warm-up / compile
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    p50, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], rep=200)
+    return {"ms_p50": f"{p50:.4f}", "ms_p20": f"{p20:.4f}", "ms_p80": f"{p80:.4f}",
+            "tflops": f"{flops / (p50 * 1e-3) / 1e12:.1f}", "peak_mem_mib": f"{peak:.1f}"}
+
+
+def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) -> list[dict]:
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    common = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "dtype": str(dtype).replace("torch.", ""), "device": torch.cuda.get_device_name(dev),
+              "commit": _commit(), "command": " ".join([Path(sys.executable).name] + sys.argv), **_versions()}
+    rows = []
+
+    # sampled softmax, fwd+bwd
+    prob = make_problem(N_s, P, V, S, dtype, dev)
+    ref = sampled_step(*prob, "reference")
+    for sparse in (False, True):
+        got = sampled_step(*prob, "triton", sparse)
+        err = (got[0].float() - ref[0].float()).abs().item()
+        dh = (got[1].float() - ref[1].float()).abs().max().item()
+        if err > 2e-2 * max(1.0, ref[0].abs().item()) or dh > 1e-2 or not math.isfinite(dh):
+            raise AssertionError(f"fused sampled softmax disagrees with torch (loss err {err}, dh err {dh}); "
+                                 "not benchmarking")
+    del ref, got
+    shape = f"N={N_s},S={S},P={P},V={V}"
+    flops = 3 * 2.0 * N_s * (S + 1) * P
+    for provider, backend, sparse in (("torch", "reference", False), ("triton", "triton", False),
+                                      ("triton-sparse-grad", "triton", True)):
+        r = _measure(lambda: sampled_step(*prob, backend, sparse), flops, dev)
+        rows.append({**common, "op": "sampled_softmax", "provider": provider, "mode": "fwd+bwd", "shape": shape, **r})
+    del prob
+    torch.cuda.empty_cache()
+
+    # full softmax: evaluation (fwd) and fwd+bwd
+    hidden, targets, weight, bias, _, _ = make_problem(N_f, P, V, 0, dtype, dev)
+    a = full_step(hidden, targets, weight, bias, "reference", False)
+    b = full_step(hidden, targets, weight, bias, "triton", False)
+    if (a.float() - b.float()).abs().item() > 2e-2 * max(1.0, a.abs().item()):
+        raise AssertionError(f"fused full softmax disagrees with torch ({a.item()} vs {b.item()}); not benchmarking")
+    shape = f"N={N_f},P={P},V={V}"
+    for mode, backward, mult in (("fwd", False, 1), ("fwd+bwd", True, 3)):
+        for provider, backend in (("torch", "reference"), ("triton", "triton")):
+            r = _measure(lambda: full_step(hidden, targets, weight, bias, backend, backward),
+                         mult * 2.0 * N_f * V * P, dev)
+            rows.append({**common, "op": "full_softmax_nll", "provider": provider, "mode": mode, "shape": shape, **r})
+    return rows
+
+
+def _print(rows):
+    for r in rows:
+        print(f"{r['op']:>17} {r['mode']:>8} {r['provider']:>19} {r['ms_p50']:>9} ms {r['tflops']:>6} TFLOP/s "
+              f"{r['peak_mem_mib']:>9} MiB  [{r['device']}, {r['shape']}]")
+    by = {(r["op"], r["mode"], r["provider"]): float(r["ms_p50"]) for r in rows}
+    for op, mode in {(r["op"], r["mode"]) for r in rows}:
+        t = by.get((op, mode, "torch"))
+        for prov in ("triton", "triton-sparse-grad"):
+            if t and (op, mode, prov) in by:
+                print(f"speedup {op} {mode} {prov}: {t / by[(op, mode, prov)]:.2f}x over unfused torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_softmax_real_sizes():
+    rows = run_gpu()
+    path = write_rows(rows)
+    _print(rows)
+    print(f"rows appended to {path}")
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("the GPU part needs a CUDA GPU; run the CPU part with `python -m pytest -q bench/bench_softmax.py`")
+    rows = run_gpu()
+    _print(rows)
+    print(f"rows appended to {write_rows(rows)}")
