@@ -1,0 +1,228 @@
+"""Benchmarks of one LSTMP chain (one layer, one direction): Triton kernel vs reference vs cuDNN.
+
+CPU part (pytest-benchmark, tiny sizes): the reference path, forward and forward+backward. Smoke test:
+``python -m pytest -q bench/bench_lstmp.py --benchmark-disable``.
+
+GPU part (skipped without CUDA): ``triton.testing.do_bench`` at (B, T) in (384,20), (128,20), (16,20), (1,20),
+H=4096, P=512, D=512, cell/proj clip 3, bf16 and fp32, modes ``fwd`` and ``fwd+bwd``. Providers:
+
+* ``triton``: ``elmo_fast.kernels.lstmp.lstmp_triton``;
+* ``reference``: ``elmo_fast.reference.lstmp.lstmp_reference`` (step by step, PyTorch ops);
+* ``cudnn``: ``torch.nn.LSTM(512, 4096, proj_size=512)``. It has no clipping and no per-row lengths, so it
+  computes a slightly different function: a speed bar, not an oracle.
+
+All rows are full length (lengths = T) so the three do the same amount of work. The Triton kernel is checked
+against the reference before anything is timed; a mismatch stops the sweep. Each case appends a CSV row
+(device, torch/triton/CUDA versions, git commit, command) to ``bench/results/lstmp.csv`` or
+``$ELMO_FAST_BENCH_CSV``. Also runnable as ``python bench/bench_lstmp.py``.
+
+FLOP per token (multiply-add = 2), forward: 2·(D·4H + P·4H + H·P); forward+backward counted as 3x forward.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from elmo_fast.reference.lstmp import lstmp_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ["date", "op", "provider", "mode", "B", "T", "D", "H", "P", "dtype", "ms_p50", "ms_p20", "ms_p80",
+          "tflops", "tokens_per_s", "peak_mem_mib", "device", "torch", "triton", "cuda", "commit", "command",
+          "note"]
+GPU_SHAPES = [(384, 20), (128, 20), (16, 20), (1, 20)]
+ELMO = dict(D=512, H=4096, P=512)
+CLIP = 3.0
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels/lstmp.py", "elmo_fast"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head or "unknown") + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - a benchmark row without a commit is still a row
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    try:
+        import triton
+
+        tv = triton.__version__
+    except Exception:  # noqa: BLE001
+        tv = "none"
+    return {"torch": torch.__version__, "triton": tv, "cuda": torch.version.cuda or "none"}
+
+
+def append_csv(rows: list[dict]) -> Path:
+    path = Path(os.environ.get("ELMO_FAST_BENCH_CSV", ROOT / "bench" / "results" / "lstmp.csv"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def flop_per_token(D: int, H: int, P: int) -> int:
+    return 2 * (D * 4 * H + P * 4 * H + H * P)
+
+
+def make_chain(B, T, D, H, P, dtype, device, seed=0, requires_grad=False):
+    """Inputs of one chain with O(1) activations; every row full length."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+    return dict(
+        x=rnd(B, T, D), w_in=rnd(D, 4 * H, s=D ** -0.5), w_rec=rnd(P, 4 * H, s=P ** -0.5), bias=rnd(4 * H, s=0.1),
+        w_proj=rnd(H, P, s=H ** -0.5), h0=rnd(B, P, s=0.1), c0=rnd(B, H, s=0.1),
+        lengths=torch.full((B,), T, dtype=torch.long, device=device),
+    )
+
+
+ARGS = ("x", "w_in", "w_rec", "bias", "w_proj", "h0", "c0", "lengths")
+
+
+def run_chain(fn, chain):
+    return fn(*(chain[k] for k in ARGS), cell_clip=CLIP, proj_clip=CLIP, forget_bias=1.0, reverse=False,
+              residual=True)
+
+
+def fwd_bwd(fn, chain, upstream):
+    outs = run_chain(fn, chain)
+    torch.autograd.backward(outs, upstream)
+
+
+# --------------------------------------------------------------------------------------- CPU (tiny)
+TINY = dict(B=4, T=6, D=16, H=32, P=16)
+
+
+def test_cpu_reference_forward(benchmark):
+    chain = make_chain(dtype=torch.float32, device="cpu", **TINY)
+    with torch.no_grad():
+        y, _, _ = benchmark(run_chain, lstmp_reference, chain)
+    assert y.shape == (TINY["B"], TINY["T"], TINY["P"])
+
+
+def test_cpu_reference_forward_backward(benchmark):
+    chain = make_chain(dtype=torch.float32, device="cpu", requires_grad=True, **TINY)
+    B, T, H, P = TINY["B"], TINY["T"], TINY["H"], TINY["P"]
+    upstream = (torch.randn(B, T, P), torch.randn(B, P), torch.randn(B, H))
+    benchmark(fwd_bwd, lstmp_reference, chain, upstream)
+    assert chain["w_rec"].grad is not None and torch.isfinite(chain["w_rec"].grad).all()
+
+
+# ----------------------------------------------------------------------------------------------- GPU
+def _cudnn_fn(D, H, P, dtype, device):
+    lstm = torch.nn.LSTM(D, H, proj_size=P, batch_first=True).to(device=device, dtype=dtype)
+
+    def fn(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **_):
+        y, (hn, cn) = lstm(x, (h0.unsqueeze(0), c0.unsqueeze(0)))
+        return y, hn[0], cn[0]
+
+    return fn, list(lstm.parameters())
+
+
+def check_triton(device: str, dims: dict) -> None:
+    """Gate: the kernel matches the reference at the benchmark's sizes before any timing is reported."""
+    from elmo_fast.kernels.lstmp import lstmp_triton
+
+    chain = make_chain(4, 5, dtype=torch.float32, device=device, requires_grad=True, **dims)
+    ref = {k: (v.detach().double().requires_grad_() if v.is_floating_point() else v) for k, v in chain.items()}
+    up = [torch.randn(4, 5, dims["P"], device=device), torch.randn(4, dims["P"], device=device),
+          torch.randn(4, dims["H"], device=device)]
+    fwd_bwd(lstmp_triton, chain, up)
+    fwd_bwd(lstmp_reference, ref, [u.double() for u in up])
+    for k in ARGS[:-1]:
+        want, got = ref[k].grad, chain[k].grad.double()
+        err = float((got - want).abs().max())
+        if err > 1e-4 * max(1.0, float(want.abs().max())):
+            raise AssertionError(f"triton LSTMP disagrees with the reference on d{k}: {err:.3g}; not timing it")
+
+
+def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=("triton", "reference", "cudnn"),
+              modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
+    import triton.testing
+
+    from elmo_fast.kernels.lstmp import lstmp_triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    check_triton(device, dims)
+    D, H, P = dims["D"], dims["H"], dims["P"]
+    meta = dict(op="lstmp", device=torch.cuda.get_device_name(), commit=git_commit(),
+                command=" ".join([os.path.basename(sys.executable)] + sys.argv), **versions())
+    rows = []
+    for dtype in dtypes:
+        for B, T in shapes:
+            for provider in providers:
+                for mode in modes:
+                    chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
+                    params = [v for v in chain.values() if v.is_floating_point()]
+                    note = ""
+                    if provider == "triton":
+                        fn = lstmp_triton
+                    elif provider == "reference":
+                        fn = lstmp_reference
+                    else:
+                        fn, lstm_params = _cudnn_fn(D, H, P, dtype, device)
+                        if mode != "fwd":
+                            params = [chain["x"], chain["h0"], chain["c0"]] + lstm_params
+                        note = "no clipping, no lengths (different function; speed bar)"
+                    up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device,
+                                                                                       dtype=dtype),
+                          torch.randn(B, H, device=device, dtype=dtype)]
+                    if mode == "fwd":
+                        def call(fn=fn, chain=chain):
+                            with torch.no_grad():
+                                run_chain(fn, chain)
+                    else:
+                        def call(fn=fn, chain=chain, up=up):
+                            fwd_bwd(fn, chain, up)
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    try:
+                        p50, p20, p80 = triton.testing.do_bench(call, warmup=warmup, rep=rep,
+                                                                quantiles=[0.5, 0.2, 0.8], grad_to_none=params)
+                    except Exception as exc:  # noqa: BLE001 - e.g. cuDNN without bf16 RNNs: record, go on
+                        p50 = p20 = p80 = float("nan")
+                        note = f"error: {type(exc).__name__}: {exc}"[:200]
+                    peak = torch.cuda.max_memory_allocated() / 2**20
+                    flop = flop_per_token(D, H, P) * B * T * (1 if mode == "fwd" else 3)
+                    rows.append(dict(
+                        meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        provider=provider, mode=mode, B=B, T=T, D=D, H=H, P=P, dtype=str(dtype).split(".")[-1],
+                        ms_p50=f"{p50:.4f}", ms_p20=f"{p20:.4f}", ms_p80=f"{p80:.4f}",
+                        tflops=f"{flop / (p50 * 1e-3) / 1e12:.2f}", tokens_per_s=f"{B * T / (p50 * 1e-3):.0f}",
+                        peak_mem_mib=f"{peak:.0f}", note=note,
+                    ))
+                    print(f"{provider:>9} {mode:>7} B={B:<3} T={T} {rows[-1]['dtype']:>8}: {p50:8.3f} ms "
+                          f"{rows[-1]['tflops']:>7} TFLOP/s {note}", flush=True)
+                    del chain, params, up
+    return rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_sweep():
+    rows = bench_gpu()
+    path = append_csv(rows)
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
+    print(f"wrote rows to {append_csv(bench_gpu())}")
