@@ -54,6 +54,11 @@ Weight gradients are large matmuls after the loop over all B·T tokens:
 ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``, ``db = Σ dz``, ``dW_proj = mᵀ dh_pre``, ``dx = dz · W_inᵀ`` (+ dy
 for the residual).
 
+*Specialisation.* H and P are ``constexpr``: they bound the K loops, and the model's sizes never change
+between calls, so compiling per (H, P) is free. (It is also required under the interpreter: it keeps scalar
+arguments as 1-element numpy arrays, which recent numpy refuses as ``range`` bounds.) B, T and the step index
+are runtime arguments (``do_not_specialize`` on the step) so a new batch shape never recompiles.
+
 *Precision.* The operands of every product are in the weights' dtype (bf16/fp16/fp32/fp64). Accumulation,
 gates, the cell state and the h state are fp32 (fp64 for fp64 inputs). fp32 products use
 ``input_precision="ieee"`` (no TF32), so fp32 results match the reference to rounding.
@@ -103,6 +108,14 @@ def _clamp(x, clip):
 def _in_clip(x, clip):
     # torch.clamp's backward: gradient passes where min <= x <= max (inclusive).
     return (x >= -clip) & (x <= clip)
+
+
+@triton.jit
+def _gate_input(gx_ptr, bias_ptr, tok, rh, g: tl.constexpr, vm, hmask, H: tl.constexpr, ACC: tl.constexpr):
+    """Hoisted input projection of gate block g (i|j|f|o) at this step, plus its bias, in ACC."""
+    col = g * H + rh
+    gx = tl.load(gx_ptr + tok[:, None] * (4 * H) + col[None, :], mask=vm, other=0.0).to(ACC)
+    return gx + tl.load(bias_ptr + col, mask=hmask, other=0.0).to(ACC)[None, :]
 
 
 @triton.jit
@@ -159,11 +172,10 @@ def _fwd_cell_kernel(
         acc_o = _mma(hp, tl.load(wp + 3 * H, mask=wm, other=0.0), acc_o, prec, ACC, EMU)
 
     vm = valid[:, None] & hmask[None, :]
-    gp = gx_ptr + tok[:, None] * G + rh[None, :]
-    zi = acc_i + tl.load(gp, mask=vm, other=0.0).to(ACC) + tl.load(bias_ptr + rh, mask=hmask, other=0.0).to(ACC)[None, :]
-    zj = acc_j + tl.load(gp + H, mask=vm, other=0.0).to(ACC) + tl.load(bias_ptr + H + rh, mask=hmask, other=0.0).to(ACC)[None, :]
-    zf = acc_f + tl.load(gp + 2 * H, mask=vm, other=0.0).to(ACC) + tl.load(bias_ptr + 2 * H + rh, mask=hmask, other=0.0).to(ACC)[None, :]
-    zo = acc_o + tl.load(gp + 3 * H, mask=vm, other=0.0).to(ACC) + tl.load(bias_ptr + 3 * H + rh, mask=hmask, other=0.0).to(ACC)[None, :]
+    zi = acc_i + _gate_input(gx_ptr, bias_ptr, tok, rh, 0, vm, hmask, H, ACC)
+    zj = acc_j + _gate_input(gx_ptr, bias_ptr, tok, rh, 1, vm, hmask, H, ACC)
+    zf = acc_f + _gate_input(gx_ptr, bias_ptr, tok, rh, 2, vm, hmask, H, ACC)
+    zo = acc_o + _gate_input(gx_ptr, bias_ptr, tok, rh, 3, vm, hmask, H, ACC)
     gi = _sigmoid(zi)
     gj = _tanh(zj)
     gf = _sigmoid(zf + forget_bias)
@@ -430,8 +442,13 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     return y, h.to(h0.dtype), c.to(c0.dtype), cache
 
 
-def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual):
-    """Host launcher of backward through time. Returns (dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0)."""
+def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual,
+              needs=(True,) * 5):
+    """Host launcher of backward through time. Returns (dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0).
+
+    ``needs`` flags (x, w_in, w_rec, bias, w_proj): the after-loop GEMM of a gradient nobody needs is skipped
+    (None returned); the time loop itself always runs, every gradient depends on it.
+    """
     gates, cpre, hpre, hprev, m, len_i, T_run = cache
     B, T, D = x.shape
     G = w_in.shape[1]
@@ -477,20 +494,24 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
     cdt = w_rec.dtype
     dz2 = dz.reshape(-1, G)
     dz2c = dz2.to(cdt)
-    dw_in = torch.matmul(x[:, :T_run].reshape(-1, D).to(cdt).t(), dz2c)
-    dw_rec = torch.matmul(hprev[:, :T_run].reshape(-1, P).to(cdt).t(), dz2c)
-    dbias = dz2.sum(0)
-    dw_proj = None
-    if has_proj:
+    dx = dw_in = dw_rec = dbias = dw_proj = None
+    if needs[1]:
+        dw_in = torch.matmul(x[:, :T_run].reshape(-1, D).to(cdt).t(), dz2c)
+    if needs[2]:
+        dw_rec = torch.matmul(hprev[:, :T_run].reshape(-1, P).to(cdt).t(), dz2c)
+    if needs[3]:
+        dbias = dz2.sum(0)
+    if has_proj and needs[4]:
         dw_proj = torch.matmul(m[:, :T_run].reshape(-1, H).t(), dhpre.reshape(-1, P).to(cdt))
-    dx = torch.zeros(B, T, D, dtype=x.dtype, device=dev)
-    if T_run:
-        dxr = torch.matmul(dz2c, w_in.t()).reshape(B, T_run, D)
-        if residual:
-            steps = torch.arange(T_run, device=dev)
-            valid = (steps[None, :] < len_i[:, None].long()).unsqueeze(-1)
-            dxr = dxr + torch.where(valid, dy[:, :T_run], torch.zeros((), dtype=dy.dtype, device=dev))
-        dx[:, :T_run] = dxr
+    if needs[0]:
+        dx = torch.zeros(B, T, D, dtype=x.dtype, device=dev)
+        if T_run:
+            dxr = torch.matmul(dz2c, w_in.t()).reshape(B, T_run, D)
+            if residual:
+                steps = torch.arange(T_run, device=dev)
+                valid = (steps[None, :] < len_i[:, None].long()).unsqueeze(-1)
+                dxr = dxr + torch.where(valid, dy[:, :T_run], torch.zeros((), dtype=dy.dtype, device=dev))
+            dx[:, :T_run] = dxr
     return dx, dw_in, dw_rec, dbias, dw_proj, dh, dc
 
 
@@ -523,21 +544,20 @@ class LSTMPFunction(torch.autograd.Function):
             dc_n = torch.zeros_like(c0)
         cache = (gates, cpre, hpre, hprev, m, len_i, ctx.T_run)
         dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0 = lstmp_bwd(
-            dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, **ctx.flags,
+            dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, needs=ctx.needs_input_grad[:5], **ctx.flags,
         )
 
-        def cast(g, like):
-            return None if g is None or like is None else g.to(like.dtype)
+        def cast(i, g, dtype):
+            return g.to(dtype) if ctx.needs_input_grad[i] and g is not None else None
 
-        need = ctx.needs_input_grad
         return (
-            cast(dx, x) if need[0] else None,
-            cast(dw_in, w_in) if need[1] else None,
-            cast(dw_rec, w_rec) if need[2] else None,
-            dbias.to(ctx.bias_dtype) if need[3] else None,
-            cast(dw_proj, w_proj) if need[4] else None,
-            cast(dh0, h0) if need[5] else None,
-            cast(dc0, c0) if need[6] else None,
+            cast(0, dx, x.dtype),
+            cast(1, dw_in, w_in.dtype),
+            cast(2, dw_rec, w_rec.dtype),
+            cast(3, dbias, ctx.bias_dtype),
+            cast(4, dw_proj, w_proj.dtype if w_proj is not None else None),
+            cast(5, dh0, h0.dtype),
+            cast(6, dc0, c0.dtype),
             None, None, None, None, None, None,
         )
 
