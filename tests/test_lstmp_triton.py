@@ -152,6 +152,9 @@ CASES = {
     "all_empty": (dict(B=2, T=3, lengths=[0, 0]), flags()),
     "odd_sizes": (dict(B=4, T=4, D=3, H=17, P=9, lengths=[3, 4, 1, 0]), flags(cell_clip=1.0, proj_clip=0.7)),
     "forget_bias_0": (dict(), flags(forget_bias=0.0, reverse=True)),
+    # Past one 64-wide block in every tiled dim: 2 row blocks, 2 H slices, 2 P slices, 2-step K loops.
+    "multi_block": (dict(B=66, T=3, D=5, H=72, P=66, lengths=[3, 0, 1, 2] * 16 + [2, 3]),
+                    flags(reverse=True, cell_clip=0.3, proj_clip=0.1)),
 }
 
 
