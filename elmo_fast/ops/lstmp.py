@@ -32,14 +32,24 @@ def lstmp(
     _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual)
     be = select_backend(backend, x.device, "lstmp")
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
+    if be == "cuda":
+        from .._backend import _normalise
+        from ._lstmp_cuda import lstmp_cuda, unsupported_reason
+
+        reason = unsupported_reason(x, w_in, w_proj, h0)
+        if reason is None:
+            return lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+        if _normalise(backend) == "cuda":  # asked for explicitly: say why it cannot run
+            from .._backend import BackendUnavailableError
+
+            raise BackendUnavailableError(f"backend 'cuda' for lstmp cannot run this call: {reason}")
+        from .._backend import triton_import_error
+
+        be = "triton" if triton_import_error() is None else "reference"  # auto: fall back
     if be == "triton":
         from ..kernels.lstmp import lstmp_triton
 
         return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-    if be == "cuda":
-        from .._backend import cuda_ext
-
-        return cuda_ext().lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
     return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
 
 
