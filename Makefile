@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy h5py tqdm pytest pytest-benchmark ninja pybind11
+	$(PY) -m pip install -q "setuptools>=77" wheel "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy h5py tqdm pytest pytest-benchmark ninja pybind11
 	ELMO_FAST_BUILD_CUDA=0 $(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
