@@ -23,6 +23,10 @@
 #include <cstdio>
 #include <type_traits>
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "elmo_fast persistent LSTMP kernels target sm_90a (H100/H200): build with -gencode=arch=compute_90a,code=sm_90a"
+#endif
+
 namespace cg = cooperative_groups;
 
 namespace elmo_fast {
