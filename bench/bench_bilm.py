@@ -1,0 +1,163 @@
+"""End-to-end biLM embedding: throughput (64 sentences of ~25 tokens) and single-sentence latency (20 tokens).
+
+Providers, in one run on one device (performance.md, "Baselines"):
+* ``elmo_fast-<backend>``: ``ElmoBiLM`` on the reference / triton / cuda backends (each only where it can run);
+* ``library``: the fastest composition of library parts — ``nn.Conv1d`` + torch highway + ``nn.LSTM(proj_size)``
+  (cuDNN) per chain. It cannot clip and ignores lengths, so it computes a slightly different function: a speed
+  bar, not an oracle;
+* ``allennlp``: AllenNLP 2.10.1's ``_ElmoBiLm`` where it is importable (``bench/setup_allennlp.sh``).
+
+CPU part (pytest-benchmark, tiny model): ``python -m pytest bench/bench_bilm.py --benchmark-only``.
+GPU part: ``python bench/bench_bilm.py`` (or the ``gpu`` tests below); rows go to bench/results/bilm.csv with
+device, versions, commit and command.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import elmo_fast  # noqa: E402
+from elmo_fast.testing import ORIGINAL_OPTIONS, TINY_OPTIONS, write_random_model  # noqa: E402
+
+SYLLABLES = ["ta", "re", "mo", "ki", "lu", "sen", "dor", "pa", "vi", "nel", "ost", "ra", "che", "ba", "tion", "ing"]
+
+
+def sentences(n: int, mean_len: int, seed: int = 0) -> list[list[str]]:
+    """Deterministic pseudo-English: Zipf-ish word choice, word lengths 1-12 characters."""
+    rng = random.Random(seed)
+    vocab = ["".join(rng.choice(SYLLABLES) for _ in range(rng.choice([1, 1, 2, 2, 2, 3, 4]))) for _ in range(5000)]
+    weights = [1.0 / (k + 1) for k in range(len(vocab))]
+    out = []
+    for _ in range(n):
+        length = max(3, int(rng.gauss(mean_len, mean_len / 3)))
+        out.append(rng.choices(vocab, weights, k=length - 1) + ["."])
+    return out
+
+
+class LibraryBiLM(nn.Module):
+    """Baseline 2: nn.Conv1d + highway with nn.Linear + nn.LSTM(proj_size) per chain (no clips, no lengths)."""
+
+    def __init__(self, opts: dict):
+        super().__init__()
+        c, lo = opts["char_cnn"], opts["lstm"]
+        d, P, H = c["embedding"]["dim"], lo["projection_dim"], lo["dim"]
+        F_ = sum(n for _, n in c["filters"])
+        self.embed = nn.Embedding(262, d, padding_idx=0)
+        self.convs = nn.ModuleList([nn.Conv1d(d, n, w) for w, n in c["filters"]])
+        self.highway = nn.ModuleList([nn.Linear(F_, 2 * F_) for _ in range(c["n_highway"])])
+        self.proj = nn.Linear(F_, P)
+        self.lstms = nn.ModuleList([nn.LSTM(P, H, proj_size=P, batch_first=True)
+                                    for _ in range(2 * lo["n_layers"])])
+        self.n_layers = lo["n_layers"]
+
+    def forward(self, ids):  # (B, T, 50) with boundaries
+        B, T, L = ids.shape
+        x = self.embed(ids.view(-1, L)).transpose(1, 2)
+        v = torch.cat([conv(x).amax(-1) for conv in self.convs], -1).relu()
+        for hw in self.highway:
+            t, g = hw(v).chunk(2, -1)
+            g = torch.sigmoid(g)
+            v = g * F.relu(t) + (1 - g) * v
+        tok = self.proj(v).view(B, T, -1)
+        outs = [torch.cat([tok, tok], -1)]
+        f_in, b_in = tok, tok.flip(1)
+        for layer in range(self.n_layers):
+            f, _ = self.lstms[2 * layer](f_in)
+            b, _ = self.lstms[2 * layer + 1](b_in)
+            if layer:
+                f, b = f + f_in, b + b_in
+            outs.append(torch.cat([f, b.flip(1)], -1))
+            f_in, b_in = f, b
+        return outs
+
+
+# ------------------------------------------------------------------------------------------ CPU (pytest-benchmark)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_random_model(tmp_path_factory.mktemp("tiny"), TINY_OPTIONS)
+
+
+def test_cpu_tiny_embed(benchmark, tiny):
+    model = elmo_fast.ElmoBiLM(*tiny, backend="reference", stateful=False)
+    ids = elmo_fast.batch_to_ids(sentences(16, 20))
+    with torch.no_grad():
+        benchmark(model, ids)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+def _providers(opts, o, w, dtype):
+    dev = torch.device("cuda")
+    provs = {}
+    for be in ("reference", "triton", "cuda"):
+        try:
+            m = elmo_fast.ElmoBiLM(o, w, backend=be, stateful=False).to(dev, dtype).eval()
+            m(elmo_fast.batch_to_ids([["warm", "up"]]).to(dev))
+            provs[f"elmo_fast-{be}"] = m
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is skipped, and said so
+            print(f"skip elmo_fast-{be}: {type(exc).__name__}: {exc}")
+    lib = LibraryBiLM(opts).to(dev, dtype).eval()
+    provs["library"] = lambda ids: lib(_with_boundaries(ids))
+    try:
+        from allennlp.modules.elmo import _ElmoBiLm
+
+        al = _ElmoBiLm(o, w).to(dev).eval()
+        if dtype == torch.float32:
+            provs["allennlp"] = al
+    except Exception as exc:  # noqa: BLE001
+        print(f"skip allennlp: {type(exc).__name__}")
+    return provs
+
+
+def _with_boundaries(ids):
+    mask = (ids > 0).any(-1)
+    from elmo_fast.models.elmo import _BOS_IDS, _EOS_IDS
+
+    out, _ = elmo_fast.add_sentence_boundary_token_ids(ids, mask, _BOS_IDS.to(ids.device), _EOS_IDS.to(ids.device))
+    return out
+
+
+def run_gpu(opts=ORIGINAL_OPTIONS) -> list[dict]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        o, w = write_random_model(d, opts)
+        cases = {"throughput": sentences(64, 25, seed=1), "latency": sentences(1, 20, seed=2)}
+        cases["latency"] = [cases["latency"][0][:19] + ["."]]
+        for dtype in (torch.float32, torch.bfloat16):
+            provs = _providers(opts, o, w, dtype)
+            for case, sents in cases.items():
+                ids = elmo_fast.batch_to_ids(sents).cuda()
+                n_tok = sum(len(s) for s in sents)
+                for name, fn in provs.items():
+                    with torch.no_grad():
+                        p50, p20, p80 = common.gpu_time_ms(lambda fn=fn, ids=ids: fn(ids))
+                        mem = common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids))
+                    rows.append({"case": case, "provider": name, "dtype": str(dtype).replace("torch.", ""),
+                                 "sentences": len(sents), "tokens": n_tok, "ms_p50": round(p50, 4),
+                                 "ms_p20": round(p20, 4), "ms_p80": round(p80, 4),
+                                 "tokens_per_s": round(n_tok / (p50 / 1e3)), "peak_mem_mib": round(mem, 1)})
+                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:20s} {p50:9.3f} ms "
+                          f"{rows[-1]['tokens_per_s']:>10d} tok/s")
+    common.append_rows("bilm", rows)
+    return rows
+
+
+@pytest.mark.gpu
+def test_gpu_bilm_benchmark():
+    run_gpu()
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        sys.exit("bench_bilm: the GPU part needs a CUDA device")
+    run_gpu()

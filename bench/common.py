@@ -1,0 +1,86 @@
+"""Shared benchmark plumbing: environment facts for every result row, CSV appends, timing on GPU."""
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def git_commit() -> str:
+    """Short HEAD, with ``-dirty`` when the tree has uncommitted changes to the code."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels", "elmo_fast", "csrc"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (head or "unknown") + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 - a row without a commit is still a row
+        return "unknown"
+
+
+def environment() -> dict[str, str]:
+    """Device, versions, commit and command: what every committed result must carry."""
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except Exception:  # noqa: BLE001
+        triton_v = "absent"
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
+                 f"{torch.get_num_threads()} threads"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "cuda": str(torch.version.cuda),
+        "commit": git_commit(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+
+
+def append_rows(name: str, rows: list[dict]) -> Path:
+    """Append rows (each merged with ``environment()``) to ``$ELMO_FAST_BENCH_DIR/<name>.csv``
+    (default bench/results/)."""
+    out_dir = Path(os.environ.get("ELMO_FAST_BENCH_DIR", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.csv"
+    env = environment()
+    rows = [{**r, **env} for r in rows]
+    fields = list(rows[0].keys())
+    new = not path.exists()
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def gpu_time_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> tuple[float, float, float]:
+    """Median, p20, p80 in ms with CUDA events (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    p50, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return p50, p20, p80
+
+
+def peak_memory_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
