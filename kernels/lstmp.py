@@ -70,6 +70,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -534,6 +535,7 @@ class LSTMPFunction(torch.autograd.Function):
         return y, h_n, c_n
 
     @staticmethod
+    @once_differentiable  # backward is not itself differentiable: double backward raises instead of lying
     def backward(ctx, dy, dh_n, dc_n):
         x, w_in, w_rec, w_proj, h0, c0, gates, cpre, hpre, hprev, m, len_i = ctx.saved_tensors
         if dy is None:
