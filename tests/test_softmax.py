@@ -318,6 +318,30 @@ def test_full_softmax_column_splits(splits):
     torch.testing.assert_close(tgt.double(), logits.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
 
 
+def test_ops_validate_inputs():
+    hidden, targets, weight, bias, ids, tries = _problem(4, 8, 30, 5)
+    with pytest.raises(ValueError, match="hidden"):
+        ops.sampled_softmax_loss(hidden[0], targets, weight, bias, ids, tries)
+    with pytest.raises(ValueError, match="weight"):
+        ops.sampled_softmax_loss(hidden, targets, weight[:, :3], bias, ids, tries)
+    with pytest.raises(ValueError, match="bias"):
+        ops.full_softmax_nll(hidden, targets, weight, bias[:3])
+    with pytest.raises(ValueError, match="num_tries"):
+        ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, ids.numel() - 1)
+    with pytest.raises(ValueError, match="reduction"):
+        ops.full_softmax_nll(hidden, targets, weight, bias, "max")
+    with pytest.raises(TypeError):
+        ops.full_softmax_nll(hidden, targets.float(), weight, bias)
+
+
+@pytest.mark.triton
+@requires_triton
+def test_triton_rejects_fp64_with_hint():
+    hidden, targets, weight, bias, ids, tries = _problem(4, 8, 30, 5)
+    with pytest.raises(TypeError, match="reference"):
+        ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="triton")
+
+
 # ------------------------------------------------------------------------------------------------- module
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[pytest.mark.triton,
@@ -391,6 +415,14 @@ def test_module_shared_embedding_and_sparse():
     touched = m.softmax_b.grad.coalesce().indices()[0]
     changed = (m.softmax_b.detach() != before).nonzero().squeeze(1)
     assert set(changed.tolist()) <= set(touched.tolist())
+
+
+def test_module_casts_hidden_to_parameter_dtype():
+    m = SampledSoftmaxLoss(60, 8, 10, seed=1)
+    loss = m(torch.randn(5, 8, dtype=torch.float64), torch.randint(0, 60, (5,)))
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert m.softmax_W.grad.dtype == torch.float32
 
 
 def test_module_explicit_samples_and_reduction():

@@ -108,6 +108,8 @@ class SampledSoftmaxLoss(nn.Module):
                 samples: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
         """hidden (N, P) (any leading dims are flattened), targets (N,) → loss (scalar, or (N,) for 'none').
 
+        The loss is computed in the parameters' dtype (``hidden`` is cast to it when they differ).
+
         ``samples``: an explicit ``(ids, num_tries)`` to use instead of drawing (training mode only).
         """
         hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -115,8 +117,8 @@ class SampledSoftmaxLoss(nn.Module):
         W = self.softmax_W
         b = self.softmax_b
         if hidden.dtype != W.dtype:
-            W = W.to(hidden.dtype)
-            b = b.to(hidden.dtype)
+            # cast the (N, P) activations, never the (V, P) table (a full copy per call at V = 793k)
+            hidden = hidden.to(W.dtype)
         if self.training and self.sample_softmax:
             if samples is None:
                 samples = self.sample()
