@@ -93,9 +93,8 @@ class LibraryEncoder(nn.Module):
         emb = p["char_embed"]
         self.embed = nn.Embedding(emb.shape[0], emb.shape[1]).to(emb)
         self.convs = nn.ModuleList()
-        for w, b in zip(p["conv_w"], p["conv_b"]):
-            conv = nn.Conv1d(w.shape[1], w.shape[2], w.shape[0]).to(w)
-            self.convs.append(conv)
+        for w in p["conv_w"]:
+            self.convs.append(nn.Conv1d(w.shape[1], w.shape[2], w.shape[0]).to(w))
         F_ = sum(int(b.shape[0]) for b in p["conv_b"])
         self.highway = nn.ModuleList([nn.Linear(F_, 2 * F_).to(emb) for _ in p["highway"]])
         self.proj = nn.Linear(F_, p["W_proj"].shape[1]).to(emb)
@@ -186,7 +185,8 @@ def bench_gpu(n_tokens=7680, dtypes=(torch.bfloat16, torch.float32), providers=(
                 if provider == "library":
                     mod = LibraryEncoder(p)
                     params = list(mod.parameters())
-                    fn = (lambda ids_, _p, mod=mod: mod(ids_))
+                    def fn(ids_, _p, mod=mod):
+                        return mod(ids_)
                 else:
                     params = leaves(p)
                     fn = elmo_fast_encoder(provider)

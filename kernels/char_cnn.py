@@ -331,14 +331,18 @@ def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg
         N, F, L, PAD_CHAR_ID,
         DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
         BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
-        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], WHILE_LOOPS=_while_loops(ids.device), num_warps=cfg["num_warps"],
+        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], WHILE_LOOPS=_while_loops(ids.device),
+        num_warps=cfg["num_warps"],
     )
     return out, (arg if save_arg else None), perm, bound
 
 
 def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out, activation: str,
                  need_w: bool, need_emb: bool):
-    """Returns fp32 (fp64 for fp64 inputs) (grad char_embed (V, d_c) or None, grad w_packed (KWD, F) or None, grad bias (F,))."""
+    """Returns (grad char_embed (V, d_c) or None, grad w_packed (KWD, F) or None, grad bias (F,)).
+
+    All in fp32 (fp64 for fp64 inputs); the caller casts them to the parameters' dtypes.
+    """
     N, L = ids.shape
     F = w_packed.shape[1]
     V, dc = char_embed.shape
