@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import h5py
 import numpy as np
 import torch
 
-from .chars import Vocabulary, word_to_char_ids
+from .weights import atomic_h5
 
 
 class CLIError(Exception):
@@ -48,11 +47,6 @@ def _read_sentences(path: str) -> list[list[str]]:
     return sentences
 
 
-def _atomic_h5(path: str):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    return tmp, h5py.File(tmp, "w")
-
-
 def _device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,75 +69,54 @@ def cmd_embed(args) -> int:
     dev = _device(args.device)
     model = ElmoBiLM(args.options, args.weights, backend=args.backend).to(dev).eval()
     keys: dict[str, str] = {}
-    tmp, out = _atomic_h5(args.output)
-    try:
-        with out, torch.no_grad():
-            for start in tqdm(range(0, len(sentences), args.batch_size), desc="embed", unit="batch",
-                              disable=args.quiet or not sys.stderr.isatty()):
-                batch = sentences[start : start + args.batch_size]
-                res = model(batch_to_ids(batch).to(dev))
-                layers = torch.stack(res["activations"], 1)  # (B, 3, T+2, D)
-                B, n_layers, T2, D = layers.shape
-                flat, mask = remove_sentence_boundaries(layers.permute(0, 2, 1, 3).reshape(B, T2, -1), res["mask"])
-                emb = flat.reshape(B, T2 - 2, n_layers, D).permute(0, 2, 1, 3)
-                for k, sent in enumerate(batch):
-                    idx = start + k
-                    vec = emb[k, :, : len(sent)].float().cpu().numpy()
-                    if args.layers == "top":
-                        vec = vec[-1]
-                    elif args.layers == "average":
-                        vec = vec.mean(0)
-                    text = " ".join(sent)
-                    key = text if args.use_sentence_keys else str(idx)
-                    if args.use_sentence_keys and key in out:
-                        raise CLIError(f"{args.input}: line {idx + 1} repeats an earlier sentence; "
-                                       "--use-sentence-keys needs distinct sentences")
-                    out.create_dataset(key, data=vec.astype(np.float32))
-                    keys.setdefault(text, str(idx))
-                if args.forget_sentences:
-                    model.reset_states()
-            if not args.use_sentence_keys and not args.forget_sentences:
-                dt = h5py.string_dtype(encoding="utf-8")
-                ds = out.create_dataset("sentence_to_index", (1,), dtype=dt)
-                ds[0] = json.dumps(keys)
-        os.replace(tmp, args.output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_h5(args.output) as out, torch.no_grad():
+        for start in tqdm(range(0, len(sentences), args.batch_size), desc="embed", unit="batch",
+                          disable=args.quiet or not sys.stderr.isatty()):
+            batch = sentences[start : start + args.batch_size]
+            res = model(batch_to_ids(batch).to(dev))
+            layers = torch.stack(res["activations"], 1)  # (B, 3, T+2, D)
+            B, n_layers, T2, D = layers.shape
+            flat, mask = remove_sentence_boundaries(layers.permute(0, 2, 1, 3).reshape(B, T2, -1), res["mask"])
+            emb = flat.reshape(B, T2 - 2, n_layers, D).permute(0, 2, 1, 3)
+            for k, sent in enumerate(batch):
+                idx = start + k
+                vec = emb[k, :, : len(sent)].float().cpu().numpy()
+                if args.layers == "top":
+                    vec = vec[-1]
+                elif args.layers == "average":
+                    vec = vec.mean(0)
+                text = " ".join(sent)
+                key = text if args.use_sentence_keys else str(idx)
+                if args.use_sentence_keys and key in out:
+                    raise CLIError(f"{args.input}: line {idx + 1} repeats an earlier sentence; "
+                                   "--use-sentence-keys needs distinct sentences")
+                out.create_dataset(key, data=vec.astype(np.float32))
+                keys.setdefault(text, str(idx))
+            if args.forget_sentences:
+                model.reset_states()
+        if not args.use_sentence_keys and not args.forget_sentences:
+            dt = h5py.string_dtype(encoding="utf-8")
+            ds = out.create_dataset("sentence_to_index", (1,), dtype=dt)
+            ds[0] = json.dumps(keys)
     if not args.quiet:
         print(f"wrote {len(sentences)} sentence embeddings to {args.output}")
     return 0
 
 
 def cmd_dump_token_embeddings(args) -> int:
-    from .models.bilm import BiLM
+    from .compat import dump_token_embeddings
 
     try:
-        vocab = Vocabulary(args.vocab)
+        n = dump_token_embeddings(args.vocab, args.options, args.weights, args.output, batch_size=args.batch_size,
+                                  device=_device(args.device), backend=args.backend)
     except OSError as exc:
         raise CLIError(f"cannot read vocabulary {args.vocab}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise CLIError(f"vocabulary {args.vocab} is not UTF-8 text") from None
-    if len(vocab) == 0:
-        raise CLIError(f"vocabulary {args.vocab} is empty")
-    dev = _device(args.device)
-    bilm = BiLM.from_files(args.options, args.weights, backend=args.backend).to(dev).eval()
-    ids = torch.tensor([word_to_char_ids(w) for w in vocab.words], dtype=torch.long)
-    rows = []
-    with torch.no_grad():
-        for s in range(0, len(ids), args.batch_size):
-            rows.append(bilm.token_encoder(ids[s : s + args.batch_size].to(dev)).float().cpu())
-    emb = torch.cat(rows).numpy()
-    tmp, out = _atomic_h5(args.output)
-    try:
-        with out:
-            out.create_dataset("embedding", data=emb.astype(np.float32))
-        os.replace(tmp, args.output)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if not args.quiet:
-        print(f"wrote {emb.shape[0]} token embeddings of width {emb.shape[1]} to {args.output}")
+        print(f"wrote {n} token embeddings to {args.output}")
     return 0
 
 

@@ -6,8 +6,6 @@ bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_b
 """
 from __future__ import annotations
 
-import os
-
 import h5py
 import numpy as np
 import torch
@@ -16,6 +14,7 @@ import torch.nn as nn
 from .chars import Batcher, Vocabulary, word_to_char_ids
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder
+from .weights import atomic_h5
 
 _ElmoBiLm = ElmoBiLM
 
@@ -109,16 +108,19 @@ class BidirectionalLanguageModel(nn.Module):
 
 
 @torch.no_grad()
-def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_size: int = 4096) -> None:
-    """bilm-tf's ``dump_token_embeddings``: dataset ``embedding`` (n_vocab, P), vocabulary order."""
+def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_size: int = 4096,
+                          device: str | torch.device = "cpu", backend: str | None = "auto") -> int:
+    """bilm-tf's ``dump_token_embeddings``: dataset ``embedding`` (n_vocab, P), vocabulary order. Returns n_vocab."""
     vocab = Vocabulary(vocab_file)
-    bilm = BiLM.from_files(options_file, weight_file)
+    if len(vocab) == 0:
+        raise ValueError(f"vocabulary {vocab_file} is empty")
+    bilm = BiLM.from_files(options_file, weight_file, backend=backend).to(device).eval()
     ids = torch.tensor([word_to_char_ids(w) for w in vocab.words], dtype=torch.long)
-    emb = torch.cat([bilm.token_encoder(ids[s : s + batch_size]) for s in range(0, len(ids), batch_size)])
-    tmp = f"{os.fspath(outfile)}.tmp-{os.getpid()}"
-    with h5py.File(tmp, "w") as fh:
+    emb = torch.cat([bilm.token_encoder(ids[s : s + batch_size].to(device)).float().cpu()
+                     for s in range(0, len(ids), batch_size)])
+    with atomic_h5(outfile) as fh:
         fh.create_dataset("embedding", data=emb.numpy().astype(np.float32))
-    os.replace(tmp, outfile)
+    return emb.shape[0]
 
 
 @torch.no_grad()
@@ -127,10 +129,8 @@ def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, ou
     index, shape (n_layers+1, n_tokens, 2P)."""
     model = BidirectionalLanguageModel(options_file, weight_file)
     batcher = Batcher(vocab_file)
-    tmp = f"{os.fspath(outfile)}.tmp-{os.getpid()}"
-    with open(dataset_file, encoding="utf-8") as fin, h5py.File(tmp, "w") as fout:
+    with open(dataset_file, encoding="utf-8") as fin, atomic_h5(outfile) as fout:
         for i, line in enumerate(fin):
             sent = line.strip().split()
             out = model(batcher.batch_sentences([sent]))
             fout.create_dataset(str(i), data=out["lm_embeddings"][0, :, : len(sent)].numpy().astype(np.float32))
-    os.replace(tmp, outfile)

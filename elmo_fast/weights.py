@@ -1,6 +1,7 @@
 """The published hdf5 weight layout (spec §2.3, §3.3, §7.1): read with shape checks, write back bit-exactly."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import h5py
@@ -88,18 +89,27 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
     return out
 
 
-def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
-    """Write float32 datasets in the published layout; written to a temp file and renamed (never half-written)."""
+@contextlib.contextmanager
+def atomic_h5(path: str | os.PathLike):
+    """An hdf5 file opened for writing under a temporary name and renamed into place only when the block
+    succeeds: a reader never sees a half-written file, and a failure leaves no file behind."""
     path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with h5py.File(tmp, "w") as fh:
-            for name in sorted(arrays):
-                fh.create_dataset(name, data=np.asarray(arrays[name], dtype=np.float32))
+            yield fh
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-__all__ = ["read_weights", "write_weights", "expected_shapes", "lstm_prefix", "WeightFileError", "OptionsError"]
+def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """Write float32 datasets in the published layout, atomically."""
+    with atomic_h5(path) as fh:
+        for name in sorted(arrays):
+            fh.create_dataset(name, data=np.asarray(arrays[name], dtype=np.float32))
+
+
+__all__ = ["read_weights", "write_weights", "atomic_h5", "expected_shapes", "lstm_prefix", "WeightFileError",
+           "OptionsError"]
