@@ -61,7 +61,7 @@ if [[ "${ELMO_FAST_CC_SKIP_BINDINGS:-0}" != "1" ]]; then
     log="$OUTDIR/$(basename "${cpp%.cpp}").cxx.log"
     (
       # shellcheck disable=SC2086
-      "$CXX" -std=c++17 -O1 -fPIC -Wall -Wextra -Werror $TORCH_INCS -isystem "$PY_INC" -isystem "$CUDA_INC" \
+      "$CXX" -std=c++17 -O0 -fPIC -Wall -Wextra -Werror $TORCH_INCS -isystem "$PY_INC" -isystem "$CUDA_INC" \
         -Icsrc/include -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -c "$cpp" -o "$obj" >"$log" 2>&1
     ) &
     pids+=($!)
