@@ -60,6 +60,75 @@ def _timer():
         return run
 
 
+def _bench_shape(B, T, args, timer, meta) -> list[dict]:
+    import torch
+
+    from elmo_fast.ops.lstmp import lstmp
+
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    D, H, P = 512, 4096, 512
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s, sc=1.0):
+        return (torch.randn(*s, generator=g, device=dev) * sc).to(dtype)
+
+    x = r(B, T, D)
+    w_in, w_rec, bias = r(D, 4 * H, sc=D ** -0.5), r(P, 4 * H, sc=P ** -0.5), r(4 * H, sc=0.1)
+    w_proj, h0, c0 = r(H, P, sc=H ** -0.5), r(B, P, sc=0.1), r(B, H, sc=0.1)
+    lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+    dy = r(B, T, P)
+    flops_fwd = 2.0 * B * T * (D * 4 * H + P * 4 * H + H * P)
+    for provider in args.providers.split(","):
+        if provider == "torch_lstm":
+            mod = torch.nn.LSTM(D, H, proj_size=P, batch_first=True).to(dev, dtype)
+            hc = (h0.unsqueeze(0).contiguous(), c0.unsqueeze(0).contiguous())
+
+            def call(xx, _m=mod, _hc=hc):
+                return _m(xx, _hc)[0]
+            params = list(mod.parameters())
+        else:
+            def call(xx, _p=provider, **_):
+                return lstmp(xx, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0,
+                             backend=_p)[0]
+            params = [w_in, w_rec, bias, w_proj]
+        for mode in args.modes.split(","):
+            row = dict(op="lstmp", provider=provider, mode=mode, B=B, T=T, D=D, H=H, P=P, dtype="bf16", **meta)
+            try:
+                if mode == "fwd":
+                    def fn(_c=call):
+                        with torch.no_grad():
+                            _c(x)
+                    flops = flops_fwd
+                else:
+                    xg = x.detach().requires_grad_(True)
+                    for p_ in params:
+                        p_.requires_grad_(True)
+
+                    def fn(_c=call, _xg=xg, _ps=params):
+                        for t_ in [_xg, *_ps]:
+                            t_.grad = None
+                        _c(_xg).backward(dy)
+                    flops = 3 * flops_fwd
+                fn()
+                torch.cuda.synchronize()
+                p50, p20, p80 = timer(fn)
+                row.update(ms_p50=f"{p50:.4f}", ms_p20=f"{p20:.4f}", ms_p80=f"{p80:.4f}",
+                           us_per_step=f"{1000 * p50 / T:.2f}", tflops=f"{flops / (p50 * 1e-3) / 1e12:.2f}",
+                           status="ok")
+            except Exception as exc:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
+                row.update(ms_p50="", ms_p20="", ms_p80="", us_per_step="", tflops="",
+                           status=f"error: {type(exc).__name__}: {str(exc)[:160]}")
+            finally:
+                for p_ in params:
+                    p_.requires_grad_(False)
+            rows.append(row)
+            print(f"{provider:>10} {mode:>8} B={B:<4} p50={row['ms_p50'] or '-':>9} ms "
+                  f"step={row['us_per_step'] or '-':>8} us  {row['tflops'] or '-':>6} TFLOP/s  {row['status']}",
+                  flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--csv", default=None, help="append rows to this CSV (default: print only)")
@@ -74,78 +143,18 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_lstmp_cuda: skipped (no CUDA GPU)")
         return 0
-    from elmo_fast.ops.lstmp import lstmp
-
     try:
         import triton
         triton_version = triton.__version__
     except Exception:  # noqa: BLE001
         triton_version = "none"
+    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton_version,
-                cuda=torch.version.cuda, commit=_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv))
+                cuda=torch.version.cuda, commit=_commit(), command=command)
     timer = _timer()
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    T, D, H, P = args.steps, 512, 4096, 512
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        g = torch.Generator(device="cuda").manual_seed(0)
-
-        def r(*s, sc=1.0):
-            return (torch.randn(*s, generator=g, device=dev) * sc).to(dtype)
-
-        x = r(B, T, D)
-        w_in, w_rec, bias = r(D, 4 * H, sc=D ** -0.5), r(P, 4 * H, sc=P ** -0.5), r(4 * H, sc=0.1)
-        w_proj, h0, c0 = r(H, P, sc=H ** -0.5), r(B, P, sc=0.1), r(B, H, sc=0.1)
-        lengths = torch.full((B,), T, dtype=torch.long, device=dev)
-        dy = r(B, T, P)
-        flops_fwd = 2.0 * B * T * (D * 4 * H + P * 4 * H + H * P)
-        for provider in args.providers.split(","):
-            if provider == "torch_lstm":
-                mod = torch.nn.LSTM(D, H, proj_size=P, batch_first=True).to(dev, dtype)
-                hc = (h0.unsqueeze(0).contiguous(), c0.unsqueeze(0).contiguous())
-
-                def call(xx, _m=mod, _hc=hc):
-                    return _m(xx, _hc)[0]
-                params = list(mod.parameters())
-            else:
-                def call(xx, _p=provider, **_):
-                    return lstmp(xx, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0,
-                                 backend=_p)[0]
-                params = [w_in, w_rec, bias, w_proj]
-            for mode in args.modes.split(","):
-                row = dict(op="lstmp", provider=provider, mode=mode, B=B, T=T, D=D, H=H, P=P, dtype="bf16", **meta)
-                try:
-                    if mode == "fwd":
-                        def fn(_c=call):
-                            with torch.no_grad():
-                                _c(x)
-                        flops = flops_fwd
-                    else:
-                        xg = x.detach().requires_grad_(True)
-                        for p_ in params:
-                            p_.requires_grad_(True)
-
-                        def fn(_c=call, _xg=xg, _ps=params):
-                            for t_ in [_xg, *_ps]:
-                                t_.grad = None
-                            _c(_xg).backward(dy)
-                        flops = 3 * flops_fwd
-                    fn()
-                    torch.cuda.synchronize()
-                    p50, p20, p80 = timer(fn)
-                    row.update(ms_p50=f"{p50:.4f}", ms_p20=f"{p20:.4f}", ms_p80=f"{p80:.4f}",
-                               us_per_step=f"{1000 * p50 / T:.2f}", tflops=f"{flops / (p50 * 1e-3) / 1e12:.2f}",
-                               status="ok")
-                except Exception as exc:  # noqa: BLE001 - a provider that cannot run is reported, not fatal
-                    row.update(ms_p50="", ms_p20="", ms_p80="", us_per_step="", tflops="",
-                               status=f"error: {type(exc).__name__}: {str(exc)[:160]}")
-                finally:
-                    for p_ in params:
-                        p_.requires_grad_(False)
-                rows.append(row)
-                print(f"{provider:>10} {mode:>8} B={B:<4} p50={row['ms_p50'] or '-':>9} ms "
-                      f"step={row['us_per_step'] or '-':>8} us  {row['tflops'] or '-':>6} TFLOP/s  {row['status']}",
-                      flush=True)
+        rows += _bench_shape(B, args.steps, args, timer, meta)
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         new = not os.path.exists(args.csv)

@@ -18,7 +18,9 @@ from torch.autograd.function import once_differentiable
 from .._backend import cuda_ext
 
 
-def unsupported_reason(x: torch.Tensor, w_in: torch.Tensor, w_proj: torch.Tensor | None, h0: torch.Tensor) -> str | None:
+def unsupported_reason(
+    x: torch.Tensor, w_in: torch.Tensor, w_proj: torch.Tensor | None, h0: torch.Tensor
+) -> str | None:
     """None when the persistent kernel can run these shapes on x's device, else why not."""
     if w_proj is None:
         return "the persistent CUDA kernel needs a projection (w_proj); this chain has none"
