@@ -2,7 +2,9 @@
 
 ELMO_FAST_BUILD_CUDA: "1" forces the extension (a failed build is an error), "0" skips it, unset = build it
 only when a CUDA toolkit (nvcc) and a CUDA build of torch are both present. Honours TORCH_CUDA_ARCH_LIST
-(default "9.0a") and MAX_JOBS; uses ninja. The sources are listed once, in csrc/sources.txt (CMake reads it too).
+(default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile time) and MAX_JOBS;
+uses ninja. Without a GPU, `make cuda-compile-check` (csrc/compile_check.sh) compiles every source; for development
+`python csrc/jit_build.py` builds the same sources with torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
 """
 import os
 import shutil
@@ -39,7 +41,12 @@ def _want_cuda() -> bool:
                 "CUDA toolkit, or unset ELMO_FAST_BUILD_CUDA."
             )
         return True
-    return has_torch_cuda and has_nvcc and bool(_sources())
+    if has_torch_cuda and has_nvcc and _sources():
+        return True
+    if flag != "0":
+        print(f"elmo_fast: building without the CUDA extension (torch CUDA build={has_torch_cuda}, nvcc={has_nvcc}); "
+              "set ELMO_FAST_BUILD_CUDA=1 to require it")
+    return False
 
 
 ext_modules, cmdclass = [], {}
