@@ -20,7 +20,7 @@ from .data import DataError, build_vocab, check_corpus, count_tokens, load_train
 # fields that may change on --resume (run control); the rest must match the checkpoint
 RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
              "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "sleep_per_step", "n_epochs",
-             "n_train_tokens", "device", "backend", "bf16", "check_memory", "check_vocab_order", "vocab_check_lines"}
+             "n_train_tokens", "device", "backend", "num_threads", "bf16", "check_memory", "check_vocab_order", "vocab_check_lines"}
 
 
 def _field_type(f: dataclasses.Field):
@@ -204,6 +204,8 @@ def run_train(args) -> dict:
     try:
         cfg, vocab, train_files, heldout_files, ckpt = prepare(args, dinfo)
         device = resolve_device(cfg.device, dinfo)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         if cfg.check_memory:
             check_memory(cfg, len(vocab), device)
         log = JsonLog(os.path.join(args.save_dir, "train_log.jsonl"), dinfo.is_main, echo=not args.quiet)

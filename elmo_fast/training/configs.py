@@ -56,6 +56,7 @@ class TrainConfig:
     backend: str = "auto"  # auto | reference | triton | cuda (elmo_fast kernels)
     bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
     queue_size: int = 8
+    num_threads: int | None = None  # torch intra-op threads (None: torch's default); 1 is best for tiny models
     vocab_min_count: int = 1
     vocab_max_size: int | None = None
     vocab_check_lines: int = 1_000_000
