@@ -1,0 +1,223 @@
+"""End-to-end pretraining throughput: ``elmo_fast`` Trainer vs a loop built from stock PyTorch parts.
+
+* ``elmo_fast``: ``elmo_fast.training.Trainer.train_step`` as ``elmo-fast train`` runs it: background data worker,
+  elmo_fast kernels (backend auto), bf16 autocast, sparse softmax rows + sparse Adagrad, stateful TBPTT.
+* ``parts``: the same model from library parts: ``nn.Embedding`` + ``nn.Conv1d`` + highway ``nn.Linear`` for the
+  token encoder, ``nn.LSTM(proj_size=P)`` one layer at a time (residual + dropout between), the unfused torch
+  sampled softmax on a dense (V, P) weight, ``clip_grad_norm_`` and ``torch.optim.Adagrad``; bf16 autocast too.
+  Its batches are packed in advance (it does not pay for data loading), so the comparison favours it.
+
+Sizes: the original model (2x4096_512, 2048 filters, 2 highway), 128 rows x 20 steps per GPU, 8192 samples, and a
+synthetic Zipfian corpus with a 100k-word vocabulary (``--vocab``). Reports tokens/s (per direction, as
+``elmo-fast train`` logs them) and peak memory; appends rows to ``bench/results/train.csv``.
+
+    python bench/bench_train.py [--steps 30] [--vocab 100000] [--batch 128]
+    python -m pytest -q bench/bench_train.py        # GPU: the benchmark; CPU: a 2-step smoke test of both loops
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from elmo_fast.chars import Vocabulary  # noqa: E402
+from elmo_fast.reference.sampled_softmax import expected_count_reference, sampled_softmax_loss_reference  # noqa: E402
+from elmo_fast.training import configs  # noqa: E402
+from elmo_fast.training.data import BidirectionalStream, build_vocab, count_tokens  # noqa: E402
+from elmo_fast.training.trainer import Trainer  # noqa: E402
+from elmo_fast.ops.softmax import log_uniform_sample  # noqa: E402
+
+
+def synthetic_corpus(directory: str, n_words: int, n_tokens: int, seed: int = 0, n_shards: int = 4) -> str:
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) for i in range(n_words)]
+    vocab = [f"w{i}" for i in range(n_words)]
+    toks = rng.choices(vocab, weights=weights, k=n_tokens)
+    lines, i = [], 0
+    while i < len(toks):
+        n = rng.randint(5, 40)
+        lines.append(" ".join(toks[i : i + n]))
+        i += n
+    for s in range(n_shards):
+        with open(os.path.join(directory, f"train-{s}.txt"), "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines[s::n_shards]) + "\n")
+    return os.path.join(directory, "train-*.txt")
+
+
+class PartsBiLM(nn.Module):
+    """The bilm-tf training graph from stock torch modules."""
+
+    def __init__(self, cfg: configs.TrainConfig, V: int):
+        super().__init__()
+        d, P, H = cfg.char_embed_dim, cfg.projection_dim, cfg.lstm_dim
+        F_ = sum(n for _, n in cfg.filters)
+        self.cfg = cfg
+        self.emb = nn.Embedding(262, d, padding_idx=0)
+        self.convs = nn.ModuleList([nn.Conv1d(d, n, w) for w, n in cfg.filters])
+        self.highway = nn.ModuleList([nn.Linear(F_, 2 * F_) for _ in range(cfg.n_highway)])
+        self.proj = nn.Linear(F_, P)
+        self.lstms = nn.ModuleList([nn.ModuleList([nn.LSTM(P, H, proj_size=P, batch_first=True)
+                                                   for _ in range(cfg.n_layers)]) for _ in range(2)])
+        self.W = nn.Parameter(torch.randn(V, P) / math.sqrt(P))
+        self.b = nn.Parameter(torch.zeros(V))
+
+    def encode(self, chars):
+        B, T, L = chars.shape
+        x = self.emb(chars.reshape(-1, L)).transpose(1, 2)
+        x = torch.cat([torch.relu(conv(x).amax(-1)) for conv in self.convs], -1)
+        for hw in self.highway:
+            t, g = hw(x).chunk(2, -1)
+            g = torch.sigmoid(g)
+            x = g * x + (1 - g) * torch.relu(t)
+        return self.proj(x).reshape(B, T, -1)
+
+    def direction(self, x, k, states):
+        p = self.cfg.dropout
+        new = []
+        for layer, lstm in enumerate(self.lstms[k]):
+            inp = F.dropout(x, p, self.training)
+            y, st = lstm(inp, states[layer])
+            new.append(tuple(s.detach() for s in st))
+            x = y + inp if layer > 0 else y
+        return F.dropout(x, p, self.training), new
+
+
+def parts_step(model, opt, batch, states, S, V, dev):
+    cf = torch.as_tensor(batch["tokens_characters"], device=dev, dtype=torch.long)
+    cb = torch.as_tensor(batch["tokens_characters_reverse"], device=dev, dtype=torch.long)
+    B, T = cf.shape[:2]
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+        e = model.encode(torch.cat([cf, cb]))
+        losses = []
+        for k, (x, key) in enumerate(((e[:B], "next_token_id"), (e[B:], "next_token_id_reverse"))):
+            h, states[k] = model.direction(x, k, states[k])
+            tgt = torch.as_tensor(batch[key], device=dev).reshape(-1)
+            ids, tries = log_uniform_sample(S, V, device=dev)
+            losses.append(sampled_softmax_loss_reference(
+                h.reshape(-1, h.shape[-1]).float(), tgt, model.W, model.b, ids,
+                expected_count_reference(tgt, tries, S, V), expected_count_reference(ids, tries, S, V)))
+        loss = 0.5 * (losses[0] + losses[1])
+    opt.zero_grad(set_to_none=True)
+    (loss * T).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), model.cfg.all_clip_norm_val)
+    opt.step()
+    return loss.detach()
+
+
+def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
+        n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None) -> list[dict]:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = cfg or configs.original()
+    cfg.batch_size = batch
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        pattern = synthetic_corpus(tmp, vocab_size, n_tokens)
+        files = sorted(Path(tmp).glob("train-*.txt"))
+        counts, _, n_tok, _ = count_tokens([str(f) for f in files])
+        vocab = Vocabulary(words=build_vocab(counts))
+        V = len(vocab)
+        cfg.n_train_tokens = n_tok
+        cfg.n_negative_samples_batch = min(cfg.n_negative_samples_batch, V)
+        # ---- elmo_fast
+        tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
+        try:
+            for _ in range(warmup):
+                tr.train_step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = tr.train_step()
+            float(loss)
+            dt = time.perf_counter() - t0
+        finally:
+            tr.close()
+        mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+        results.append({"provider": "elmo_fast", "tokens_per_s": steps * batch * cfg.unroll_steps / dt,
+                        "ms_per_step": 1000 * dt / steps, "peak_mem_mib": mem})
+        del tr
+        # ---- library parts
+        stream = BidirectionalStream([str(f) for f in files], vocab, batch, cfg.unroll_steps,
+                                     cfg.max_characters_per_token, seed=0)
+        batches = [stream.next_batch() for _ in range(steps + warmup)]
+        torch.manual_seed(0)
+        model = PartsBiLM(cfg, V).to(dev).train()
+        opt = torch.optim.Adagrad(model.parameters(), lr=cfg.learning_rate,
+                                  initial_accumulator_value=cfg.initial_accumulator_value)
+        states = [[None] * cfg.n_layers, [None] * cfg.n_layers]
+        for b in batches[:warmup]:
+            parts_step(model, opt, b, states, cfg.n_negative_samples_batch, V, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for b in batches[warmup:]:
+            loss = parts_step(model, opt, b, states, cfg.n_negative_samples_batch, V, dev)
+        float(loss)
+        dt = time.perf_counter() - t0
+        mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+        results.append({"provider": "parts", "tokens_per_s": steps * batch * cfg.unroll_steps / dt,
+                        "ms_per_step": 1000 * dt / steps, "peak_mem_mib": mem})
+    for r in results:
+        r.update({"shape": f"2x{cfg.lstm_dim}_{cfg.projection_dim} B{batch} T{cfg.unroll_steps} "
+                           f"S{cfg.n_negative_samples_batch} V{V}", "steps": steps})
+    return results
+
+
+def _report(results):
+    for r in results:
+        print(f"{r['provider']:>10}: {r['tokens_per_s']:10.0f} tokens/s  {r['ms_per_step']:8.1f} ms/step  "
+              f"peak {r['peak_mem_mib']:.0f} MiB  [{r['shape']}]")
+    if len(results) == 2:
+        print(f"speedup elmo_fast / parts: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
+    try:
+        from common import append_rows
+
+        append_rows("train", results)
+    except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
+        print(f"(not appended to CSV: {exc})")
+
+
+@pytest.mark.gpu
+def test_bench_train_gpu():
+    _report(run())
+
+
+def test_bench_train_smoke_cpu():
+    """Both loops run (2 steps, tiny model, reference backend) so the benchmark cannot rot without a GPU."""
+    cfg = configs.tiny()
+    cfg.backend = "reference"
+    res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu")
+    assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
+    assert all(r["tokens_per_s"] > 0 for r in res)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--vocab", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--config", default="original")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
+        return 0
+    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
