@@ -123,7 +123,7 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
     cfg.batch_size = batch
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        pattern = synthetic_corpus(tmp, vocab_size, n_tokens)
+        synthetic_corpus(tmp, vocab_size, n_tokens)
         files = sorted(Path(tmp).glob("train-*.txt"))
         counts, _, n_tok, _ = count_tokens([str(f) for f in files])
         vocab = Vocabulary(words=build_vocab(counts))

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         reps = elmo(ids)["elmo_representations"][0]
         top = bilm(ids)["activations"][2][:, 1:-1]  # top LSTM layer, boundaries removed
     vec_mix, vec_top = [], []
-    for k, (w, s) in enumerate(SENTENCES):
+    for k, (w, _) in enumerate(SENTENCES):
         pos = [t.lower() for t in toks[k]].index(w)
         vec_mix.append(reps[k, pos])
         vec_top.append(top[k, pos])
@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         for a in range(len(idx)):
             for b in range(a + 1, len(idx)):
                 i, j = idx[a], idx[b]
-                print(f"      [{i}] vs [{j}]        {_cos(vec_mix[i], vec_mix[j]):7.3f}   {_cos(vec_top[i], vec_top[j]):7.3f}")
+                mix, tp = _cos(vec_mix[i], vec_mix[j]), _cos(vec_top[i], vec_top[j])
+                print(f"      [{i}] vs [{j}]        {mix:7.3f}   {tp:7.3f}")
         same = [(idx[0], idx[2]), (idx[1], idx[3])]
         diff = [(idx[0], idx[1]), (idx[0], idx[3]), (idx[2], idx[1]), (idx[2], idx[3])]
         ms = sum(_cos(vec_top[i], vec_top[j]) for i, j in same) / len(same)

@@ -64,7 +64,7 @@ def test_two_gloo_processes_equal_one_process_with_two_towers(tmp_path):
                         capture_output=True, text=True, timeout=300)
     assert r1.returncode == 0, r1.stderr[-3000:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-           f"--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "elmo_fast.training.cli",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "elmo_fast.training.cli",
            *_args(two, corpus, 1)]
     r2 = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0, (r2.stdout[-2000:], r2.stderr[-4000:])

@@ -14,9 +14,10 @@ Design notes
 * **Sparse softmax.** ``SampledSoftmaxLoss(sparse=True)`` gives sparse COO gradients for the rows a tower touches
   (targets of both directions + both sample sets): no (V, P) dense gradient is ever materialised. The samples are
   drawn by the trainer with one generator per tower and passed in. Towers' row gradients are concatenated and
-  deduplicated by summing, as TF does for IndexedSlices. Across processes we **all-gather the touched rows** (ids + gradient rows, padded to the
-  largest count) rather than densify-and-allreduce: the traffic is proportional to the rows touched
-  (~2·B·T + 2·S per tower) instead of V·P, which for the original model (V = 793k, P = 512) is ~20x smaller.
+  deduplicated by summing, as TF does for IndexedSlices. Across processes we **all-gather the touched rows**
+  (ids + gradient rows, padded to the largest count), then deduplicate, rather than densify-and-allreduce: each
+  rank receives world x (at most 2·B·T + 2·S) rows instead of all V rows. For the original model (B 128, T 20,
+  S 8192, V 793k) on 3 GPUs that is <= 64k rows against 793k, about 12x less traffic, and no (V, P) buffer.
 * **Clipping and update.** Global-norm clipping over all dense gradients and the deduplicated row gradients, then
   Adagrad as TF1 applies it (``acc += g²; w -= lr·g/√acc``, accumulator initialised to 1.0, no epsilon); for the
   softmax only the touched rows' weights and accumulators change, which is exactly what dense Adagrad would do
@@ -37,10 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from .._backend import select_backend
 from ..chars import Vocabulary
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
