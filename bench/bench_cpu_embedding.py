@@ -1,0 +1,164 @@
+"""CPU embedding throughput at the published "original" size (2x4096_512_2048cnn_2xhighway), 2 threads.
+
+elmo_fast (backend "reference") vs the real AllenNLP 2.10.1 ``_ElmoBiLm`` when allennlp is importable in the
+running venv (``bash bench/setup_allennlp.sh``; then run from ``.venv-allennlp``), else elmo_fast alone:
+
+    .venv-allennlp/bin/python -m pytest bench/bench_cpu_embedding.py --benchmark-only -s
+
+One timed call = the biLM forward (char CNN, highway, projection, both 2-layer LSTMP stacks; inference,
+``torch.no_grad``, stateful as in AllenNLP) on one batch of 32 deterministic pseudo-English sentences of 20-30
+tokens, from char ids (``batch_to_ids`` is done once, outside the timing). Random weights in the published hdf5
+layout are written once per session to a temp dir (~375 MB). Before timing, both engines run the batch from a
+fresh state and every biLM layer must agree to 1e-4. tokens/s counts real tokens (no <S>/</S>).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+
+import pytest
+import torch
+
+from elmo_fast import ElmoBiLM, batch_to_ids
+from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model
+
+try:
+    from allennlp.modules.elmo import _ElmoBiLm as AllenNLPElmoBiLm
+except ImportError:  # the project's own venv: elmo_fast only
+    AllenNLPElmoBiLm = None
+
+N_THREADS = 2
+N_SENTENCES = 32
+ATOL = 1e-4
+ROUNDS = int(os.environ.get("ELMO_BENCH_ROUNDS", "5"))
+
+_RESULTS: dict[str, float] = {}
+
+# A small made-up lexicon with a rough Zipf-like frequency order (function words first), so that the batch
+# has the token repetition and the word-length mix of real English text.
+_FUNCTION = ("the of and to a in that is was he for it with as his on be at by had not are but from or have an "
+             "they which one you were her all she there would their we him been has when who will more no if out "
+             "so said what up its about into than them can only other new some could time these two may then do "
+             "first any my now such like our over man me even most made after also did many before must through "
+             "back years where much your way well down should because each just those people how too little").split()
+_CONTENT = ("market river engine garden signal window morning language committee village machine station letter "
+            "winter summer doctor teacher student problem question answer system number company country city "
+            "council report season history picture journey harbour bridge forest valley mountain island kitchen "
+            "library museum theatre minister officer soldier farmer writer painter singer player driver worker "
+            "quietly carefully suddenly slowly rarely often almost always never perhaps together yesterday "
+            "tomorrow tonight early late bright dark heavy light narrow wide ancient modern simple difficult "
+            "important possible necessary available significant international traditional environmental "
+            "walked opened closed carried noticed answered wondered remembered discovered considered followed "
+            "announced increased reduced described produced suggested explained returned travelled").split()
+_NAMES = ["Anna", "Boris", "Clara", "Daniel", "Elena", "Farid", "Grace", "Hiro", "Ingrid", "Jonas", "Kenji",
+          "Lucia", "Marek", "Nadia", "Oscar", "Priya", "Rafael", "Sofia", "Tomas", "Yara"]
+
+
+def pseudo_english(n_sentences: int = N_SENTENCES, seed: int = 2024, lo: int = 20, hi: int = 30) -> list[list[str]]:
+    """Deterministic made-up English-like sentences of lo..hi tokens (punctuation counted as tokens)."""
+    rng = random.Random(seed)
+    function_w = [1.0 / (r + 1) ** 0.9 for r in range(len(_FUNCTION))]
+    content_w = [1.0 / (r + 1) ** 0.6 for r in range(len(_CONTENT))]
+    out = []
+    for _ in range(n_sentences):
+        n = rng.randint(lo, hi)
+        toks: list[str] = []
+        while len(toks) < n - 1:
+            r = rng.random()
+            if r < 0.52:
+                toks.append(rng.choices(_FUNCTION, function_w)[0])
+            elif r < 0.90:
+                toks.append(rng.choices(_CONTENT, content_w)[0])
+            elif r < 0.95:
+                toks.append(rng.choice(_NAMES))
+            elif r < 0.98:
+                toks.append(",")
+            else:
+                toks.append(str(rng.randint(2, 2030)))
+        toks[0] = toks[0][0].upper() + toks[0][1:]
+        toks.append(rng.choice([".", ".", ".", "?", "!"]))
+        out.append(toks)
+    return out
+
+
+@pytest.fixture(scope="session")
+def original_model(tmp_path_factory):
+    torch.set_num_threads(N_THREADS)
+    return write_random_model(tmp_path_factory.mktemp("elmo_original"), ORIGINAL_OPTIONS, seed=0)
+
+
+@pytest.fixture(scope="session")
+def batch():
+    sents = pseudo_english()
+    return sents, batch_to_ids(sents), sum(len(s) for s in sents)
+
+
+@pytest.fixture(scope="session")
+def engines(original_model, batch):
+    """Both engines, checked to agree (every layer, 1e-4) on the batch from a fresh state, then reset."""
+    torch.set_num_threads(N_THREADS)
+    opt, wts = original_model
+    _, ids, _ = batch
+    models = {"elmo_fast": ElmoBiLM(opt, wts, backend="reference")}
+    if AllenNLPElmoBiLm is not None:
+        models["allennlp"] = AllenNLPElmoBiLm(opt, wts)
+    for m in models.values():
+        m.eval()
+    with torch.no_grad():
+        outs = {k: m(ids) for k, m in models.items()}
+    if "allennlp" in outs:
+        a, b = outs["elmo_fast"], outs["allennlp"]
+        assert torch.equal(a["mask"], b["mask"])
+        diffs = [float((x - y).abs().max()) for x, y in zip(a["activations"], b["activations"])]
+        print(f"\n[check] max |elmo_fast - allennlp| per biLM layer: {', '.join(f'{d:.2e}' for d in diffs)}")
+        assert max(diffs) <= ATOL, diffs
+    models["elmo_fast"].reset_states()
+    if "allennlp" in models:
+        models["allennlp"]._elmo_lstm.reset_states()
+    return models
+
+
+def _machine() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), commit {commit}, load1 {load:.1f}")
+
+
+def _run(benchmark, name, model, ids, n_tokens):
+    torch.set_num_threads(N_THREADS)
+
+    def step():
+        with torch.no_grad():
+            return model(ids)
+
+    benchmark.group = "original-size biLM forward, 32 sentences, 2 threads"
+    benchmark.extra_info["tokens"] = n_tokens
+    benchmark.pedantic(step, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    mean = benchmark.stats.stats.mean
+    median = benchmark.stats.stats.median
+    _RESULTS[name] = n_tokens / median
+    benchmark.extra_info["tokens_per_s_median"] = round(n_tokens / median, 1)
+    benchmark.extra_info["tokens_per_s_mean"] = round(n_tokens / mean, 1)
+    print(f"\n[{name}] {n_tokens} tokens: median {median:.3f} s/batch -> {n_tokens / median:.1f} tokens/s "
+          f"(mean {n_tokens / mean:.1f}); {_machine()}")
+    if "allennlp" in _RESULTS and "elmo_fast" in _RESULTS:
+        print(f"[speedup] elmo_fast / allennlp tokens/s (medians) = "
+              f"{_RESULTS['elmo_fast'] / _RESULTS['allennlp']:.2f}x (target >= 3x)")
+
+
+@pytest.mark.skipif(AllenNLPElmoBiLm is None, reason="allennlp not importable (run from .venv-allennlp)")
+def test_bench_allennlp(benchmark, engines, batch):
+    _, ids, n_tokens = batch
+    _run(benchmark, "allennlp", engines["allennlp"], ids, n_tokens)
+
+
+def test_bench_elmo_fast_reference(benchmark, engines, batch):
+    _, ids, n_tokens = batch
+    _run(benchmark, "elmo_fast", engines["elmo_fast"], ids, n_tokens)
