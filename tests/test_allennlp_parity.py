@@ -326,3 +326,30 @@ def test_reset_states(model_files):
             assert torch.equal(a, b)
     assert worst <= ATOL
     _report("reset_states (partial mask, then full)", worst)
+
+
+def test_all_empty_batch(model_files):
+    """A batch whose sentences are all empty. Known divergence in ``batch_to_ids`` only: AllenNLP 2.10.1 returns
+    a 2-D (n, 0) tensor (its padding loses the 50-id axis when no sentence has a token), which its own
+    ``_ElmoBiLm``/``Elmo`` then reject with an IndexError; elmo_fast returns (n, 0, 50) as documented (spec
+    §1.3). On that (n, 0, 50) input both models agree (<S> </S> only; empty representations)."""
+    batch = [[], []]
+    assert tuple(allennlp_elmo.batch_to_ids(batch).shape) == (2, 0)
+    ids = batch_to_ids(batch)
+    assert tuple(ids.shape) == (2, 0, 50)
+    opt, wts = model_files["tiny"]
+    ref = allennlp_elmo._ElmoBiLm(opt, wts)
+    ours = ElmoBiLM(opt, wts, backend="reference")
+    worst = 0.0
+    with torch.no_grad():
+        for _ in range(2):  # stateful: the second call starts from the state the first one left
+            r, o = ref(ids), ours(ids)
+            assert torch.equal(o["mask"], r["mask"])
+            worst = max([worst] + [_maxdiff(a, b) for a, b in zip(o["activations"], r["activations"])])
+    assert worst <= ATOL
+    ref_e, ours_e = _pair(opt, wts, num_output_representations=1)
+    with torch.no_grad():
+        r, o = ref_e(ids), ours_e(ids)
+    assert o["elmo_representations"][0].shape == r["elmo_representations"][0].shape == (2, 0, 32)
+    assert o["mask"].shape == r["mask"].shape == (2, 0)
+    _report("all-empty batch (n, 0, 50)", worst)
