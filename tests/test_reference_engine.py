@@ -217,3 +217,20 @@ def test_token_encoder_reference_matches_module(tmp_path):
               "proj": (enc.W_proj, enc.b_proj)}
     ids = elmo_fast.Batcher().batch_sentences([["a", "b", "a"], ["c"]])
     torch.testing.assert_close(token_encoder_reference(ids, params, "relu"), enc(ids))
+
+
+def test_cpu_weight_cache_follows_weight_updates(tmp_path):
+    """The reference path keeps packed CPU weights across calls; an in-place update must invalidate them."""
+    o, w = write_random_model(tmp_path)
+    model = elmo_fast.ElmoBiLM(o, w, stateful=False, backend="reference")
+    ids = elmo_fast.batch_to_ids([["a", "b", "c"], ["d"]])
+    with torch.no_grad():
+        first = model(ids)["activations"][2]
+        torch.testing.assert_close(model(ids)["activations"][2], first)  # cached path == first call
+        for p in (model._bilm.forward_lstm.W_0[1], model._bilm.backward_lstm.W_P_0[0]):
+            p.mul_(0.5)  # an in-place update bumps the version counter
+        changed = model(ids)["activations"][2]
+        fresh = elmo_fast.ElmoBiLM(o, w, stateful=False, backend="reference")
+        fresh.load_state_dict(model.state_dict())
+        torch.testing.assert_close(changed, fresh(ids)["activations"][2])
+    assert not torch.allclose(changed, first)

@@ -31,7 +31,12 @@ class LSTMPStack(nn.Module):
         self.B = nn.ParameterList([nn.Parameter(torch.zeros(4 * H)) for _ in range(opts.n_layers)])
         self.W_P_0 = (nn.ParameterList([nn.Parameter(torch.empty(H, P)) for _ in range(opts.n_layers)])
                       if with_projection else None)
+        self._cpu_weight_cache: dict = {}  # reference backend, CPU fp32 inference: packed weights (see ops.lstmp)
         self.reset_parameters()
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cpu_weight_cache.clear()  # .to() / .float() / ... give the weights new storage
+        return super()._apply(fn, *args, **kwargs)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -65,6 +70,7 @@ class LSTMPStack(nn.Module):
                 inp, W[:P], W[P:], self.B[layer], self.W_P_0[layer] if self.W_P_0 is not None else None, h0, c0,
                 lengths, cell_clip=self.opts.cell_clip, proj_clip=self.opts.proj_clip, forget_bias=self.forget_bias,
                 reverse=self.reverse, residual=self.opts.use_skip_connections and layer > 0, backend=self.backend,
+                cpu_weight_cache=self._cpu_weight_cache,
             )
             outs.append(y)
             finals.append((hn, cn))

@@ -23,11 +23,14 @@ def lstmp(
     reverse: bool = False,
     residual: bool = False,
     backend: str | None = "auto",
+    cpu_weight_cache: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LSTMP chain over a right-padded batch; returns (y (B,T,P), h_n (B,P), c_n (B,H)).
 
     x (B, T, D); w_in (D, 4H); w_rec (P, 4H); bias (4H,) gate order i|j|f|o without the forget bias;
     w_proj (H, P) or None; h0 (B, P); c0 (B, H); lengths (B,) integer.
+    ``cpu_weight_cache``: a dict owned by the caller (the module owning the weights) in which the reference path
+    keeps CPU-packed copies of the recurrent weights across calls; other backends ignore it.
     """
     _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual)
     be = select_backend(backend, x.device, "lstmp")
@@ -50,7 +53,7 @@ def lstmp(
         from ..kernels.lstmp import lstmp_triton
 
         return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cpu_weight_cache=cpu_weight_cache, **kw)
 
 
 def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):

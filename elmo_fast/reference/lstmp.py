@@ -24,11 +24,28 @@ import torch
 _ONEDNN_OK = os.environ.get("ELMO_FAST_CPU_ONEDNN", "1").strip() != "0"
 
 
-def _packed_cpu_linear(w: torch.Tensor, rows: int):
-    """x -> x · w through oneDNN with ``w`` (K, N) packed once, or None where that path does not apply."""
+def _packed_cpu_linear(w: torch.Tensor, rows: int, cache: dict | None = None):
+    """x -> x · w through oneDNN with ``w`` (K, N) packed once, or None where that path does not apply.
+
+    ``cache`` (owned by the module that owns ``w``) keeps the packed weight across calls, one entry per weight
+    storage, valid while the weight's version counter (bumped by every in-place update) is unchanged."""
     global _ONEDNN_OK
     if not _ONEDNN_OK or w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return None
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    stamp = w._version
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+    lin = _pack(w, rows)
+    if cache is not None and lin is not None:
+        cache[key] = (stamp, lin)
+    return lin
+
+
+def _pack(w: torch.Tensor, rows: int):
+    global _ONEDNN_OK
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), rows)
 
@@ -60,6 +77,7 @@ def lstmp_reference(
     forget_bias: float = 1.0,
     reverse: bool = False,
     residual: bool = False,
+    cpu_weight_cache: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run one LSTMP chain over a right-padded batch.
 
@@ -123,20 +141,24 @@ def lstmp_reference(
     bias_f = bias.clone()
     bias_f[2 * H : 3 * H] += forget_bias
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, w_in, bias) if isinstance(t, torch.Tensor))
+        t is not None and t.requires_grad for t in (x, w_in, w_rec, bias, w_proj, h0, c0))
+    in_lin = rec_lin = proj_lin = None
+    if not needs_grad and x.device.type == "cpu" and x.dtype == torch.float32:
+        in_lin = _packed_cpu_linear(w_in, xs_packed.shape[0], cpu_weight_cache)
+        rec_lin = _packed_cpu_linear(w_rec, B, cpu_weight_cache)
+        if rec_lin is not None and w_proj is not None:
+            proj_lin = _packed_cpu_linear(w_proj, B, cpu_weight_cache)
+
+    def project_input(rows: torch.Tensor) -> torch.Tensor:
+        return in_lin(rows).add_(bias_f) if in_lin is not None else torch.addmm(bias_f, rows, w_in)
+
     gates_x = None
     if not needs_grad and xs_packed.shape[0] > 1:
         uniq, u_inv = torch.unique(xs_packed, dim=0, return_inverse=True)
         if uniq.shape[0] * 4 <= xs_packed.shape[0] * 3:  # pays off: project each distinct row once
-            gates_x = torch.addmm(bias_f, uniq, w_in).index_select(0, u_inv)
+            gates_x = project_input(uniq).index_select(0, u_inv)
     if gates_x is None:
-        gates_x = torch.addmm(bias_f, xs_packed, w_in)  # (N, 4H)
-
-    rec_lin = proj_lin = None
-    if not needs_grad and x.device.type == "cpu" and gates_x.dtype == torch.float32:
-        rec_lin = _packed_cpu_linear(w_rec, B)
-        if rec_lin is not None and w_proj is not None:
-            proj_lin = _packed_cpu_linear(w_proj, B)
+        gates_x = project_input(xs_packed)  # (N, 4H)
 
     h, c = h_init[: n_active[steps[0]]], c_init[: n_active[steps[0]]]
     done_h: list[torch.Tensor] = []  # forward: rows that finished, kept in row order at the end
