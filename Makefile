@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast demo bench lint gpu-check clean cuda-compile-check
+.PHONY: setup test test-parity demo bench lint gpu-check clean cuda-compile-check
 
 setup: $(STAMP)
 
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml setup.py
 # The whole suite; Triton kernels run on CPU tensors under the interpreter. Real sizes are `slow`/`gpu`.
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS) tests
+	$(MAKE) test-parity
+
+# Parity with the real AllenNLP 2.10.1 ELMo, run from its own venv (bench/setup_allennlp.sh builds it).
+test-parity:
+	bash bench/setup_allennlp.sh
+	.venv-allennlp/bin/python -m pytest -q tests/test_allennlp_parity.py
 
 demo: setup
 	$(PY) -m elmo_fast.demo
