@@ -20,19 +20,19 @@ FLOP per token (multiply-add = 2), forward: 2·(D·4H + P·4H + H·P); forward+b
 """
 from __future__ import annotations
 
-import csv
 import datetime
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from elmo_fast.reference.lstmp import lstmp_reference
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from elmo_fast.reference.lstmp import lstmp_reference  # noqa: E402
+
 FIELDS = ["date", "op", "provider", "mode", "B", "T", "D", "H", "P", "dtype", "ms_p50", "ms_p20", "ms_p80",
           "tflops", "tokens_per_s", "peak_mem_mib", "device", "torch", "triton", "cuda", "commit", "command",
           "note"]
@@ -42,37 +42,8 @@ CLIP = 3.0
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels/lstmp.py", "elmo_fast"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (head or "unknown") + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 - a benchmark row without a commit is still a row
-        return "unknown"
-
-
-def versions() -> dict[str, str]:
-    try:
-        import triton
-
-        tv = triton.__version__
-    except Exception:  # noqa: BLE001
-        tv = "none"
-    return {"torch": torch.__version__, "triton": tv, "cuda": torch.version.cuda or "none"}
-
-
 def append_csv(rows: list[dict]) -> Path:
-    path = Path(os.environ.get("ELMO_FAST_BENCH_CSV", ROOT / "bench" / "results" / "lstmp.csv"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-    return path
+    return common.append_rows("lstmp", rows, FIELDS, os.environ.get("ELMO_FAST_BENCH_CSV"))
 
 
 def flop_per_token(D: int, H: int, P: int) -> int:
@@ -155,16 +126,13 @@ def check_triton(device: str, dims: dict) -> None:
 
 def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=("triton", "reference", "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
-    import triton.testing
-
     from elmo_fast.kernels.lstmp import lstmp_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     check_triton(device, dims)
     D, H, P = dims["D"], dims["H"], dims["P"]
-    meta = dict(op="lstmp", device=torch.cuda.get_device_name(), commit=git_commit(),
-                command=" ".join([os.path.basename(sys.executable)] + sys.argv), **versions())
+    meta = dict(op="lstmp", **common.environment())
     rows = []
     for dtype in dtypes:
         for B, T in shapes:
@@ -195,8 +163,7 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     try:
-                        p50, p20, p80 = triton.testing.do_bench(call, warmup=warmup, rep=rep,
-                                                                quantiles=[0.5, 0.2, 0.8], grad_to_none=params)
+                        p50, p20, p80 = common.gpu_time_ms(call, warmup, rep, grad_to_none=params)
                     except Exception as exc:  # noqa: BLE001 - e.g. cuDNN without bf16 RNNs: record, go on
                         p50 = p20 = p80 = float("nan")
                         note = f"error: {type(exc).__name__}: {exc}"[:200]

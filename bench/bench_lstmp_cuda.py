@@ -12,35 +12,24 @@ skip line and exits 0. Importing this file runs nothing.
 from __future__ import annotations
 
 import argparse
-import csv
-import os
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 FIELDS = ["op", "provider", "mode", "B", "T", "D", "H", "P", "dtype", "ms_p50", "ms_p20", "ms_p80", "us_per_step",
           "tflops", "status", "device", "torch", "triton", "cuda", "commit", "command"]
-
-
-def _commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def _timer():
     import torch
 
     try:
-        from triton.testing import do_bench
+        import triton.testing  # noqa: F401
 
         def run(fn):
-            p50, p20, p80 = do_bench(fn, quantiles=[0.5, 0.2, 0.8], warmup=25, rep=200)
-            return p50, p20, p80
+            return common.gpu_time_ms(fn, warmup_ms=25, rep_ms=200)
         return run
     except Exception:  # noqa: BLE001
         def run(fn):
@@ -143,26 +132,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_lstmp_cuda: skipped (no CUDA GPU)")
         return 0
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
-        triton_version = "none"
-    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton_version,
-                cuda=torch.version.cuda, commit=_commit(), command=command)
+    meta = {k: v for k, v in common.environment().items() if k in FIELDS}
     timer = _timer()
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         rows += _bench_shape(B, args.steps, args, timer, meta)
     if args.csv:
-        os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-        new = not os.path.exists(args.csv)
-        with open(args.csv, "a", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        common.append_rows("lstmp_cuda", rows, FIELDS, args.csv)
     return 0
 
 

@@ -16,57 +16,26 @@ forward 2·N·V·P, backward 2× that.
 """
 from __future__ import annotations
 
-import csv
 import datetime
 import math
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from elmo_fast import ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+from elmo_fast import ops  # noqa: E402
+
 CSV_FIELDS = ["date", "op", "provider", "mode", "shape", "dtype", "ms_p50", "ms_p20", "ms_p80", "tflops",
               "peak_mem_mib", "device", "torch", "triton", "cuda", "commit", "command"]
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kernels/softmax.py", "elmo_fast"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
-def _versions() -> dict:
-    try:
-        import triton
-
-        tv = triton.__version__
-    except Exception:  # noqa: BLE001
-        tv = "none"
-    return {"torch": torch.__version__, "triton": tv, "cuda": torch.version.cuda or "none"}
-
-
 def write_rows(rows: list[dict]) -> Path:
-    path = Path(os.environ.get("ELMO_FAST_BENCH_CSV", ROOT / "bench" / "results" / "softmax.csv"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        if new:
-            w.writeheader()
-        for r in rows:
-            w.writerow(r)
-    return path
+    return common.append_rows("softmax", rows, CSV_FIELDS, os.environ.get("ELMO_FAST_BENCH_CSV"))
 
 
 def make_problem(N, P, V, S, dtype, device, seed=0):
@@ -126,17 +95,10 @@ def test_cpu_sampler(benchmark):
 # ----------------------------------------------------------------------------------------------- GPU part
 
 def _measure(fn, flops: float, device) -> dict:
-    import triton.testing
-
     torch.cuda.synchronize(device)
     fn()  # warm-up / compile
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    p50, p20, p80 = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8], rep=200)
+    peak = common.peak_memory_mib(fn)
+    p50, p20, p80 = common.gpu_time_ms(fn, warmup_ms=25, rep_ms=200)
     return {"ms_p50": f"{p50:.4f}", "ms_p20": f"{p20:.4f}", "ms_p80": f"{p80:.4f}",
             "tflops": f"{flops / (p50 * 1e-3) / 1e12:.1f}", "peak_mem_mib": f"{peak:.1f}"}
 
@@ -144,9 +106,8 @@ def _measure(fn, flops: float, device) -> dict:
 def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) -> list[dict]:
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    common = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "dtype": str(dtype).replace("torch.", ""), "device": torch.cuda.get_device_name(dev),
-              "commit": _commit(), "command": " ".join([Path(sys.executable).name] + sys.argv), **_versions()}
+    meta = {**common.environment(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dtype": str(dtype).replace("torch.", "")}
     rows = []
 
     # sampled softmax, fwd+bwd
@@ -164,8 +125,9 @@ def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) 
     flops = 3 * 2.0 * N_s * (S + 1) * P
     for provider, backend, sparse in (("torch", "reference", False), ("triton", "triton", False),
                                       ("triton-sparse-grad", "triton", True)):
-        r = _measure(lambda: sampled_step(*prob, backend, sparse), flops, dev)
-        rows.append({**common, "op": "sampled_softmax", "provider": provider, "mode": "fwd+bwd", "shape": shape, **r})
+        r = _measure(lambda prob=prob, backend=backend, sparse=sparse: sampled_step(*prob, backend, sparse),
+                     flops, dev)
+        rows.append({**meta, "op": "sampled_softmax", "provider": provider, "mode": "fwd+bwd", "shape": shape, **r})
     del prob
     torch.cuda.empty_cache()
 
@@ -178,9 +140,9 @@ def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) 
     shape = f"N={N_f},P={P},V={V}"
     for mode, backward, mult in (("fwd", False, 1), ("fwd+bwd", True, 3)):
         for provider, backend in (("torch", "reference"), ("triton", "triton")):
-            r = _measure(lambda: full_step(hidden, targets, weight, bias, backend, backward),
-                         mult * 2.0 * N_f * V * P, dev)
-            rows.append({**common, "op": "full_softmax_nll", "provider": provider, "mode": mode, "shape": shape, **r})
+            r = _measure(lambda backend=backend, backward=backward:
+                         full_step(hidden, targets, weight, bias, backend, backward), mult * 2.0 * N_f * V * P, dev)
+            rows.append({**meta, "op": "full_softmax_nll", "provider": provider, "mode": mode, "shape": shape, **r})
     return rows
 
 

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 from elmo_fast.chars import Vocabulary  # noqa: E402
 from elmo_fast.reference.sampled_softmax import expected_count_reference, sampled_softmax_loss_reference  # noqa: E402
@@ -184,9 +185,7 @@ def _report(results):
     if len(results) == 2:
         print(f"speedup elmo_fast / parts: {results[0]['tokens_per_s'] / results[1]['tokens_per_s']:.2f}x")
     try:
-        from common import append_rows
-
-        append_rows("train", results)
+        common.append_rows("train", results)
     except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
         print(f"(not appended to CSV: {exc})")
 

@@ -27,14 +27,19 @@ def git_commit() -> str:
         return "unknown"
 
 
-def environment() -> dict[str, str]:
-    """Device, versions, commit and command: what every committed result must carry."""
+def versions() -> dict[str, str]:
+    """torch, triton and CUDA versions (``"none"`` where triton is not importable or torch has no CUDA)."""
     try:
         import triton
 
         triton_v = triton.__version__
     except Exception:  # noqa: BLE001
-        triton_v = "absent"
+        triton_v = "none"
+    return {"torch": torch.__version__, "triton": triton_v, "cuda": torch.version.cuda or "none"}
+
+
+def environment() -> dict[str, str]:
+    """Device, versions, commit and command: what every committed result must carry."""
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:
@@ -43,23 +48,22 @@ def environment() -> dict[str, str]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device,
-        "torch": torch.__version__,
-        "triton": triton_v,
-        "cuda": str(torch.version.cuda),
+        **versions(),
         "commit": git_commit(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
     }
 
 
-def append_rows(name: str, rows: list[dict]) -> Path:
-    """Append rows (each merged with ``environment()``) to ``$ELMO_FAST_BENCH_DIR/<name>.csv``
-    (default bench/results/)."""
-    out_dir = Path(os.environ.get("ELMO_FAST_BENCH_DIR", RESULTS))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.csv"
+def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
+                path: str | os.PathLike | None = None) -> Path:
+    """Append rows to ``path`` (default ``$ELMO_FAST_BENCH_DIR/<name>.csv``, that directory defaulting to
+    bench/results/). Each row is completed with ``environment()``; keys the row already has win. Columns:
+    ``fields`` when given (keys outside it are dropped), else the first row's keys."""
+    path = Path(path) if path else Path(os.environ.get("ELMO_FAST_BENCH_DIR", RESULTS)) / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
-    rows = [{**r, **env} for r in rows]
-    fields = list(rows[0].keys())
+    rows = [{**r, **{k: v for k, v in env.items() if k not in r}} for r in rows]
+    fields = list(fields or rows[0].keys())
     new = not path.exists()
     with open(path, "a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
@@ -69,11 +73,12 @@ def append_rows(name: str, rows: list[dict]) -> Path:
     return path
 
 
-def gpu_time_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> tuple[float, float, float]:
-    """Median, p20, p80 in ms with CUDA events (triton.testing.do_bench)."""
+def gpu_time_ms(fn, warmup_ms: int = 50, rep_ms: int = 300, grad_to_none=None) -> tuple[float, float, float]:
+    """Median, p20, p80 in ms with CUDA events (triton.testing.do_bench; ``grad_to_none``: tensors whose
+    ``.grad`` is reset between repetitions)."""
     from triton.testing import do_bench
 
-    p50, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    p50, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
     return p50, p20, p80
 
 
