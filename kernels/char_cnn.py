@@ -46,7 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast._backend import triton_interpret
+from elmo_fast.kernels._common import acc_dtype, dot_flags, tl_acc_dtype, while_loops
+from elmo_fast.kernels._common import dot as _dot
+from elmo_fast.reference.char_cnn import _activation
 
 PAD_CHAR_ID = 261  # inference id of the in-word padding character (see elmo_fast.reference.char_cnn)
 
@@ -57,18 +59,6 @@ _ACTIVATIONS = {"relu": 0, "tanh": 1}
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates correctly at both ends in fp32.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # UPCAST: the interpreter's numpy dot mishandles bf16, so there both operands go to fp32 (exact for bf16).
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -256,7 +246,7 @@ def _embed_grad_kernel(
         d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :],
                     mask=rmask[:, None] & (c < DC)[None, :], other=0.0)
         acc += tl.dot(onehot, d, input_precision="ieee")
-        r0 += BLOCK_R  # (while: see _while_loops)
+        r0 += BLOCK_R  # (while: see _common.while_loops)
     tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
 
 
@@ -267,23 +257,6 @@ def _config(device: torch.device) -> dict:
     if device.type != "cuda":  # interpreter: small tiles, few numpy ops
         return dict(BLOCK_T=16, BLOCK_F=32, num_warps=1)
     return dict(BLOCK_T=64, BLOCK_F=64, num_warps=4)
-
-
-def _dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
-    upcast = dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret()
-    ieee = dtype == torch.float32
-    return upcast, ieee
-
-
-def _while_loops(device: torch.device) -> bool:
-    """The interpreter (with numpy >= 2.4) cannot use runtime ints as range() bounds, so kernels take a
-    ``while`` loop there; compiled code keeps ``for`` loops, which Triton can software-pipeline."""
-    return device.type != "cuda"
-
-
-def _acc(dtype: torch.dtype):
-    """Accumulation dtype: fp32, or fp64 for fp64 inputs (used by the tests for near-exact checks)."""
-    return (tl.float64, torch.float64) if dtype == torch.float64 else (tl.float32, torch.float32)
 
 
 def _pack_weights(conv_weights: list[torch.Tensor], kw: int, dc: int) -> torch.Tensor:
@@ -324,15 +297,14 @@ def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg
     out = torch.empty((N, F), device=ids.device, dtype=char_embed.dtype)
     arg_dtype = torch.int8 if L < 128 else torch.int32
     arg = torch.empty((N, F), device=ids.device, dtype=arg_dtype) if save_arg else out
-    upcast, ieee = _dot_flags(char_embed.dtype, ids.device)
     grid = (n_tb, triton.cdiv(F, bf))
     _char_cnn_fwd_kernel[grid](
         ids, char_embed, w_packed, bias, wid, klen, perm, bound, out, arg,
         N, F, L, PAD_CHAR_ID,
         DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
         BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
-        UPCAST=upcast, IEEE=ieee, ACC=_acc(char_embed.dtype)[0], WHILE_LOOPS=_while_loops(ids.device),
-        num_warps=cfg["num_warps"],
+        ACC=tl_acc_dtype(char_embed.dtype), WHILE_LOOPS=while_loops(ids.device), num_warps=cfg["num_warps"],
+        **dot_flags(char_embed.dtype, ids.device),
     )
     return out, (arg if save_arg else None), perm, bound
 
@@ -350,18 +322,17 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
     dev = ids.device
     cfg = _config(dev)
     bt, bf = cfg["BLOCK_T"], cfg["BLOCK_F"]
-    tl_acc, acc = _acc(char_embed.dtype)
+    tl_acc, acc = tl_acc_dtype(char_embed.dtype), acc_dtype(char_embed.dtype)
     gw = torch.zeros((kwd, F), device=dev, dtype=acc)
     gb = torch.zeros((F,), device=dev, dtype=acc)
     gwin = torch.zeros((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
-    upcast, ieee = _dot_flags(char_embed.dtype, dev)
     grid = (triton.cdiv(N, bt), triton.cdiv(F, bf))
     _char_cnn_bwd_kernel[grid](
         ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin,
         N, F, L,
         DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
         BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
-        UPCAST=upcast, IEEE=ieee, ACC=tl_acc, WHILE_LOOPS=_while_loops(dev), num_warps=cfg["num_warps"],
+        ACC=tl_acc, WHILE_LOOPS=while_loops(dev), num_warps=cfg["num_warps"], **dot_flags(char_embed.dtype, dev),
     )
     gemb = None
     if need_emb:
@@ -437,8 +408,7 @@ def char_cnn_triton(
     char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
     Output dtype = char_embed's (fp32, bf16, fp16 or fp64); products accumulate in fp32.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"char_cnn activation must be 'relu' or 'tanh', got {activation!r}")
+    _activation(activation)  # validates the name (ValueError), like the reference
     N, L = char_ids.shape
     F = sum(int(b.shape[0]) for b in conv_biases)
     for w in conv_weights:

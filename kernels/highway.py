@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast._backend import triton_interpret
+from elmo_fast.kernels._common import acc_dtype, dot_flags, tl_acc_dtype, while_loops
 
 
 @triton.jit
@@ -190,18 +190,7 @@ def _config(device: torch.device) -> dict:
 
 
 def _flags(dtype: torch.dtype, device: torch.device) -> dict:
-    return dict(
-        UPCAST=dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret(),
-        IEEE=dtype == torch.float32,
-        ACC=tl.float64 if dtype == torch.float64 else tl.float32,
-        # The interpreter (numpy >= 2.4) cannot use runtime ints as range() bounds; compiled code keeps
-        # `for` loops, which Triton software-pipelines.
-        WHILE_LOOPS=device.type != "cuda",
-    )
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return dict(**dot_flags(dtype, device), ACC=tl_acc_dtype(dtype), WHILE_LOOPS=while_loops(device))
 
 
 def highway_fwd(x, wc, bc, wt, bt):
@@ -222,7 +211,7 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     dev = x.device
     cfg = _config(dev)
     flags = _flags(x.dtype, dev)
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
     dxd = torch.empty((M, F), device=dev, dtype=acc)

@@ -65,13 +65,13 @@ gates, the cell state and the h state are fp32 (fp64 for fp64 inputs). fp32 prod
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from elmo_fast._backend import triton_interpret
+from elmo_fast.kernels._common import acc_dtype, tl_acc_dtype
 from elmo_fast.reference.lstmp import lstmp_reference
 
 __all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction"]
@@ -355,20 +355,8 @@ def _bwd_rec_kernel(
 
 
 # ------------------------------------------------------------------------------------------ host side
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _pow2(n: int, lo: int = 16, hi: int = 64) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
-
-
-def _acc_dtype(dt: torch.dtype) -> torch.dtype:
-    return torch.float64 if dt == torch.float64 else torch.float32
-
-
-def _tl_dtype(dt: torch.dtype):
-    return tl.float64 if dt == torch.float64 else tl.float32
 
 
 def _consts(forget_bias, cell_clip, proj_clip, acc, dev) -> torch.Tensor:
@@ -391,7 +379,7 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     H = G // 4
     P = h0.shape[1]
     dev = x.device
-    acc = _acc_dtype(x.dtype)
+    acc = acc_dtype(x.dtype)
     len_i = lengths.to(device=dev, dtype=torch.int32).contiguous()
     T_run = int(len_i.max()) if B else 0  # steps beyond the longest row only produce zeros
 
@@ -418,9 +406,9 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
 
     BB, BH, BP = _blocks(B, H, P)
     BKP, BKH = _pow2(P), _pow2(H)
-    ACC = _tl_dtype(acc)
+    ACC = tl_acc_dtype(acc)
     ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and _interpreting()
+    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
     has_proj = w_proj is not None
     wp = w_proj if has_proj else w_rec  # dummy pointer when there is no projection
     grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
@@ -469,9 +457,9 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
 
     BB, BH, BP = _blocks(B, H, P)
     BKP, BKH = _pow2(P), _pow2(H)
-    ACC = _tl_dtype(acc)
+    ACC = tl_acc_dtype(acc)
     ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and _interpreting()
+    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
     wp = w_proj if has_proj else w_rec
     grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
     grid_p = (triton.cdiv(B, BB), triton.cdiv(P, BP))
