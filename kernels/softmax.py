@@ -5,9 +5,9 @@ One pair of kernels serves both ops. A "column" is a candidate class: for the sa
 
 * ``_softmax_lse_fwd_kernel`` — grid (row blocks, column splits). Each program computes logit tiles
   ``h · w_cᵀ + off_c`` (``off_c = b_c − log Q_c`` for samples, ``b_c`` for the full softmax) over a K loop on
-  P, masks accidental hits, and keeps an online log-sum-exp (running max m, running sum l, fp32) over its
+  P, masks accidental hits, and keeps an online log-sum-exp (running max m, running sum l_sum, fp32) over its
   column range. Split 0 also computes the target logit ``h · w_y + off_y`` by a gathered dot. The (N × S) or
-  (N × V) logits never leave registers; the host combines the per-split (m, l) (a few numbers per row).
+  (N × V) logits never leave registers; the host combines the per-split (m, l_sum) (a few numbers per row).
 * ``_softmax_grad_kernel`` — grid (row blocks, column blocks), for backward. It recomputes one logit tile,
   forms ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for the full softmax) in registers, and
   accumulates ``dH += dlogit · W_c``, ``dW_c += dlogitᵀ · H`` and ``db_c += Σ_n dlogit`` into fp32 buffers with
@@ -27,20 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from elmo_fast.kernels._common import dot as _dot
+
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # fp32-accumulating dot. IEEE: fp32 operands use exact fp32 products (not TF32). UPCAST (interpreter only):
-    # numpy has no bf16 matmul, so low-precision operands are widened to fp32 there (exact for bf16 values).
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit
@@ -61,6 +50,15 @@ def _logit_tile(H, W, rows, cols_w, row_ok, col_ok, P, BLOCK_N: tl.constexpr, BL
 
 
 @triton.jit
+def _row_block(TGT, N, BLOCK_N: tl.constexpr):
+    """This program's block of rows (axis 0 of the grid): int64 indices, in-range mask, targets (-1 outside)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    return rows64, row_ok, tl.load(TGT + rows64, mask=row_ok, other=-1)
+
+
+@triton.jit
 def _softmax_lse_fwd_kernel(
     H, W, COL_IDS, COL_OFF, TGT, TGT_OFF,  # inputs
     OUT_M, OUT_L, OUT_TGT,  # outputs: (SPLITS, N) fp32 ×2, (N,) fp32
@@ -69,15 +67,11 @@ def _softmax_lse_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows64 = rows.to(tl.int64)
-    tgt = tl.load(TGT + rows64, mask=row_ok, other=-1)
+    rows64, row_ok, tgt = _row_block(TGT, N, BLOCK_N)
 
     m = tl.full((BLOCK_N,), -_FLT_MAX, dtype=tl.float32)
-    l = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    l_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     c_begin = pid_s * cols_per_split
     c0 = 0
     while c0 < cols_per_split:
@@ -96,11 +90,11 @@ def _softmax_lse_fwd_kernel(
         logit = tl.where(keep, logit, -_FLT_MAX)
         m_new = tl.maximum(m, tl.max(logit, axis=1))
         p = tl.where(keep, tl.exp(logit - m_new[:, None]), 0.0)
-        l = l * tl.exp(m - m_new) + tl.sum(p, axis=1)
+        l_sum = l_sum * tl.exp(m - m_new) + tl.sum(p, axis=1)
         m = m_new
         c0 += BLOCK_C
     tl.store(OUT_M + pid_s * N + rows64, m, mask=row_ok)
-    tl.store(OUT_L + pid_s * N + rows64, l, mask=row_ok)
+    tl.store(OUT_L + pid_s * N + rows64, l_sum, mask=row_ok)
 
     if pid_s == 0:
         # target logit h·w_y + off_y by a gathered dot
@@ -128,11 +122,8 @@ def _softmax_grad_kernel(
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    rows64 = rows.to(tl.int64)
+    rows64, row_ok, tgt = _row_block(TGT, N, BLOCK_N)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     cols64 = cols.to(tl.int64)
@@ -140,7 +131,6 @@ def _softmax_grad_kernel(
         cid = tl.load(COL_IDS + cols64, mask=col_ok, other=0).to(tl.int64)
     else:
         cid = cols64
-    tgt = tl.load(TGT + rows64, mask=row_ok, other=-1)
     lse = tl.load(LSE + rows64, mask=row_ok, other=0.0)
     g = tl.load(G + rows64, mask=row_ok, other=0.0)
 
@@ -204,6 +194,8 @@ def _num_splits(N: int, C: int, cfg: dict, device: torch.device, requested: int 
 
 
 def _dot_flags(x: torch.Tensor) -> dict:
+    # Off CUDA (the interpreter) every low-precision dtype, fp16 too, is widened for the dot: wider than
+    # _common.dot_flags, which widens bf16 only.
     return dict(UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, IEEE=x.dtype == torch.float32)
 
 
