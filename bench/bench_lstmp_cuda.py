@@ -120,7 +120,8 @@ def _bench_shape(B, T, args, timer, meta) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--csv", default=None, help="append rows to this CSV (default: print only)")
+    ap.add_argument("--csv", default=None,
+                    help="CSV to append to (default: lstmp_cuda.csv in $ELMO_FAST_BENCH_DIR or bench/results/)")
     ap.add_argument("--batches", default="1,16,64,384")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--providers", default="cuda,triton,torch_lstm")
@@ -137,8 +138,7 @@ def main(argv=None) -> int:
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
         rows += _bench_shape(B, args.steps, args, timer, meta)
-    if args.csv:
-        common.append_rows("lstmp_cuda", rows, FIELDS, args.csv)
+    common.append_rows("lstmp_cuda", rows, FIELDS, args.csv)
     return 0
 
 

@@ -3,7 +3,7 @@
 # no network is needed. Steps, each logged under $OUT (default ./gpu_out):
 #   1. build elmo_fast._C in place (setup.py build_ext --inplace, ELMO_FAST_BUILD_CUDA=1)  -> build.log
 #   2. python3 -m pytest -m gpu tests                                                        -> pytest_gpu.log, junit
-#   3. every bench/bench_*.py GPU benchmark (each appends CSV rows to $OUT/bench_<name>.csv) -> bench_<name>.log
+#   3. every bench/bench_*.py GPU benchmark (each appends CSV rows to $OUT/<name>.csv)        -> bench_<name>.log
 # then prints a short summary table last. Exit status: non-zero if the build or the tests failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,12 +47,14 @@ note "pytest -m gpu tests" "rc=$test_rc: $(grep -E '^(=+ )?[0-9]+ (passed|failed
 tail -25 "$OUT/pytest_gpu.log"
 
 # 3. benchmarks
+export ELMO_FAST_BENCH_DIR="$OUT"  # bench/common.py appends every CSV row under $OUT/<name>.csv
 for b in bench/bench_*.py; do
   [[ -f "$b" ]] || continue
+  [[ "$b" == bench/bench_cpu_embedding.py ]] && continue  # CPU-only (pytest-benchmark vs AllenNLP)
   name="$(basename "${b%.py}")"
-  echo "== $b (log: $OUT/$name.log, csv: $OUT/$name.csv)"
+  echo "== $b (log: $OUT/$name.log, csv: $OUT/${name#bench_}.csv)"
   start=$(date +%s)
-  if "$PY" "$b" --csv "$OUT/$name.csv" >"$OUT/$name.log" 2>&1; then
+  if "$PY" "$b" >"$OUT/$name.log" 2>&1; then
     note "$name" "ok ($(( $(date +%s) - start ))s)"
   else
     note "$name" "FAILED rc=$? ($(( $(date +%s) - start ))s), see $name.log"
@@ -64,9 +66,9 @@ echo
 echo "== summary (outputs in $OUT)"
 head -3 "$OUT/env.txt"
 for line in "${SUMMARY[@]}"; do echo "  $line"; done
-if [[ -f "$OUT/bench_lstmp_cuda.csv" ]]; then
+if [[ -f "$OUT/lstmp_cuda.csv" ]]; then
   echo "  lstmp chain, bf16, H=4096 P=512 T=20: per-step us (p50)"
-  "$PY" - "$OUT/bench_lstmp_cuda.csv" <<'PYEOF'
+  "$PY" - "$OUT/lstmp_cuda.csv" <<'PYEOF'
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 keys = sorted({(r["mode"], int(r["B"])) for r in rows})
