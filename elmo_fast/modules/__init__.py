@@ -3,4 +3,4 @@ from .sampled_softmax import SampledSoftmaxLoss
 from .scalar_mix import ScalarMix
 from .token_encoder import CharCNNTokenEncoder
 
-__all__ = ["CharCNNTokenEncoder", "LSTMPStack", "ScalarMix"]
+__all__ = ["CharCNNTokenEncoder", "LSTMPStack", "SampledSoftmaxLoss", "ScalarMix"]

@@ -145,8 +145,9 @@ def sampled_softmax_loss_reference(
 
     hidden (N, P); targets (N,) int; sampled_ids (S,); true_expected (N,); sampled_expected (S,) (float64 from
     :func:`expected_count_reference`). Accidental hits (a sample equal to the row's target) get −FLT_MAX, as TF
-    adds −FLT_MAX to them (other dtypes: their most negative finite value, the same zero probability). With ``sparse_grad`` the
-    gradients of ``weight`` and ``bias`` are sparse COO tensors over the target and sample rows.
+    adds −FLT_MAX to them (other dtypes: their most negative finite value, the same zero probability).
+    With ``sparse_grad`` the gradients of ``weight`` and ``bias`` are sparse COO tensors over the target and
+    sample rows.
     """
     dt = hidden.dtype
     w_t = gather_rows(weight, targets, sparse_grad)
