@@ -237,3 +237,17 @@ print('OK', tuple(out['elmo_representations'][0].shape))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "OK (1, 1, 32)" in res.stdout
+
+
+def test_forward_keyword_names(tiny_model):
+    """The issue's names (char_ids, word_ids) and AllenNLP's (inputs, word_inputs) both work."""
+    o, w = tiny_model
+    ids = elmo_fast.batch_to_ids(SENTS)
+    a = elmo_fast.ElmoBiLM(o, w)(char_ids=ids)["activations"][2]
+    b = elmo_fast.ElmoBiLM(o, w)(inputs=ids, word_inputs=None)["activations"][2]
+    torch.testing.assert_close(a, b)
+    e1 = elmo_fast.Elmo(o, w, 1, dropout=0.0)(inputs=ids)["elmo_representations"][0]
+    e2 = elmo_fast.Elmo(o, w, 1, dropout=0.0)(char_ids=ids)["elmo_representations"][0]
+    torch.testing.assert_close(e1, e2)
+    with pytest.raises(TypeError, match="not both"):
+        elmo_fast.ElmoBiLM(o, w)(ids, inputs=ids)

@@ -108,7 +108,14 @@ class ElmoBiLM(nn.Module):
         table[0] = 0.0
         self._word_embedding = table
 
-    def forward(self, inputs: torch.Tensor, word_inputs: torch.Tensor | None = None) -> dict:
+    def forward(self, char_ids: torch.Tensor | None = None, word_ids: torch.Tensor | None = None, *,
+                inputs: torch.Tensor | None = None, word_inputs: torch.Tensor | None = None) -> dict:
+        """char_ids (B, T, 50) from ``batch_to_ids``; word_ids (B, T) into ``vocab_to_cache`` (optional).
+        AllenNLP's keyword names ``inputs`` / ``word_inputs`` are accepted too."""
+        inputs, word_inputs = _alias(char_ids, inputs, "char_ids", "inputs"), _alias(word_ids, word_inputs,
+                                                                                         "word_ids", "word_inputs")
+        if inputs is None:
+            raise TypeError("ElmoBiLM.forward() needs the char ids (batch_to_ids output)")
         dev = self._device()
         _check_char_ids(inputs, dev)
         token_embedding = None
@@ -136,6 +143,12 @@ class ElmoBiLM(nn.Module):
             token_embedding, mask = enc["token_embedding"], enc["mask"]
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
+
+
+def _alias(a, b, name_a: str, name_b: str):
+    if a is not None and b is not None:
+        raise TypeError(f"pass either {name_a} or {name_b}, not both")
+    return a if a is not None else b
 
 
 _BOS_IDS = torch.tensor(word_to_char_ids(BOS_TOKEN), dtype=torch.long)
@@ -176,7 +189,12 @@ class Elmo(nn.Module):
     def reset_states(self, mask=None) -> None:
         self._elmo_lstm.reset_states(mask)
 
-    def forward(self, inputs: torch.Tensor, word_inputs: torch.Tensor | None = None) -> dict:
+    def forward(self, inputs: torch.Tensor | None = None, word_inputs: torch.Tensor | None = None, *,
+                char_ids: torch.Tensor | None = None, word_ids: torch.Tensor | None = None) -> dict:
+        """inputs (..., T, 50) from ``batch_to_ids``; word_inputs (..., T) into ``vocab_to_cache`` (optional).
+        ``char_ids`` / ``word_ids`` are accepted as keyword aliases."""
+        inputs, word_inputs = _alias(inputs, char_ids, "inputs", "char_ids"), _alias(word_inputs, word_ids,
+                                                                                     "word_inputs", "word_ids")
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs must be a torch.LongTensor from batch_to_ids, got {type(inputs).__name__}")
         if inputs.dim() < 3:
