@@ -22,17 +22,9 @@ class CLIError(Exception):
 
 
 def _read_sentences(path: str) -> list[list[str]]:
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
-    except OSError as exc:
-        raise CLIError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise CLIError(f"{path}: line {line} is not valid UTF-8 (byte {raw[exc.start]:#04x}); "
-                       "the input must be UTF-8 text, one tokenized sentence per line") from None
+    from .util import read_utf8
+
+    text = read_utf8(path, "input file", CLIError)
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

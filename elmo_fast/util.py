@@ -1,7 +1,23 @@
-"""Sentence-boundary helpers with AllenNLP's contracts (``allennlp.nn.util``)."""
+"""Sentence-boundary helpers with AllenNLP's contracts (``allennlp.nn.util``), and strict text input."""
 from __future__ import annotations
 
 import torch
+
+
+def read_utf8(path, what: str = "input file", error: type[Exception] = ValueError) -> str:
+    """The whole file as text; an unreadable or non-UTF-8 file raises ``error`` naming the file, line and byte."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(f"{what} {path}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+                    f"{exc.start}); the file must be UTF-8 text, e.g. convert it with `iconv -f latin1 -t utf-8`"
+                    ) from None
 
 
 def _lengths(mask: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ def test_bad_corpora(tmp_path):
     with pytest.raises(D.DataError, match="no sentences"):
         D.check_corpus([b])
     bad = _write(tmp_path / "latin1.txt", "ok line\ncaf\xe9 au lait\n".encode("latin-1"))
-    with pytest.raises(D.DataError, match=r"not UTF-8.*line 2"):
+    with pytest.raises(D.DataError, match=r"line 2 is not valid UTF-8"):
         D.check_corpus([bad])
 
 
@@ -212,7 +212,7 @@ def test_cli_reports_errors_clearly(tmp_path, capsys):
     bad = _write(tmp_path / "latin1.txt", "caf\xe9\n".encode("latin-1"))
     rc = cli_main(["train", "--save-dir", str(tmp_path / "o"), "--config", "tiny", "--corpus", bad])
     assert rc == 2
-    assert "not UTF-8" in capsys.readouterr().err
+    assert "not valid UTF-8" in capsys.readouterr().err
     rc = cli_main(["train", "--save-dir", str(tmp_path / "o"), "--config", "tiny", "--corpus",
                    str(tmp_path / "none*.txt")])
     assert rc == 2

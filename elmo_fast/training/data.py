@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, Vocabulary, word_to_char_ids
+from ..util import read_utf8
 
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 
@@ -57,17 +58,7 @@ def resolve_shards(pattern: str | os.PathLike | list, what: str = "corpus") -> l
 
 def read_shard(path: str) -> list[list[str]]:
     """One tokenized sentence a line -> token lists (blank lines skipped). Strict UTF-8 with a clear error."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        raise DataError(f"cannot read corpus shard {path}: {exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"corpus shard {path} is not UTF-8: invalid byte 0x{data[exc.start]:02x} on line {line} "
-                        f"(byte offset {exc.start}); convert it, e.g. `iconv -f latin1 -t utf-8`") from None
+    text = read_utf8(path, "corpus shard", DataError)
     return [toks for toks in (line.split() for line in text.splitlines()) if toks]
 
 
