@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import select_backend
+from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
 from ..reference.lstmp import lstmp_reference
 
 
@@ -36,18 +36,13 @@ def lstmp(
     be = select_backend(backend, x.device, "lstmp")
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
     if be == "cuda":
-        from .._backend import _normalise
         from ._lstmp_cuda import lstmp_cuda, unsupported_reason
 
         reason = unsupported_reason(x, w_in, w_proj, h0)
         if reason is None:
             return lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-        if _normalise(backend) == "cuda":  # asked for explicitly: say why it cannot run
-            from .._backend import BackendUnavailableError
-
+        if check_backend_name(backend) == "cuda":  # asked for explicitly: say why it cannot run
             raise BackendUnavailableError(f"backend 'cuda' for lstmp cannot run this call: {reason}")
-        from .._backend import triton_import_error
-
         be = "triton" if triton_import_error() is None else "reference"  # auto: fall back
     if be == "triton":
         from ..kernels.lstmp import lstmp_triton
