@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import elmo_fast  # noqa: E402
+from elmo_fast import add_sentence_boundary_token_ids  # noqa: E402
 from elmo_fast.testing import ORIGINAL_OPTIONS, TINY_OPTIONS, write_random_model  # noqa: E402
 
 SYLLABLES = ["ta", "re", "mo", "ki", "lu", "sen", "dor", "pa", "vi", "nel", "ost", "ra", "che", "ba", "tion", "ing"]
@@ -106,7 +107,8 @@ def _providers(opts, o, w, dtype):
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is skipped, and said so
             print(f"skip elmo_fast-{be}: {type(exc).__name__}: {exc}")
     lib = LibraryBiLM(opts).to(dev, dtype).eval()
-    provs["library"] = lambda ids: lib(_with_boundaries(ids))
+    bos, eos = (torch.tensor(elmo_fast.word_to_char_ids(t), device=dev) for t in ("<S>", "</S>"))
+    provs["library"] = lambda ids: lib(add_sentence_boundary_token_ids(ids, (ids > 0).any(-1), bos, eos)[0])
     try:
         from allennlp.modules.elmo import _ElmoBiLm
 
@@ -116,14 +118,6 @@ def _providers(opts, o, w, dtype):
     except Exception as exc:  # noqa: BLE001
         print(f"skip allennlp: {type(exc).__name__}")
     return provs
-
-
-def _with_boundaries(ids):
-    mask = (ids > 0).any(-1)
-    from elmo_fast.models.elmo import _BOS_IDS, _EOS_IDS
-
-    out, _ = elmo_fast.add_sentence_boundary_token_ids(ids, mask, _BOS_IDS.to(ids.device), _EOS_IDS.to(ids.device))
-    return out
 
 
 def run_gpu(opts=ORIGINAL_OPTIONS) -> list[dict]:

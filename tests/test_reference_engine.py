@@ -234,3 +234,19 @@ def test_cpu_weight_cache_follows_weight_updates(tmp_path):
         fresh.load_state_dict(model.state_dict())
         torch.testing.assert_close(changed, fresh(ids)["activations"][2])
     assert not torch.allclose(changed, first)
+
+
+@pytest.mark.parametrize("change, err, msg", [
+    (dict(lengths=torch.tensor([1, 5])), ValueError, r"lengths must lie in \[0, T=3\], got \[1, 5\]"),
+    (dict(lengths=torch.tensor([1.0, 2.0])), TypeError, "integer tensor"),
+    (dict(h0=torch.zeros(3, 2)), ValueError, r"h0 must have shape \(2, 2\)"),
+    (dict(w_rec=torch.zeros(2, 9)), ValueError, r"w_rec must have shape \(2, 8\)"),
+])
+def test_lstmp_op_validates_inputs(change, err, msg):
+    from elmo_fast.ops import lstmp
+
+    args = dict(x=torch.zeros(2, 3, 4), w_in=torch.zeros(4, 8), w_rec=torch.zeros(2, 8), bias=torch.zeros(8),
+                w_proj=torch.zeros(2, 2), h0=torch.zeros(2, 2), c0=torch.zeros(2, 2), lengths=torch.tensor([1, 3]))
+    args.update(change)
+    with pytest.raises(err, match=msg):
+        lstmp(**args, backend="reference")

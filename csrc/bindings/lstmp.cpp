@@ -103,6 +103,24 @@ elmo_fast::LstmpPlan make_plan(const Dims& d, const Tensor& x) {
   return plan;
 }
 
+// The fields LstmpForwardArgs and LstmpBackwardArgs share: sizes, recurrent weights, lengths, clips, direction.
+template <typename Args>
+void fill_shared(Args& a, int64_t B, int64_t T, int64_t H, int64_t P, const Tensor& wr, const Tensor& wp,
+                 const Tensor& len32, OptDouble cell_clip, OptDouble proj_clip, bool reverse) {
+  a.B = static_cast<int>(B);
+  a.T = static_cast<int>(T);
+  a.H = static_cast<int>(H);
+  a.P = static_cast<int>(P);
+  a.w_rec = wr.data_ptr();
+  a.w_proj = wp.data_ptr();
+  a.lengths = len32.data_ptr<int32_t>();
+  a.has_cell_clip = cell_clip.has_value();
+  a.cell_clip = cell_clip.has_value() ? static_cast<float>(*cell_clip) : 0.f;
+  a.has_proj_clip = proj_clip.has_value();
+  a.proj_clip = proj_clip.has_value() ? static_cast<float>(*proj_clip) : 0.f;
+  a.reverse = reverse;
+}
+
 void check_launch(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, kOp, ": ", what, " launch failed: ", cudaGetErrorString(e));
 }
@@ -140,22 +158,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> forward_impl(
                              fopts);
 
   elmo_fast::LstmpForwardArgs a;
-  a.B = static_cast<int>(B);
-  a.T = static_cast<int>(T);
-  a.H = static_cast<int>(H);
-  a.P = static_cast<int>(P);
+  fill_shared(a, B, T, H, P, wr, wp, len32, cell_clip, proj_clip, reverse);
   a.gx = gx.data_ptr();
   a.x = residual ? xc.data_ptr() : nullptr;
-  a.w_rec = wr.data_ptr();
   a.bias = bs.data_ptr();
-  a.w_proj = wp.data_ptr();
-  a.lengths = len32.data_ptr<int32_t>();
-  a.has_cell_clip = cell_clip.has_value();
-  a.cell_clip = cell_clip.has_value() ? static_cast<float>(*cell_clip) : 0.f;
-  a.has_proj_clip = proj_clip.has_value();
-  a.proj_clip = proj_clip.has_value() ? static_cast<float>(*proj_clip) : 0.f;
   a.forget_bias = static_cast<float>(forget_bias);
-  a.reverse = reverse;
   a.residual = residual;
   a.y = y.data_ptr();
   a.h = h.data_ptr();
@@ -225,18 +232,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lstmp_backwar
     Tensor partial = at::empty(
         {static_cast<int64_t>(elmo_fast::lstmp_partial_bytes(plan, static_cast<int>(P)) / 4)}, fopts);
     elmo_fast::LstmpBackwardArgs a;
-    a.B = static_cast<int>(B);
-    a.T = static_cast<int>(T);
-    a.H = static_cast<int>(H);
-    a.P = static_cast<int>(P);
-    a.w_rec = wr.data_ptr();
-    a.w_proj = wp.data_ptr();
-    a.lengths = len32.data_ptr<int32_t>();
-    a.has_cell_clip = cell_clip.has_value();
-    a.cell_clip = cell_clip.has_value() ? static_cast<float>(*cell_clip) : 0.f;
-    a.has_proj_clip = proj_clip.has_value();
-    a.proj_clip = proj_clip.has_value() ? static_cast<float>(*proj_clip) : 0.f;
-    a.reverse = reverse;
+    fill_shared(a, B, T, H, P, wr, wp, len32, cell_clip, proj_clip, reverse);
     a.gates = gt.data_ptr();
     a.cpre = cp.data_ptr<float>();
     a.hpre = hp.data_ptr<float>();

@@ -29,27 +29,38 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
     if char_ids.device != device:
         raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
     if char_ids.numel():
-        lo, hi = int(char_ids.min()), int(char_ids.max())
+        lo, hi = torch.stack(torch.aminmax(char_ids)).tolist()  # one host sync
         if lo < 0 or hi > MAX_CHAR_ID:
             raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")
+
+
+_BOS_IDS = torch.tensor(word_to_char_ids(BOS_TOKEN), dtype=torch.long)
+_EOS_IDS = torch.tensor(word_to_char_ids(EOS_TOKEN), dtype=torch.long)
 
 
 class ElmoCharacterEncoder(nn.Module):
     """AllenNLP's ``_ElmoCharacterEncoder``: char ids (B, T, 50) without boundaries -> ``{"mask": (B, T+2),
     "token_embedding": (B, T+2, P)}`` with ``<S>``/``</S>`` added (the token layer is not masked)."""
 
-    def __init__(self, token_encoder):
+    def __init__(self, token_encoder, owns_encoder: bool = True):
         super().__init__()
-        self.encoder = token_encoder
+        if owns_encoder:
+            self.encoder = token_encoder
+        else:  # shared with a module that registers it already: keep it out of this one's state_dict
+            object.__setattr__(self, "encoder", token_encoder)
+        self.register_buffer("bos_ids", _BOS_IDS.clone(), persistent=False)
+        self.register_buffer("eos_ids", _EOS_IDS.clone(), persistent=False)
 
     def get_output_dim(self) -> int:
         return self.encoder.output_dim
 
+    def add_boundaries(self, inputs: torch.Tensor):
+        """char ids (B, T, 50) -> (ids (B, T+2, 50) with <S>/</S>, mask (B, T+2))."""
+        _check_char_ids(inputs, self.encoder.char_embed.device)
+        return add_sentence_boundary_token_ids(inputs, (inputs > 0).any(-1), self.bos_ids, self.eos_ids)
+
     def forward(self, inputs: torch.Tensor) -> dict:
-        dev = self.encoder.char_embed.device
-        _check_char_ids(inputs, dev)
-        mask_wo = (inputs > 0).any(-1)
-        ids, mask = add_sentence_boundary_token_ids(inputs, mask_wo, _BOS_IDS.to(dev), _EOS_IDS.to(dev))
+        ids, mask = self.add_boundaries(inputs)
         return {"mask": mask, "token_embedding": self.encoder(ids)}
 
 
@@ -66,7 +77,7 @@ class ElmoBiLM(nn.Module):
                  backend: str | None = "auto", stateful: bool = True):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
-        self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder)
+        self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
         self._requires_grad = requires_grad
         for p in self._bilm.parameters():
             p.requires_grad_(requires_grad)
@@ -151,8 +162,6 @@ def _alias(a, b, name_a: str, name_b: str):
     return a if a is not None else b
 
 
-_BOS_IDS = torch.tensor(word_to_char_ids(BOS_TOKEN), dtype=torch.long)
-_EOS_IDS = torch.tensor(word_to_char_ids(EOS_TOKEN), dtype=torch.long)
 
 
 class Elmo(nn.Module):

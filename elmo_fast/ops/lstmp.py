@@ -78,7 +78,9 @@ def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):
             raise ValueError(f"lstmp: {name} is on {t.device} but x is on {x.device}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise TypeError(f"lstmp: lengths must be an integer tensor, got {lengths.dtype}")
-    if B and (int(lengths.min()) < 0 or int(lengths.max()) > T):
-        raise ValueError(f"lstmp: lengths must lie in [0, T={T}], got [{int(lengths.min())}, {int(lengths.max())}]")
+    if B:
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())  # one host sync
+        if lo < 0 or hi > T:
+            raise ValueError(f"lstmp: lengths must lie in [0, T={T}], got [{lo}, {hi}]")
     if residual and D != P:
         raise ValueError(f"lstmp: residual needs D == P, got D={D}, P={P}")

@@ -12,7 +12,8 @@ Layouts are those of the bilm-tf hdf5 file:
 
 Exact shortcuts used here (they change no value beyond float rounding order):
 
-* every distinct token of a batch is encoded once and scattered back;
+* every distinct token of a batch is encoded once and scattered back (by the callers: the token-encoder module
+  and ``token_encoder_reference``; ``char_cnn_reference`` itself takes the rows as given);
 * all-zero rows (padding tokens) see a zero embedding, so every window gives exactly the conv bias;
 * windows made only of in-word padding characters give one value per filter for every token; it is
   computed once, and each token's convolution only covers the windows that touch a real character.
@@ -87,18 +88,17 @@ def _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation):
     Ftot = sum(int(b.shape[0]) for b in conv_biases)
     if N == 0:
         return char_embed.new_zeros(0, Ftot)
-    uniq, inverse = torch.unique(char_ids, dim=0, return_inverse=True)
-    nonpad = uniq != PAD_CHAR_ID
-    is_zero = ~(uniq != 0).any(dim=1)
+    nonpad = char_ids != PAD_CHAR_ID
+    is_zero = ~(char_ids != 0).any(dim=1)
     # k = 1 + index of the last non-padding character: windows starting at p >= k are all padding.
-    pos = torch.arange(1, L + 1, device=uniq.device)
+    pos = torch.arange(1, L + 1, device=char_ids.device)
     k = (nonpad * pos).amax(dim=1)
     bias_all = torch.cat(conv_biases)
-    out = bias_all.expand(uniq.shape[0], Ftot)  # all-zero rows: every window is exactly the bias
+    out = bias_all.expand(char_ids.shape[0], Ftot)  # all-zero rows: every window is exactly the bias
     max_w = max(int(w.shape[0]) for w in conv_weights)
 
     # value of an all-padding window, per filter: computed once.
-    pad_win = F.embedding(torch.full((1, max_w), PAD_CHAR_ID, device=uniq.device, dtype=torch.long), char_embed)
+    pad_win = F.embedding(torch.full((1, max_w), PAD_CHAR_ID, device=char_ids.device, dtype=torch.long), char_embed)
     pad_vals = [F.conv1d(pad_win[:, :w.shape[0]].transpose(1, 2), w.permute(2, 1, 0), b)[:, :, 0]
                 for w, b in zip(conv_weights, conv_biases)]
 
@@ -112,7 +112,7 @@ def _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation):
         for s in range(0, real.numel(), _BUCKET):
             idx = real[s : s + _BUCKET]
             kmax = int(k_host[s])
-            emb = F.embedding(uniq[idx], char_embed)  # (n, L, d_c)
+            emb = F.embedding(char_ids[idx], char_embed)  # (n, L, d_c)
             group = []
             for (w, b), pv in zip(zip(conv_weights, conv_biases), pad_vals):
                 width = int(w.shape[0])
@@ -129,8 +129,7 @@ def _char_cnn(char_ids, char_embed, conv_weights, conv_biases, activation):
             rows.append(idx)
         real_out = torch.cat(pieces, 0)
         out = out.index_put((torch.cat(rows),), real_out)
-    out = act(out)
-    return out.index_select(0, inverse.reshape(-1))
+    return act(out)
 
 
 def highway_reference(x, w_carry, b_carry, w_transform, b_transform):
