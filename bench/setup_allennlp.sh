@@ -9,6 +9,9 @@
 # What is installed, and why (allennlp pins torch<1.13 and pulls spacy, transformers, wandb, ...; we do not):
 #   * torch==2.13.0 (CPU, from local disk), numpy, h5py            - what the ELMo code actually computes with;
 #   * allennlp==2.10.1 --no-deps                                    - the oracle itself, unmodified;
+#   * bilm==0.1.post5 --no-deps (bilm-tf's own package)             - the oracle for its data code: bilm/data.py
+#     needs only numpy; bilm/__init__.py imports tensorflow, so tests load the data.py file by path
+#     (tests/bilm_oracle.py), never `import bilm`;
 #   * small pure-Python deps that allennlp's import chain reaches and that are cheap to install for real:
 #     tqdm, more-itertools, dill, base58, requests, filelock, rich, huggingface-hub, lmdb, termcolor,
 #     and cached-path 1.1.6 --no-deps (the ELMo code path calls cached_path() on the options/weight files);
@@ -36,7 +39,7 @@ if [ ! -x "$PY" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 "${PIP[@]}" "torch==2.13.0" numpy h5py 2>&1 | filter
-"${PIP[@]}" --no-deps "allennlp==2.10.1" "cached-path==1.1.6" 2>&1 | filter
+"${PIP[@]}" --no-deps "allennlp==2.10.1" "cached-path==1.1.6" "bilm==0.1.post5" 2>&1 | filter
 "${PIP[@]}" tqdm more-itertools dill base58 requests "filelock>=3.4,<3.8" "rich>=12.1,<13" \
     "huggingface-hub>=0.8.1,<0.11" lmdb "termcolor==1.1.0" pytest pytest-benchmark wheel setuptools 2>&1 | filter
 ELMO_FAST_BUILD_CUDA=0 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT" 2>&1 | filter
@@ -163,4 +166,16 @@ with tempfile.TemporaryDirectory() as d:
 stubbed = sorted({n.split(".")[0] for n in _elmo_oracle_stubs.SERVED})
 print(f"allennlp ELMo oracle OK on torch {torch.__version__}: max |allennlp - elmo_fast| = {diff:.2e} "
       f"(tiny random model); import stubs served for: {', '.join(stubbed)}")
+PYCHECK
+
+# Check: bilm-tf's data code (bilm/data.py) loads by path, without tensorflow.
+"$PY" - <<'PYCHECK'
+import sys
+
+sys.path.insert(0, "tests")
+from bilm_oracle import load_bilm_data
+
+data = load_bilm_data()
+assert data is not None and "tensorflow" not in sys.modules
+print(f"bilm-tf data oracle OK: {data.__file__} (no tensorflow imported)")
 PYCHECK

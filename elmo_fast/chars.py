@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 MAX_WORD_LENGTH = 50
@@ -18,6 +19,7 @@ PAD_CHAR = 260
 BOS_TOKEN = "<S>"
 EOS_TOKEN = "</S>"
 UNK_TOKEN = "<UNK>"
+MAXTERMID = "!!!MAXTERMID"  # a vocabulary-file line that is not a word (bilm-tf)
 
 
 def _special(char: int, max_len: int) -> list[int]:
@@ -88,35 +90,65 @@ def batch_to_ids(batch: list[list[str]]) -> torch.Tensor:
 
 
 class Vocabulary:
-    """bilm-tf vocabulary file: one token a line (whitespace stripped), ``!!!MAXTERMID`` skipped."""
+    """bilm-tf's ``Vocabulary``: a vocabulary file read as bilm-tf reads it (docs/data.md).
 
-    def __init__(self, path: str | None = None, words: list[str] | None = None, validate: bool = False):
+    One token a line, surrounding whitespace stripped; a ``!!!MAXTERMID`` line is skipped. Every other line is a
+    word, a blank line too (the word ``""``), so line k (0-based, skipped lines not counted) has id k and ``size``
+    counts every line. A word listed twice has two ids; ``word_to_id`` gives the last one, and so do ``bos``,
+    ``eos`` and ``unk`` (the ids of ``<S>``, ``</S>``, ``<UNK>``, or -1 when absent). Unknown words map to ``unk``.
+    ``Vocabulary(words=[...])`` builds one from a list instead of a file.
+    """
+
+    def __init__(self, filename=None, validate_file: bool = False, *, words: list[str] | None = None):
         if words is None:
-            if path is None:
-                raise ValueError("Vocabulary needs a path or a list of words")
-            words = []
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    w = line.strip()
-                    if w and w != "!!!MAXTERMID":
-                        words.append(w)
+            if filename is None:
+                raise ValueError("Vocabulary needs a file name or a list of words")
+            from .util import read_utf8, text_lines
+
+            words = [w for w in (ln.strip() for ln in text_lines(read_utf8(filename, "vocabulary"))) if w != MAXTERMID]
         self.words = list(words)
-        self.word_to_id = {}
-        for i, w in enumerate(self.words):
-            self.word_to_id.setdefault(w, i)
-        self.bos = self.word_to_id.get(BOS_TOKEN, -1)
-        self.eos = self.word_to_id.get(EOS_TOKEN, -1)
-        self.unk = self.word_to_id.get(UNK_TOKEN, -1)
-        if validate:
-            missing = [t for t, i in ((BOS_TOKEN, self.bos), (EOS_TOKEN, self.eos), (UNK_TOKEN, self.unk)) if i < 0]
+        self._word_to_id = {w: i for i, w in enumerate(self.words)}  # a repeated word keeps its last id
+        if validate_file:
+            missing = [t for t in (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN) if t not in self._word_to_id]
             if missing:
-                raise ValueError(f"vocabulary {path or '<list>'} lacks the special tokens {missing}")
+                raise ValueError(f"vocabulary {filename or '<list>'} lacks the special tokens {missing}")
+
+    @property
+    def bos(self) -> int:
+        return self._word_to_id.get(BOS_TOKEN, -1)
+
+    @property
+    def eos(self) -> int:
+        return self._word_to_id.get(EOS_TOKEN, -1)
+
+    @property
+    def unk(self) -> int:
+        return self._word_to_id.get(UNK_TOKEN, -1)
+
+    @property
+    def size(self) -> int:
+        return len(self.words)
 
     def __len__(self) -> int:
         return len(self.words)
 
-    def word_to_index(self, word: str) -> int:
-        return self.word_to_id.get(word, self.unk)
+    def word_to_id(self, word: str) -> int:
+        return self._word_to_id.get(word, self.unk)
+
+    def id_to_word(self, cur_id: int) -> str:
+        return self.words[cur_id]
+
+    def decode(self, cur_ids) -> str:
+        """Ids -> the words joined by single spaces."""
+        return " ".join(self.words[i] for i in cur_ids)
+
+    def encode(self, sentence, reverse: bool = False, split: bool = True) -> np.ndarray:
+        """A sentence (a string, or a token list with ``split=False``) -> int32 ids ``[bos, w1..wn, eos]``;
+        with ``reverse`` the sentence is taken as already reversed and the ends are ``[eos, ..., bos]``."""
+        words = sentence.split() if split else sentence
+        ids = [self.word_to_id(w) for w in words]
+        ends = (self.eos, self.bos) if reverse else (self.bos, self.eos)
+        return np.array([ends[0], *ids, ends[1]], dtype=np.int32)
 
 
 class Batcher:
@@ -154,6 +186,6 @@ class TokenBatcher:
         out = torch.zeros(len(sentences), max_len, dtype=torch.long)
         v = self.vocab
         for k, sent in enumerate(sentences):
-            ids = [v.bos] + [v.word_to_index(w) for w in sent] + [v.eos]
-            out[k, : len(ids)] = torch.tensor(ids) + 1
+            ids = v.encode(sent, split=False)
+            out[k, : len(ids)] = torch.from_numpy(ids.astype(np.int64)) + 1
         return out

@@ -122,6 +122,7 @@ def main(argv=None) -> int:
 
     print("[3/4] dumping weights (published hdf5 layout + options.json)...", flush=True)
     out = os.path.join(save_dir, "elmo")
+    os.makedirs(out, exist_ok=True)
     dump_weights(save_dir, os.path.join(out, "weights.hdf5"))
     opt_file, w_file = os.path.join(out, "options.json"), os.path.join(out, "weights.hdf5")
     print(f"  {w_file} ({os.path.getsize(w_file) / 1e6:.1f} MB)")

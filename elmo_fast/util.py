@@ -1,5 +1,9 @@
-"""Sentence-boundary helpers with AllenNLP's contracts (``allennlp.nn.util``), and strict text input."""
+"""Sentence-boundary helpers with AllenNLP's contracts (``allennlp.nn.util``), strict text input, and the path
+checks every command runs before it does any work."""
 from __future__ import annotations
+
+import os
+import re
 
 import torch
 
@@ -18,6 +22,88 @@ def read_utf8(path, what: str = "input file", error: type[Exception] = ValueErro
         raise error(f"{what} {path}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
                     f"{exc.start}); the file must be UTF-8 text, e.g. convert it with `iconv -f latin1 -t utf-8`"
                     ) from None
+
+
+def text_lines(text: str) -> list[str]:
+    r"""The lines of ``text`` as Python's text-mode ``readlines`` (bilm-tf's reader) sees them, without their
+    ends: only \n, \r\n and \r end a line. (``str.splitlines`` would also split at \v, \f, \x1c-\x1e, \x85,
+    \u2028 and \u2029, which bilm-tf's ``str.split`` treats as spaces inside a line.)"""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def parse_device(name: str, what: str = "--device", error: type[Exception] = ValueError) -> torch.device:
+    """A device string that can run here (cpu, cuda, cuda:N with a GPU present); else ``error`` saying why."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise error(f"{what} {name!r} is not a device; expected cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise error(f"{what} {name}: no CUDA device is available here; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise error(f"{what} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def check_backend(name: str | None, device: torch.device, ops: tuple[str, ...], what: str = "--backend",
+                  error: type[Exception] = ValueError) -> None:
+    """The backend ``name`` can run every op in ``ops`` on ``device``; else ``error`` in command-line words."""
+    from ._backend import BackendUnavailableError, select_backend
+
+    try:
+        for op in ops:
+            select_backend(name, device, op)
+    except (BackendUnavailableError, ValueError) as exc:
+        prefix = f"{what} {name}: " if name else ""
+        raise error(prefix + re.sub(r"backend='(\w+)'", r"--backend \1", str(exc))) from None
+
+
+def check_input_file(path, what: str, error: type[Exception] = ValueError) -> None:
+    """``path`` names a readable regular file; else ``error`` naming ``what`` (e.g. "--vocab"), the path and why."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise error(f"{what} {path}: no such file")
+    if os.path.isdir(path):
+        raise error(f"{what} {path}: is a directory; expected a file")
+    if not os.access(path, os.R_OK):
+        raise error(f"{what} {path}: not readable (permission denied)")
+
+
+def check_output_file(path, what: str, error: type[Exception] = ValueError) -> None:
+    """``path`` can be written: not a directory, and its folder exists and is writable. Nothing is created."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise error(f"{what} {path}: is a directory; expected a file name, e.g. {os.path.join(path, 'out.hdf5')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise error(f"{what} {path}: the folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise error(f"{what} {path}: the folder {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise error(f"{what} {path}: the file exists and is not writable")
+
+
+def check_output_dir(path, what: str, error: type[Exception] = ValueError) -> None:
+    """``path`` is a directory, or can be created as one (its nearest existing ancestor is a writable folder)."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise error(f"{what} {path}: the directory is not writable")
+        return
+    if os.path.exists(path):
+        raise error(f"{what} {path}: is a file; expected a directory (existing or to be created)")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise error(f"{what} {path}: {parent} is a file, so the directory cannot be created")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"{what} {path}: cannot create it, {parent} is not writable")
 
 
 def _lengths(mask: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,12 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
     except OSError as exc:
         raise WeightFileError(f"{path} is not a readable hdf5 file: {exc}") from None
     with fh:
+        residual = fh.attrs.get(RESIDUAL_ATTR)
+        if residual is not None and bool(residual) != opts.lstm.use_skip_connections:
+            raise WeightFileError(
+                f"{path} holds a model {'with' if residual else 'without'} residual connections but the options say "
+                f"lstm.use_skip_connections={str(opts.lstm.use_skip_connections).lower()}; use the options file "
+                "written with these weights")
         if opts.char_cnn is None and "embedding" in fh:
             raise WeightFileError(
                 f"{path}: word-input biLMs (an 'embedding' dataset, no char_cnn in the options) are not supported; "
@@ -90,26 +96,49 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
 
 
 @contextlib.contextmanager
-def atomic_h5(path: str | os.PathLike):
-    """An hdf5 file opened for writing under a temporary name and renamed into place only when the block
-    succeeds: a reader never sees a half-written file, and a failure leaves no file behind."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+def atomic_paths(*paths: str | os.PathLike):
+    """Temporary names for ``paths`` (same folders), renamed into place together only when the block succeeds.
+
+    A reader never sees a half-written file; on any exception (including the one the CLI raises for SIGINT or
+    SIGTERM) every temporary file is removed and the targets keep their old content, or stay absent. The renames
+    come last, after everything was written, so files that belong together are replaced together."""
+    targets = [os.fspath(p) for p in paths]
+    tmps = [f"{p}.tmp-{os.getpid()}" for p in targets]
     try:
-        with h5py.File(tmp, "w") as fh:
-            yield fh
-        os.replace(tmp, path)
+        yield tmps
+        for tmp, target in zip(tmps, targets):
+            os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
-def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
-    """Write float32 datasets in the published layout, atomically."""
+@contextlib.contextmanager
+def atomic_h5(path: str | os.PathLike):
+    """An hdf5 file opened for writing under a temporary name (see ``atomic_paths``)."""
+    with atomic_paths(path) as (tmp,), h5py.File(tmp, "w") as fh:
+        yield fh
+
+
+# The published files do not record whether the model has residual connections (the shapes are the same either
+# way). Files written by elmo_fast record it in this root attribute, and reading them checks it.
+RESIDUAL_ATTR = "elmo_fast.use_skip_connections"
+
+
+def write_arrays(fh: h5py.File, arrays: dict[str, np.ndarray], opts: ElmoOptions | None = None) -> None:
+    """Float32 datasets in the published layout into an open file; with ``opts``, also the residual flag."""
+    for name in sorted(arrays):
+        fh.create_dataset(name, data=np.asarray(arrays[name], dtype=np.float32))
+    if opts is not None:
+        fh.attrs[RESIDUAL_ATTR] = bool(opts.lstm.use_skip_connections)
+
+
+def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray], opts: ElmoOptions | None = None) -> None:
+    """Write float32 datasets in the published layout, atomically (see ``write_arrays``)."""
     with atomic_h5(path) as fh:
-        for name in sorted(arrays):
-            fh.create_dataset(name, data=np.asarray(arrays[name], dtype=np.float32))
+        write_arrays(fh, arrays, opts)
 
 
-__all__ = ["read_weights", "write_weights", "atomic_h5", "expected_shapes", "lstm_prefix", "WeightFileError",
+__all__ = ["read_weights", "write_weights", "write_arrays", "atomic_h5", "atomic_paths", "expected_shapes", "lstm_prefix", "WeightFileError",
            "OptionsError"]

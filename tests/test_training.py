@@ -67,40 +67,45 @@ def test_vocab_builder_order_and_ties(tmp_path):
 def test_batcher_hand_worked_example(tmp_path):
     """B=2 rows, T=3 steps, test mode (no shuffling), worked out by hand from the rules of spec §6.3:
 
-    sentences: s1 = <S> the cat sat </S>, s2 = <S> a dog </S>, (blank line skipped), s3 = <S> hi </S>,
-    s4 = <S> x y z w </S>.
+    sentences: s1 = <S> the cat sat </S>, s2 = <S> a dog </S>, s3 = <S> </S> (the blank line, as bilm-tf),
+    s4 = <S> hi </S>, s5 = <S> x y z w </S>.
     batch 1  row 0: s1 -> k=min(5-1, 3)=3: in [<S> the cat] tgt [the cat sat]; s1 has "sat </S>" left
              row 1: s2 -> k=3:             in [<S> a dog]   tgt [a dog </S>]; s2 has "</S>" left (<= 1 token)
-    batch 2  row 0: rest of s1 k=1: in [sat] tgt [</S>]; then s3 k=2: in [<S> hi] tgt [hi </S>]
-             row 1: s2 is used up (</S> is target only) -> s4 k=3: in [<S> x y] tgt [x y z]
-    batch 3  row 0 needs a new sentence, none left -> the partial batch is dropped, iteration ends.
-    The reverse stream packs [</S> sat cat the <S>], [</S> dog a <S>], [</S> hi <S>], [</S> w z y x <S>].
+    batch 2  row 0: rest of s1 k=1: in [sat] tgt [</S>]; s3 k=1: in [<S>] tgt [</S>]; s4 k=1: in [<S>] tgt [hi]
+             row 1: s2 is used up (</S> is target only) -> s5 k=3: in [<S> x y] tgt [x y z]
+    batch 3  row 0: rest of s4 k=1, then no sentence is left -> the partial batch is dropped, iteration ends.
+    The reverse stream packs [</S> sat cat the <S>], [</S> dog a <S>], [</S> <S>], [</S> hi <S>], [</S> w z y x <S>].
     """
     f = _write(tmp_path / "s.txt", WORKED)
     vocab = Vocabulary(words=_worked_vocab())
-    ids = vocab.word_to_id
     stream = D.BidirectionalStream([f], vocab, batch_size=2, unroll_steps=3, max_chars=50, test=True)
     batches = list(stream)
     assert len(batches) == 2
 
     def w2i(rows):
-        return [[ids[w] for w in r.split()] for r in rows]
+        return [[vocab.word_to_id(w) for w in r.split()] for r in rows]
 
     b1, b2 = batches
     assert b1["token_ids"].tolist() == w2i(["<S> the cat", "<S> a dog"])
     assert b1["next_token_id"].tolist() == w2i(["the cat sat", "a dog </S>"])
-    assert b2["token_ids"].tolist() == w2i(["sat <S> hi", "<S> x y"])
-    assert b2["next_token_id"].tolist() == w2i(["</S> hi </S>", "x y z"])
+    assert b2["token_ids"].tolist() == w2i(["sat <S> <S>", "<S> x y"])
+    assert b2["next_token_id"].tolist() == w2i(["</S> </S> hi", "x y z"])
     assert b1["token_ids_reverse"].tolist() == w2i(["</S> sat cat", "</S> dog a"])
     assert b1["next_token_id_reverse"].tolist() == w2i(["sat cat the", "dog a <S>"])
-    assert b2["token_ids_reverse"].tolist() == w2i(["the </S> hi", "</S> w z"])
-    assert b2["next_token_id_reverse"].tolist() == w2i(["<S> hi <S>", "w z y"])
+    assert b2["token_ids_reverse"].tolist() == w2i(["the </S> </S>", "</S> w z"])
+    assert b2["next_token_id_reverse"].tolist() == w2i(["<S> <S> hi", "w z y"])
     # chars: inference ids of the *input* tokens
     assert b2["tokens_characters"].shape == (2, 3, 50)
     assert b2["tokens_characters"][0, 0].tolist() == word_to_char_ids("sat")
     assert b2["tokens_characters"][0, 1].tolist() == word_to_char_ids("<S>")
     assert b1["tokens_characters_reverse"][0, 0].tolist() == word_to_char_ids("</S>")
     assert int(b1["tokens_characters"].min()) > 0
+
+
+def test_only_newlines_end_corpus_lines(tmp_path):
+    """bilm-tf reads shards with readlines(): \\r and \\r\\n end a line, \\f or U+2028 are spaces inside one."""
+    f = _write(tmp_path / "s.txt", "a b\r\nc\rd\u2028e\x0cf\n\n")
+    assert D.read_shard(f) == [["a", "b"], ["c"], ["d", "e", "f"], []]
 
 
 def test_oov_words_keep_their_chars(tmp_path):
@@ -310,6 +315,7 @@ def test_dumped_weights_reproduce_trainer_outputs(tmp_path):
             tr.train_step()
         tr.save_checkpoint()
         out = tmp_path / "dump"
+        out.mkdir()
         dump_weights(str(tmp_path / "run"), str(out / "weights.hdf5"))
         opts = json.load(open(out / "options.json"))
         assert opts["char_cnn"]["n_characters"] == 262

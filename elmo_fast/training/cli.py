@@ -14,8 +14,12 @@ import shutil
 import sys
 import typing
 
-from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config
+from ..util import check_backend, check_input_file, check_output_dir, check_output_file
+from .configs import FIELD_HELP, PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
+
+# the ops a training step runs (each must be available on the device for the chosen backend)
+TRAIN_OPS = ("char_cnn", "highway", "lstmp", "sampled_softmax", "full_softmax")
 
 # fields that may change on --resume (run control); the rest must match the checkpoint
 RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
@@ -34,17 +38,37 @@ def _field_type(f: dataclasses.Field):
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("configuration (defaults come from --config; every field can be overridden)")
+    g = p.add_argument_group(
+        "configuration", "every field of the configuration; a flag given here overrides --config. The defaults shown "
+        "are the 'small' preset's (the default --config); another preset or JSON file brings its own")
+    defaults = small()
+    choices = {"backend": ("auto", "reference", "triton", "cuda"), "activation": ("relu", "tanh")}
     for f in dataclasses.fields(TrainConfig):
         t = _field_type(f)
         flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        shown = json.dumps(default) if isinstance(default, list) else ("null" if default is None else default)
         if t is bool:
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            shown = flag if default else "--no-" + flag[2:]
+        hlp = f"{FIELD_HELP[f.name]} (default: {shown})"
+        if t is bool:
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                           help=hlp)
         elif t is list:
-            g.add_argument(flag, dest=f.name, type=json.loads, default=argparse.SUPPRESS,
-                           help="JSON, e.g. '[[1,32],[2,32]]'")
+            g.add_argument(flag, dest=f.name, type=_json_list, default=argparse.SUPPRESS, metavar="JSON", help=hlp)
         else:
-            g.add_argument(flag, dest=f.name, type=_nullable(t), default=argparse.SUPPRESS)
+            g.add_argument(flag, dest=f.name, type=_nullable(t), default=argparse.SUPPRESS, help=hlp,
+                           choices=choices.get(f.name), metavar=None if f.name in choices else t.__name__.upper())
+
+
+def _json_list(s: str) -> list:
+    try:
+        v = json.loads(s)
+    except json.JSONDecodeError:
+        v = None
+    if not isinstance(v, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[[1,32],[2,32]]', got {s!r}")
+    return v
 
 
 def _nullable(t):
@@ -58,27 +82,32 @@ def _nullable(t):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--train-prefix", "--corpus", dest="corpus", default=None,
-                   help="glob of training shards (one tokenized sentence a line); default: the embedded corpus")
-    p.add_argument("--heldout", default=None, help="glob of held-out shards (perplexity); default: none, or the "
-                   "embedded corpus's held-out split")
-    p.add_argument("--vocab", default=None, help="vocabulary file (<S>, </S>, <UNK> first, then by frequency); "
-                   "default: built from the corpus and written to SAVE_DIR/vocab.txt")
-    p.add_argument("--save-dir", required=True, help="checkpoints, options.json, vocab.txt, train_log.jsonl")
-    p.add_argument("--config", default="small", help=f"preset {sorted(PRESETS)} or a JSON file (default small)")
-    p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the latest checkpoint in --save-dir (or the given checkpoint file)")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
-    p.add_argument("--quiet", action="store_true", help="do not echo the JSON log lines to stdout")
+    p.add_argument("--train-prefix", "--corpus", dest="corpus", default=None, metavar="GLOB",
+                   help="glob of training shards, one tokenized sentence a line (default: the embedded corpus, "
+                   "written to SAVE_DIR/corpus)")
+    p.add_argument("--heldout", default=None, metavar="GLOB", help="glob of held-out shards for perplexity "
+                   "(default: none; with the embedded corpus, its held-out split)")
+    p.add_argument("--vocab", default=None, help="vocabulary file: <S>, </S>, <UNK>, then words by descending "
+                   "frequency (default: built from the corpus and written to SAVE_DIR/vocab.txt)")
+    p.add_argument("--save-dir", required=True, help="directory for checkpoints, options.json, vocab.txt, "
+                   "train_log.jsonl (created if missing; required)")
+    p.add_argument("--config", default="small", help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of "
+                   "configuration fields (default: small)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint in --save-dir, or from the given checkpoint file "
+                   "(default: start a new run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the JSON log lines to stdout (default: echo)")
     _add_config_args(p)
 
 
 def add_dump_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--save-dir", required=True, help="a training directory (or use --checkpoint)")
+    p.add_argument("--save-dir", required=True, help="the training directory (required)")
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default: the latest in --save-dir)")
-    p.add_argument("--outfile", "--weight-file", dest="outfile", required=True, help="hdf5 weights to write")
-    p.add_argument("--options-file", default=None, help="inference options.json to write (default: next to "
-                   "--outfile, named options.json)")
+    p.add_argument("--outfile", "--weight-file", dest="outfile", required=True,
+                   help="hdf5 weights to write, in the published layout (required; its folder must exist)")
+    p.add_argument("--options-file", default=None, help="inference options.json to write (default: options.json "
+                   "next to --outfile)")
 
 
 def add_subcommands(subparsers) -> None:
@@ -97,42 +126,72 @@ def _overrides(args) -> dict:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
+def read_checkpoint(path: str) -> dict:
+    """A training checkpoint, or ConfigError naming the file when it is truncated, foreign or from another version."""
+    from .trainer import CHECKPOINT_VERSION, load_checkpoint
+
+    try:
+        ck = load_checkpoint(path)
+    except Exception as exc:  # noqa: BLE001 - torch.load fails in many ways on a truncated or foreign file
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(f"checkpoint {path} cannot be read ({type(exc).__name__}: {reason}); it is truncated or "
+                          "not a checkpoint written by `elmo-fast train`") from None
+    needed = {"version", "config", "options", "model", "step", "towers"}
+    if not isinstance(ck, dict) or not needed <= ck.keys():
+        raise ConfigError(f"{path} is not a checkpoint written by `elmo-fast train` (expected a dict with the keys "
+                          f"{sorted(needed)})")
+    if ck["version"] != CHECKPOINT_VERSION:
+        raise ConfigError(f"checkpoint {path} has version {ck['version']!r}; this elmo_fast reads version "
+                          f"{CHECKPOINT_VERSION}")
+    return ck
+
+
 def prepare(args, dinfo):
-    """Resolve config, corpus, vocabulary and checkpoint. Returns (cfg, vocab, train_files, heldout_files, ckpt)."""
-    from .trainer import latest_checkpoint, load_checkpoint
+    """Check every argument, then resolve config, corpus, vocabulary and checkpoint, and only then write the run's
+    files into the save dir. Returns (cfg, vocab, train_files, heldout_files, ckpt)."""
+    from .trainer import latest_checkpoint, resolve_device
 
     save_dir = args.save_dir
+    check_output_dir(save_dir, "--save-dir", ConfigError)
     over = _overrides(args)
     ckpt = None
     if args.resume:
         path = latest_checkpoint(save_dir if args.resume == "latest" else args.resume)
         if path is None:
-            raise ConfigError(f"--resume: no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
-        ckpt = load_checkpoint(path)
+            where = os.path.join(save_dir, "checkpoints") if args.resume == "latest" else args.resume
+            raise ConfigError(f"--resume: no checkpoint in {where}")
+        ckpt = read_checkpoint(path)
         base = ckpt["config"]
         bad = {k: v for k, v in over.items() if k not in RESUMABLE and base.get(k) != v}
         if bad:
             raise ConfigError(f"--resume: {sorted(bad)} differ from the checkpoint's configuration; only run-control "
                               f"options may change ({sorted(RESUMABLE)})")
         cfg = TrainConfig.from_dict({**base, **over})
-        with open(os.path.join(save_dir, "run.json"), encoding="utf-8") as fh:
+        run_file = os.path.join(save_dir, "run.json")
+        if not os.path.isfile(run_file):
+            raise ConfigError(f"--resume: {run_file} is missing; resume in the --save-dir of the interrupted run")
+        with open(run_file, encoding="utf-8") as fh:
             run = json.load(fh)
         corpus, heldout, vocab_path = run["corpus"], run["heldout"], os.path.join(save_dir, "vocab.txt")
     else:
         cfg = load_config(args.config)
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **over})
         corpus, heldout, vocab_path = args.corpus, args.heldout, args.vocab
-        if corpus is None:
-            from .corpus import default_corpus
-
-            d = os.path.join(save_dir, "corpus")
-            if dinfo.is_main:
-                default_corpus(d)
-            _barrier(dinfo)
-            corpus = os.path.join(d, "train-*.txt")
-            if heldout is None:
-                heldout = os.path.join(d, "heldout-*.txt")
     cfg.validate()
+    device = resolve_device(cfg.device, dinfo)
+    check_backend(cfg.backend, device, TRAIN_OPS, error=ConfigError)
+    if vocab_path is not None:
+        check_input_file(vocab_path, "--vocab", DataError)
+    if corpus is None:  # every argument is checked: now the embedded corpus may be written
+        from .corpus import default_corpus
+
+        d = os.path.join(save_dir, "corpus")
+        if dinfo.is_main:
+            default_corpus(d)
+        _barrier(dinfo)
+        corpus = os.path.join(d, "train-*.txt")
+        if heldout is None:
+            heldout = os.path.join(d, "heldout-*.txt")
     train_files = resolve_shards(corpus, "training corpus")
     check_corpus(train_files, "training corpus")
     heldout_files = None
@@ -140,14 +199,12 @@ def prepare(args, dinfo):
         heldout_files = resolve_shards(heldout, "held-out corpus")
         check_corpus(heldout_files, "held-out corpus")
 
-    os.makedirs(save_dir, exist_ok=True)
+    words = None
     if ckpt is not None:
         vocab = load_training_vocab(vocab_path)
     elif vocab_path is None:
         counts, n_sent, n_tok, _ = count_tokens(train_files)
         words = build_vocab(counts, cfg.vocab_min_count, cfg.vocab_max_size)
-        if dinfo.is_main:
-            write_vocab(words, os.path.join(save_dir, "vocab.txt"))
         from ..chars import Vocabulary
 
         vocab = Vocabulary(words=words)
@@ -156,8 +213,6 @@ def prepare(args, dinfo):
     else:
         counts, n_sent, n_tok, complete = count_tokens(train_files, cfg.vocab_check_lines)
         vocab = load_training_vocab(vocab_path, counts if cfg.check_vocab_order else None)
-        if dinfo.is_main and os.path.abspath(vocab_path) != os.path.abspath(os.path.join(save_dir, "vocab.txt")):
-            shutil.copyfile(vocab_path, os.path.join(save_dir, "vocab.txt"))
         if cfg.n_train_tokens is None:
             if complete:
                 cfg.n_train_tokens = n_tok
@@ -165,7 +220,14 @@ def prepare(args, dinfo):
                 size = sum(os.path.getsize(f) for f in train_files)
                 read = sum(len(" ".join(s)) + 1 for s in _first_lines(train_files, n_sent))
                 cfg.n_train_tokens = int(n_tok * size / max(read, 1))
+    if cfg.check_memory:
+        check_memory(cfg, len(vocab), device)
     if dinfo.is_main and ckpt is None:
+        os.makedirs(save_dir, exist_ok=True)
+        if words is not None:
+            write_vocab(words, os.path.join(save_dir, "vocab.txt"))
+        elif os.path.abspath(vocab_path) != os.path.abspath(os.path.join(save_dir, "vocab.txt")):
+            shutil.copyfile(vocab_path, os.path.join(save_dir, "vocab.txt"))
         with open(os.path.join(save_dir, "run.json"), "w", encoding="utf-8") as fh:
             json.dump({"corpus": os.path.abspath(corpus) if os.path.exists(corpus) else corpus,
                        "heldout": heldout, "world_size": dinfo.world_size}, fh, indent=2)
@@ -173,6 +235,7 @@ def prepare(args, dinfo):
             json.dump(cfg.to_dict(), fh, indent=2)
         with open(os.path.join(save_dir, "options.json"), "w", encoding="utf-8") as fh:
             json.dump(cfg.options(len(vocab)), fh, indent=2)
+    _barrier(dinfo)
     return cfg, vocab, train_files, heldout_files, ckpt
 
 
@@ -200,15 +263,12 @@ def run_train(args) -> dict:
 
     from .trainer import JsonLog, Trainer, resolve_device, setup_distributed, train_loop
 
-    pref = getattr(args, "device", "auto")
-    dinfo = setup_distributed(pref)
+    dinfo = setup_distributed(getattr(args, "device", "auto"))
     try:
         cfg, vocab, train_files, heldout_files, ckpt = prepare(args, dinfo)
         device = resolve_device(cfg.device, dinfo)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        if cfg.check_memory:
-            check_memory(cfg, len(vocab), device)
         log = JsonLog(os.path.join(args.save_dir, "train_log.jsonl"), dinfo.is_main, echo=not args.quiet)
         log({"event": "start", "world_size": dinfo.world_size, "towers": cfg.towers, "device": str(device),
              "vocab_size": len(vocab), "train_shards": len(train_files),
@@ -224,52 +284,55 @@ def run_train(args) -> dict:
 
 
 def cmd_train(args) -> int:
-    try:
-        run_train(args)
-    except (ConfigError, DataError) as exc:
-        print(f"elmo-fast train: error: {exc}", file=sys.stderr)
-        return 2
+    run_train(args)
     return 0
 
 
 # ------------------------------------------------------------------------------------------------- dump
 def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, checkpoint: str | None = None) -> str:
-    """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262)."""
+    """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262).
+    Both files are written together or not at all. Returns the checkpoint's path."""
+    import h5py
+
     from ..models.bilm import BiLM
     from ..options import ElmoOptions
-    from .trainer import latest_checkpoint, load_checkpoint
+    from ..weights import atomic_paths, write_arrays
+    from .trainer import latest_checkpoint
 
+    if options_file is None:
+        options_file = os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
+    check_output_file(outfile, "--outfile", ConfigError)
+    check_output_file(options_file, "--options-file", ConfigError)
+    if os.path.abspath(outfile) == os.path.abspath(options_file):
+        raise ConfigError(f"--outfile and --options-file both name {outfile}; give two different files")
     path = latest_checkpoint(checkpoint or save_dir)
     if path is None:
         raise ConfigError(f"no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
-    ck = load_checkpoint(path)
+    ck = read_checkpoint(path)
     model = BiLM(ElmoOptions.from_dict(ck["options"]), backend="reference", stateful=False)
     model.load_state_dict(ck["model"])
-    if options_file is None:
-        options_file = os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
-    os.makedirs(os.path.dirname(os.path.abspath(outfile)), exist_ok=True)
-    model.save_weights(outfile, options_file)
+    with atomic_paths(outfile, options_file) as (tmp_weights, tmp_options):
+        with h5py.File(tmp_weights, "w") as fh:
+            write_arrays(fh, model.state_arrays(), model.options)
+        with open(tmp_options, "w", encoding="utf-8") as fh:
+            json.dump(model.options.to_inference_dict(), fh, indent=2)
     return path
 
 
 def cmd_dump_weights(args) -> int:
-    try:
-        path = dump_weights(args.save_dir, args.outfile, args.options_file, args.checkpoint)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"elmo-fast dump-weights: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps({"event": "dumped", "checkpoint": path, "weights": args.outfile,
-                      "options": args.options_file or os.path.join(os.path.dirname(os.path.abspath(args.outfile)),
-                                                                   "options.json")}))
+    options_file = args.options_file or os.path.join(os.path.dirname(os.path.abspath(args.outfile)), "options.json")
+    path = dump_weights(args.save_dir, args.outfile, options_file, args.checkpoint)
+    print(json.dumps({"event": "dumped", "checkpoint": path, "weights": args.outfile, "options": options_file}))
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="elmo-fast", description="elmo_fast biLM training")
+    from ..cli import ArgumentParser, run
+
+    parser = ArgumentParser(prog="elmo-fast", description="elmo_fast biLM training")
     sub = parser.add_subparsers(dest="command", required=True)
     add_subcommands(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return run(parser, argv)
 
 
 if __name__ == "__main__":

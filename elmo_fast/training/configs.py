@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 
 
@@ -88,6 +89,14 @@ class TrainConfig:
             raise ConfigError("max_characters_per_token must be 50: elmo_fast.Elmo/batch_to_ids use 50 ids a token")
         if self.learning_rate <= 0 or self.initial_accumulator_value <= 0:
             raise ConfigError("learning_rate and initial_accumulator_value must be > 0")
+        from .._backend import BACKENDS
+
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not a backend; expected one of {', '.join(BACKENDS)}")
+        if self.device != "auto":
+            from ..util import parse_device
+
+            parse_device(self.device, "device", ConfigError)
         return self
 
     def options(self, n_tokens_vocab: int) -> dict:
@@ -117,11 +126,72 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(d) - set(hints))
         if unknown:
             raise ConfigError(f"unknown config keys {unknown}")
+        for key, value in d.items():
+            allowed = typing.get_args(hints[key]) or (hints[key],)
+            if not any(_is_a(value, t) for t in allowed):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise ConfigError(f"config key {key!r} must be {names}, got {value!r}")
         return cls(**d)
+
+
+# one line of `elmo-fast train --help` per field (the CLI adds the default)
+FIELD_HELP = {
+    "char_embed_dim": "character embedding size (char_cnn.embedding.dim)",
+    "filters": "CNN filters, a JSON list of [width, count]",
+    "n_highway": "highway layers after the CNN",
+    "activation": "CNN activation",
+    "max_characters_per_token": "character ids per token (must be 50)",
+    "lstm_dim": "LSTM cell size (lstm.dim)",
+    "projection_dim": "LSTM projection size, also the token-layer size",
+    "n_layers": "LSTM layers per direction",
+    "cell_clip": "clip of the LSTM cell state (null: none)",
+    "proj_clip": "clip of the projected LSTM output (null: none)",
+    "use_skip_connections": "residual connections between LSTM layers",
+    "dropout": "dropout on every LSTM layer's input and on the top output",
+    "batch_size": "rows per tower and step",
+    "unroll_steps": "tokens per row and step (the truncated-BPTT window)",
+    "n_negative_samples_batch": "sampled-softmax negatives per step and direction",
+    "sample_softmax": "sampled softmax; --no-sample-softmax trains with the full softmax",
+    "learning_rate": "Adagrad learning rate",
+    "initial_accumulator_value": "Adagrad's initial accumulator",
+    "all_clip_norm_val": "global gradient-norm clip",
+    "n_epochs": "epochs (steps = n_epochs x n_train_tokens / (batch_size x unroll_steps x towers))",
+    "n_train_tokens": "tokens in one epoch (null: counted from the corpus)",
+    "towers": "data-parallel towers in one process, each with its own rows and data",
+    "seed": "random seed",
+    "max_steps": "stop after this many steps (null: from n_epochs)",
+    "time_budget": "seconds of training, then checkpoint, evaluate and stop (null: no limit)",
+    "checkpoint_every": "steps between checkpoints",
+    "keep_checkpoints": "checkpoints kept on disk",
+    "eval_every": "steps between held-out evaluations (null: only at the end)",
+    "eval_batch_size": "rows of a held-out batch",
+    "eval_unroll_steps": "tokens per row of a held-out batch",
+    "eval_max_batches": "held-out batches per evaluation (null: all)",
+    "log_every": "steps between log lines",
+    "device": "auto, cpu, cuda or cuda:N",
+    "backend": "kernel backend",
+    "bf16": "bfloat16 autocast on a GPU (ignored on the CPU)",
+    "queue_size": "batches the loader thread reads ahead",
+    "num_threads": "torch intra-op threads (null: torch's default)",
+    "vocab_min_count": "fewest occurrences of a word in a vocabulary built from the corpus",
+    "vocab_max_size": "most entries of a vocabulary built from the corpus (null: no limit)",
+    "vocab_check_lines": "corpus lines counted to check the order of a given --vocab",
+    "check_vocab_order": "check that a given --vocab is sorted by corpus frequency",
+    "check_memory": "refuse a configuration that does not fit in memory",
+    "sleep_per_step": "seconds to sleep after every step (a testing aid)",
+}
+
+
+def _is_a(value, t) -> bool:
+    if t is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return t is bool
+    return isinstance(value, t) or (t is float and isinstance(value, int))
 
 
 def original() -> TrainConfig:
@@ -158,8 +228,16 @@ def load_config(name_or_path: str) -> TrainConfig:
     if name_or_path in PRESETS:
         return preset(name_or_path)
     if os.path.isfile(name_or_path):
-        with open(name_or_path, encoding="utf-8") as fh:
-            return TrainConfig.from_dict(json.load(fh))
+        from ..util import read_utf8
+
+        try:
+            d = json.loads(read_utf8(name_or_path, "config file", ConfigError))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {name_or_path} is not valid JSON: {exc}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"config file {name_or_path} holds a JSON {type(d).__name__}; expected an object of "
+                              "configuration fields, e.g. {\"lstm_dim\": 512}")
+        return TrainConfig.from_dict(d)
     raise ConfigError(f"unknown config {name_or_path!r}; choose one of {sorted(PRESETS)} or a JSON file")
 
 

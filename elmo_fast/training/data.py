@@ -8,9 +8,9 @@ Semantics follow bilm-tf's ``LMDataset`` / ``BidirectionalLMDataset``:
   dataset reverses the words first and encodes ``[</S>, wn..w1, <S>]``, with its own random stream;
 * each of the B rows is a continuous stream of sentences; T slots are filled by copying ``k = min(left - 1, free)``
   tokens as inputs and the following k as targets, so ``</S>`` is only ever a target and ``<S>`` only an input;
-  sentences continue in the same row in the next batch; a batch that cannot be filled is dropped and ends the data.
-
-Deviation: blank lines are skipped (bilm-tf would emit a ``<S> -> </S>`` pair for them).
+  sentences continue in the same row in the next batch; a batch that cannot be filled is dropped and ends the data;
+* a blank line is an empty sentence, ``<S>`` as an input with ``</S>`` as its target; lines end only at a
+  newline, carriage return or both (``util.text_lines``), as in bilm-tf's reader.
 
 Char ids are *inference* ids (raw + 1, see ``elmo_fast.chars``); the zero id never occurs in packed batches.
 Every stream can report its position (``get_state``) after any batch and be restored from it (``set_state``), so a
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, Vocabulary, word_to_char_ids
-from ..util import read_utf8
+from ..util import read_utf8, text_lines
 
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 
@@ -57,9 +57,8 @@ def resolve_shards(pattern: str | os.PathLike | list, what: str = "corpus") -> l
 
 
 def read_shard(path: str) -> list[list[str]]:
-    """One tokenized sentence a line -> token lists (blank lines skipped). Strict UTF-8 with a clear error."""
-    text = read_utf8(path, "corpus shard", DataError)
-    return [toks for toks in (line.split() for line in text.splitlines()) if toks]
+    """One tokenized sentence a line -> token lists (a blank line gives []). Strict UTF-8 with a clear error."""
+    return [line.split() for line in text_lines(read_utf8(path, "corpus shard", DataError))]
 
 
 def check_corpus(files: list[str], what: str = "corpus", full_check_bytes: int = 256 << 20) -> None:
@@ -68,9 +67,7 @@ def check_corpus(files: list[str], what: str = "corpus", full_check_bytes: int =
     if total == 0:
         raise DataError(f"{what}: all {len(files)} file(s) are empty ({files[0]}{', ...' if len(files) > 1 else ''})")
     to_check = files if total <= full_check_bytes else files[:1]
-    n = 0
-    for f in to_check:
-        n += len(read_shard(f))
+    n = sum(1 for f in to_check for toks in read_shard(f) if toks)
     if n == 0 and to_check is files:
         raise DataError(f"{what}: no sentences (every line of {len(files)} file(s) is blank)")
 
@@ -130,7 +127,7 @@ def load_training_vocab(path: str | os.PathLike, counts: Counter | None = None, 
                         min_checked: int = 20) -> Vocabulary:
     """Read a bilm-tf vocabulary for training and validate it.
 
-    * the file must exist and be UTF-8; no duplicate entries;
+    * the file must exist and be UTF-8; blank lines are words (bilm-tf); a word listed twice is an error;
     * ``<S>``, ``</S>`` and ``<UNK>`` must all be present, as the first three lines (spec §6.2);
     * with corpus ``counts``: the remaining words must be sorted by descending frequency, since the log-uniform
       sampler assumes id ~ frequency rank. A vocabulary from another corpus is fine, so the test is the Spearman
@@ -142,27 +139,26 @@ def load_training_vocab(path: str | os.PathLike, counts: Counter | None = None, 
         raise DataError(f"vocabulary file not found: {path}")
     try:
         vocab = Vocabulary(path)
-    except UnicodeDecodeError as exc:
-        raise DataError(f"vocabulary file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     words = vocab.words
     if not words:
         raise DataError(f"vocabulary file {path} is empty")
-    missing = [t for t in SPECIAL_TOKENS if t not in vocab.word_to_id]
+    first: dict[str, int] = {}
+    for i, w in enumerate(words):
+        if w in first:
+            raise DataError(f"vocabulary {path} lists {w!r} twice (lines {first[w] + 1} and {i + 1}); a training "
+                            "vocabulary needs distinct words (bilm-tf would keep the later id and never train the "
+                            "earlier softmax row)")
+        first[w] = i
+    missing = [t for t in SPECIAL_TOKENS if t not in first]
     if missing:
         raise DataError(f"vocabulary {path} lacks the special token(s) {missing}; its first three lines must be "
                         f"<S>, </S>, <UNK> (build one with `elmo-fast train` without --vocab, which writes vocab.txt)")
-    misplaced = [t for t in SPECIAL_TOKENS if vocab.word_to_id[t] > 2]
+    misplaced = [t for t in SPECIAL_TOKENS if first[t] > 2]
     if misplaced:
         raise DataError(f"vocabulary {path}: {misplaced} must be among the first three lines (found at lines "
-                        f"{[vocab.word_to_id[t] + 1 for t in misplaced]})")
-    if len(vocab.word_to_id) != len(words):
-        seen, dup = set(), None
-        for w in words:
-            if w in seen:
-                dup = w
-                break
-            seen.add(w)
-        raise DataError(f"vocabulary {path} has duplicate entries, e.g. {dup!r}")
+                        f"{[first[t] + 1 for t in misplaced]})")
     if counts is not None:
         rest = words[3:]
         c = np.array([counts.get(w, 0) for w in rest], dtype=np.float64)
@@ -282,8 +278,7 @@ class LMStream:
         self.done = False
 
     def _ids(self, words: list[str]) -> np.ndarray:
-        w2i, unk = self.vocab.word_to_id, self.vocab.unk
-        return np.fromiter((w2i.get(w, unk) for w in words), dtype=np.int64, count=len(words))
+        return np.fromiter(map(self.vocab.word_to_id, words), dtype=np.int64, count=len(words))
 
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next (B, T) batch; raises StopIteration when a batch cannot be filled (it is dropped)."""

@@ -1,0 +1,213 @@
+"""Every bad invocation of issue 15's table: exit code 2 (130 / 143 for signals), one line on stderr naming the
+argument, no traceback, and nothing left behind (no output, no temporary file, no half-made save dir)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from elmo_fast.cli import main
+from elmo_fast.testing import TINY_OPTIONS, random_arrays, write_random_model
+from elmo_fast.weights import write_weights
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """Model files, a sentence file, a vocabulary, a corpus and a real training checkpoint (step 0)."""
+    from elmo_fast.chars import Vocabulary
+    from elmo_fast.training.configs import tiny
+    from elmo_fast.training.data import build_vocab, count_tokens
+    from elmo_fast.training.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("inputs")
+    opts, weights = write_random_model(root / "model")
+    (root / "sentences.txt").write_text("The cat sat .\nHello world\n", encoding="utf-8")
+    (root / "vocab.txt").write_text("<S>\n</S>\n<UNK>\nthe\ncat\n", encoding="utf-8")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the cat sat on the mat .\na dog barked .\n" * 20, encoding="utf-8")
+    counts, *_ = count_tokens([str(corpus)])
+    cfg = tiny()
+    cfg.backend, cfg.n_negative_samples_batch, cfg.n_train_tokens = "reference", 8, 100
+    trainer = Trainer(cfg, Vocabulary(words=build_vocab(counts)), [str(corpus)], None, str(root / "run"))
+    try:
+        trainer.save_checkpoint()
+    finally:
+        trainer.close()
+    res_opts = dict(TINY_OPTIONS, lstm=dict(TINY_OPTIONS["lstm"], use_skip_connections=False))
+    (root / "plain_options.json").write_text(json.dumps(res_opts), encoding="utf-8")
+    from elmo_fast.options import ElmoOptions
+
+    write_weights(root / "residual_weights.hdf5", random_arrays(TINY_OPTIONS, 1), ElmoOptions.from_dict(TINY_OPTIONS))
+    return {"opts": opts, "weights": weights, "sent": str(root / "sentences.txt"), "vocab": str(root / "vocab.txt"),
+            "corpus": str(corpus), "run": str(root / "run"), "plain_opts": str(root / "plain_options.json"),
+            "res_weights": str(root / "residual_weights.hdf5")}
+
+
+def _embed(w, out, *extra):
+    return ["embed", "--options", w["opts"], "--weights", w["weights"], "--input", w["sent"], "--output", out,
+            "--quiet", *extra]
+
+
+def _tokens(w, out, *extra):
+    return ["dump-token-embeddings", "--vocab", w["vocab"], "--options", w["opts"], "--weights", w["weights"],
+            "--output", out, "--quiet", *extra]
+
+
+def _train(w, save_dir, *extra):
+    return ["train", "--save-dir", save_dir, "--config", "tiny", "--corpus", w["corpus"], "--max-steps", "1",
+            "--backend", "reference", "--n-negative-samples-batch", "8", "--no-progress", "--quiet", *extra]
+
+
+def _bad_checkpoint(tmp, content: bytes | None):
+    d = tmp / "bad_run" / "checkpoints"
+    d.mkdir(parents=True)
+    if content is None:
+        torch.save({"weights": torch.zeros(3)}, d / "ckpt-000000001.pt")
+    else:
+        (d / "ckpt-000000001.pt").write_bytes(content)
+    (tmp / "bad_run" / "run.json").write_text('{"corpus": "x", "heldout": null}')
+    return str(tmp / "bad_run")
+
+
+def _truncated(w, tmp):
+    data = open(os.path.join(w["run"], "checkpoints", "ckpt-000000000.pt"), "rb").read()
+    return _bad_checkpoint(tmp, data[: len(data) // 2])
+
+
+# (name, argv builder (work, tmp) -> argv, expected exit code, a fragment of the one-line message)
+CASES = [
+    ("embed output is a directory", lambda w, t: _embed(w, t), 2, "--output"),
+    ("embed output folder missing", lambda w, t: _embed(w, t / "nodir" / "o.hdf5"), 2, "does not exist"),
+    ("dump-weights outfile is a directory",
+     lambda w, t: ["dump-weights", "--save-dir", w["run"], "--outfile", str(t)], 2, "--outfile"),
+    ("dump-weights options folder missing",
+     lambda w, t: ["dump-weights", "--save-dir", w["run"], "--outfile", str(t / "w.hdf5"), "--options-file",
+                   str(t / "nodir" / "options.json")], 2, "--options-file"),
+    ("dump-token-embeddings output is a directory", lambda w, t: _tokens(w, t), 2, "--output"),
+    ("dump-token-embeddings output folder missing", lambda w, t: _tokens(w, t / "nodir" / "o.hdf5"), 2,
+     "does not exist"),
+    ("train save dir is a file", lambda w, t: _train(w, w["sent"]), 2, "--save-dir"),
+    ("dump-weights truncated checkpoint",
+     lambda w, t: ["dump-weights", "--save-dir", _truncated(w, t), "--outfile", str(t / "w.hdf5")], 2,
+     "cannot be read"),
+    ("dump-weights foreign checkpoint",
+     lambda w, t: ["dump-weights", "--save-dir", _bad_checkpoint(t, None), "--outfile", str(t / "w.hdf5")], 2,
+     "not a checkpoint written by"),
+    ("resume from a truncated checkpoint", lambda w, t: _train(w, _truncated(w, t), "--resume"), 2,
+     "cannot be read"),
+    ("resume from a text file", lambda w, t: _train(w, _bad_checkpoint(t, b"not a checkpoint\n"), "--resume"), 2,
+     "cannot be read"),
+    ("embed --device gpu", lambda w, t: _embed(w, t / "o.hdf5", "--device", "gpu"), 2, "--device 'gpu'"),
+    ("train --device gpu", lambda w, t: _train(w, t / "run", "--device", "gpu"), 2, "'gpu' is not a device"),
+    ("train --backend bogus", lambda w, t: _train(w, t / "run", "--backend", "bogus"), 2, "--backend"),
+    ("embed --backend triton on the CPU", lambda w, t: _embed(w, t / "o.hdf5", "--device", "cpu", "--backend",
+                                                              "triton"), 2, "--backend reference"),
+    ("train --backend triton on the CPU", lambda w, t: _train(w, t / "run", "--device", "cpu", "--backend", "triton"),
+     2, "--backend reference"),
+    ("train --device cuda without a GPU", lambda w, t: _train(w, t / "run", "--device", "cuda"), 2, "cuda"),
+    ("embed --device cuda without a GPU", lambda w, t: _embed(w, t / "o.hdf5", "--device", "cuda"), 2, "no CUDA"),
+    ("train malformed JSON config", lambda w, t: _write_config(t, "{not json") + [], 2, "not valid JSON"),
+    ("train JSON list config", lambda w, t: _write_config(t, "[1, 2]"), 2, "expected an object"),
+    ("train config value of the wrong type", lambda w, t: _write_config(t, '{"dropout": "high"}'), 2, "'dropout'"),
+    ("dump-token-embeddings --batch-size 0", lambda w, t: _tokens(w, t / "o.hdf5", "--batch-size", "0"), 2,
+     "--batch-size"),
+    ("dump-token-embeddings --batch-size -1", lambda w, t: _tokens(w, t / "o.hdf5", "--batch-size", "-1"), 2,
+     "--batch-size"),
+    ("embed --use-sentence-keys with the sentence '.'",
+     lambda w, t: _embed(w, t / "o.hdf5", "--use-sentence-keys") if _sentences(w, t, ".\n") else None, 2,
+     "cannot name an hdf5 dataset"),
+    ("embed --use-sentence-keys with a '/' in a sentence",
+     lambda w, t: _embed(w, t / "o.hdf5", "--use-sentence-keys") if _sentences(w, t, "a / b\n") else None, 2,
+     "cannot name an hdf5 dataset"),
+    ("residual weights with non-residual options",
+     lambda w, t: _embed(dict(w, opts=w["plain_opts"], weights=w["res_weights"]), t / "o.hdf5"), 2,
+     "residual connections"),
+    ("embed missing weights", lambda w, t: _embed(dict(w, weights=str(t / "none.hdf5")), t / "o.hdf5"), 2,
+     "--weights"),
+    ("dump-token-embeddings vocabulary is a directory", lambda w, t: _tokens(dict(w, vocab=str(t)), t / "o.hdf5"), 2,
+     "--vocab"),
+]
+
+
+def _write_config(tmp, text):
+    cfg = tmp.parent / f"config-{abs(hash(text))}.json"
+    cfg.write_text(text)
+    return ["train", "--save-dir", str(tmp / "run"), "--config", str(cfg), "--corpus", str(cfg)]
+
+
+def _sentences(w, tmp, text):
+    path = tmp.parent / f"sentences-{abs(hash(text))}.txt"
+    path.write_text(text)
+    w["sent"] = str(path)
+    return True
+
+
+def _snapshot(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, dirs, files in os.walk(root)
+                  for f in files + [x + "/" for x in dirs])
+
+
+@pytest.mark.parametrize("name, argv, code, fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_invocation(work, tmp_path, capsys, monkeypatch, name, argv, code, fragment):
+    if ("cuda" in name or "triton" in name) and torch.cuda.is_available():
+        pytest.skip("the case needs a machine without a CUDA GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = [str(a) for a in argv(dict(work), out_dir)]
+    before = _snapshot(tmp_path)
+    work_before = _snapshot(work["run"])
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == code, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert fragment in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before  # no output, no temporary file, no save dir
+    assert _snapshot(work["run"]) == work_before
+
+
+def test_dump_weights_writes_both_files_or_neither(work, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "w.hdf5"
+    opt = tmp_path / "options.json"
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", fail)  # the options file fails after the weights were written
+    assert main(["dump-weights", "--save-dir", work["run"], "--outfile", str(out), "--options-file", str(opt)]) == 2
+    assert "No space left" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert main(["dump-weights", "--save-dir", work["run"], "--outfile", str(out), "--options-file", str(opt)]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["options.json", "w.hdf5"]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_during_embed_cleans_up(work, tmp_path, sig, code):
+    inp = tmp_path / "many.txt"
+    inp.write_text("the cat sat on the mat .\n" * 20000)
+    out = tmp_path / "out.hdf5"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    p = subprocess.Popen([sys.executable, "-m", "elmo_fast.cli", "embed", "--options", work["opts"], "--weights",
+                          work["weights"], "--input", str(inp), "--output", str(out), "--batch-size", "1",
+                          "--device", "cpu", "--backend", "reference", "--quiet"], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not any(f.startswith("out.hdf5.tmp-") for f in os.listdir(tmp_path)) and time.time() - t0 < 120:
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert err.strip().splitlines() == [f"elmo-fast embed: interrupted by {signal.Signals(sig).name}; "
+                                        "temporary files removed"]
+    assert sorted(os.listdir(tmp_path)) == ["many.txt"]
