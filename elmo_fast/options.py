@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,10 @@ class ElmoOptions:
                 raise OptionsError(f"{source}: lstm.{key} must be a non-negative number or null, got {v!r}")
             return float(v)
 
+        if "use_skip_connections" not in lo:
+            warnings.warn(f"{source}: lstm.use_skip_connections is missing, so the model is taken to have no residual "
+                          "connections (bilm-tf's reading); a weight file cannot tell (both kinds have the same "
+                          "shapes) and the published models have them: add the key to say which", stacklevel=3)
         lstm = LSTMOptions(
             dim=_int("lstm", "dim", lo["dim"]),
             projection_dim=_int("lstm", "projection_dim", lo["projection_dim"]),

@@ -140,5 +140,5 @@ def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray], opts: 
         write_arrays(fh, arrays, opts)
 
 
-__all__ = ["read_weights", "write_weights", "write_arrays", "atomic_h5", "atomic_paths", "expected_shapes", "lstm_prefix", "WeightFileError",
-           "OptionsError"]
+__all__ = ["read_weights", "write_weights", "write_arrays", "atomic_h5", "atomic_paths", "expected_shapes",
+           "lstm_prefix", "WeightFileError", "OptionsError"]

@@ -112,3 +112,81 @@ def test_missing_and_unreadable_files(tmp_path):
     bad_json.write_text("{")
     with pytest.raises(elmo_fast.OptionsError, match="not valid JSON"):
         elmo_fast.ElmoBiLM(bad_json, w)
+
+
+# ------------------------------------------------------------------------------------- atomic writing
+def _write_partial(path, fail: bool):
+    from elmo_fast.weights import atomic_h5
+
+    with atomic_h5(path) as fh:
+        fh.create_dataset("new", data=np.ones(3, np.float32))
+        if fail:
+            raise RuntimeError("disk died mid-write")
+
+
+@pytest.mark.parametrize("old", [True, False], ids=["old file", "no old file"])
+def test_atomic_writer_failing_mid_write_keeps_the_old_file(tmp_path, old):
+    path = tmp_path / "out.hdf5"
+    if old:
+        with h5py.File(path, "w") as fh:
+            fh.create_dataset("old", data=np.zeros(2, np.float32))
+    with pytest.raises(RuntimeError, match="mid-write"):
+        _write_partial(path, fail=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out.hdf5"] if old else [])  # no temporary file
+    if old:
+        assert list(_datasets(path)) == ["old"]
+    _write_partial(path, fail=False)
+    assert list(_datasets(path)) == ["new"] and [p.name for p in tmp_path.iterdir()] == ["out.hdf5"]
+
+
+def test_embed_failing_mid_run_keeps_the_old_output(tiny_model, tmp_path, monkeypatch):
+    from elmo_fast.cli import main
+    from elmo_fast.models.elmo import ElmoBiLM
+
+    o, w = tiny_model
+    inp = tmp_path / "s.txt"
+    inp.write_text("a b\nc d\ne\n")
+    out = tmp_path / "out.hdf5"
+    with h5py.File(out, "w") as fh:
+        fh.create_dataset("old", data=np.zeros(2, np.float32))
+    calls = []
+    forward = ElmoBiLM.forward
+
+    def failing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device fell over")
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(ElmoBiLM, "forward", failing)
+    with pytest.raises(RuntimeError, match="fell over"):
+        main(["embed", "--options", o, "--weights", w, "--input", str(inp), "--output", str(out), "--batch-size",
+              "1", "--quiet", "--device", "cpu"])
+    assert len(calls) == 2  # it failed after the first sentence had been written to the temporary file
+    assert list(_datasets(out)) == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.hdf5", "s.txt", "tiny"]
+
+
+# ------------------------------------------------------------------------------------- residual connections
+def test_written_weights_record_residual_and_reading_checks_it(tmp_path):
+    from elmo_fast.options import ElmoOptions
+    from elmo_fast.testing import random_arrays
+    from elmo_fast.weights import read_weights, write_weights
+
+    res = ElmoOptions.from_dict(TINY_OPTIONS)
+    plain = ElmoOptions.from_dict({**TINY_OPTIONS, "lstm": {**TINY_OPTIONS["lstm"], "use_skip_connections": False}})
+    write_weights(tmp_path / "w.hdf5", random_arrays(TINY_OPTIONS), res)
+    read_weights(tmp_path / "w.hdf5", res)
+    with pytest.raises(WeightFileError, match="with residual connections but the options say"):
+        read_weights(tmp_path / "w.hdf5", plain)
+    write_weights(tmp_path / "published.hdf5", random_arrays(TINY_OPTIONS))  # no flag: the file cannot tell
+    read_weights(tmp_path / "published.hdf5", plain)
+
+
+def test_options_without_the_residual_key_warn():
+    from elmo_fast.options import ElmoOptions
+
+    lstm = {k: v for k, v in TINY_OPTIONS["lstm"].items() if k != "use_skip_connections"}
+    with pytest.warns(UserWarning, match="use_skip_connections is missing"):
+        opts = ElmoOptions.from_dict({**TINY_OPTIONS, "lstm": lstm})
+    assert opts.lstm.use_skip_connections is False
