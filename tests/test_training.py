@@ -305,6 +305,37 @@ def test_tiny_model_beats_unigram_perplexity(tmp_path):
     assert after < 0.6 * unigram, (before, after, unigram)
 
 
+@pytest.mark.parametrize("clip", [1e-3, 1e6], ids=["clipped", "not clipped"])
+def test_one_adagrad_step_by_hand(tmp_path, clip):
+    """One step of the trainer against Adagrad and global-norm clipping written out by hand, at a learning rate
+    and an initial accumulator that are not the defaults (0.2, 1.0):
+    g' = g * clip / max(|g|, clip) over all gradients together; acc' = acc + g'^2; w' = w - lr * g' / sqrt(acc')."""
+    lr, acc0 = 0.05, 0.3
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob, learning_rate=lr, initial_accumulator_value=acc0, all_clip_norm_val=clip,
+                     dropout=0.0)
+    try:
+        params = [*tr.dense_params, tr.softmax_W, tr.softmax_b]
+        before = [p.detach().clone() for p in params]
+        accs = [*tr.acc_dense, tr.acc_W, tr.acc_b]
+        assert all(torch.all(a == acc0) for a in accs)
+        tr.train_step()
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        assert tr.softmax_W.grad.is_sparse  # only the touched rows have a gradient
+        norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+        factor = min(1.0, clip / norm)
+        assert (factor < 0.01) == (clip < 1)  # the clipped case does clip, hard
+        assert float(tr.last_grad_norm) == pytest.approx(norm, rel=1e-5)
+        for p, w0, g, acc in zip(params, before, grads, accs):
+            g = g.double() * factor
+            acc_expected = acc0 + g * g
+            torch.testing.assert_close(acc.double(), acc_expected, rtol=1e-6, atol=1e-12)
+            torch.testing.assert_close(p.detach().double(), w0.double() - lr * g / acc_expected.sqrt(), rtol=1e-6,
+                                       atol=1e-7)
+    finally:
+        tr.close()
+
+
 def test_dumped_weights_reproduce_trainer_outputs(tmp_path):
     from elmo_fast import ElmoBiLM, batch_to_ids
 
