@@ -11,7 +11,7 @@
 #   * allennlp==2.10.1 --no-deps                                    - the oracle itself, unmodified;
 #   * bilm==0.1.post5 --no-deps (bilm-tf's own package)             - the oracle for its data code: bilm/data.py
 #     needs only numpy; bilm/__init__.py imports tensorflow, so tests load the data.py file by path
-#     (tests/bilm_oracle.py), never `import bilm`;
+#     (tests/oracles.py), never `import bilm`;
 #   * small pure-Python deps that allennlp's import chain reaches and that are cheap to install for real:
 #     tqdm, more-itertools, dill, base58, requests, filelock, rich, huggingface-hub, lmdb, termcolor,
 #     and cached-path 1.1.6 --no-deps (the ELMo code path calls cached_path() on the options/weight files);
@@ -173,7 +173,7 @@ PYCHECK
 import sys
 
 sys.path.insert(0, "tests")
-from bilm_oracle import load_bilm_data
+from oracles import load_bilm_data
 
 data = load_bilm_data()
 assert data is not None and "tensorflow" not in sys.modules

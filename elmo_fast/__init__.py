@@ -2,12 +2,14 @@
 
 Public API (AllenNLP names and contracts; code written for AllenNLP ports by changing the import):
 ``batch_to_ids``, ``Elmo``, ``ElmoBiLM``, ``ScalarMix``, ``remove_sentence_boundaries``,
-``add_sentence_boundary_token_ids``; bilm-tf style helpers ``Batcher``, ``TokenBatcher``; the biLM itself
-(``BiLM``), its options and weight files. Importing this package never imports triton or compiles anything.
+``add_sentence_boundary_token_ids``; bilm-tf's ``Batcher``, ``TokenBatcher``, ``Vocabulary``,
+``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset``; the biLM itself (``BiLM``), its options
+and weight files. Importing this package never imports triton or compiles anything.
 """
 from ._backend import BackendUnavailableError
 from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
-from .compat import BidirectionalLanguageModel, ElmoTokenEmbedder, dump_bilm_embeddings, dump_token_embeddings
+from .compat import (BidirectionalLanguageModel, BidirectionalLMDataset, ElmoTokenEmbedder, LMDataset,
+                     UnicodeCharsVocabulary, dump_bilm_embeddings, dump_token_embeddings)
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM
 from .modules.scalar_mix import ScalarMix
@@ -23,6 +25,9 @@ __all__ = [
     "Batcher",
     "TokenBatcher",
     "Vocabulary",
+    "UnicodeCharsVocabulary",
+    "LMDataset",
+    "BidirectionalLMDataset",
     "Elmo",
     "ElmoBiLM",
     "BiLM",

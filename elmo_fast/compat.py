@@ -2,7 +2,9 @@
 
 AllenNLP: ``_ElmoBiLm``, ``_ElmoCharacterEncoder``, ``ElmoTokenEmbedder``.
 bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_batch_size`` state rows),
-``dump_token_embeddings``, ``dump_bilm_embeddings``.
+``dump_token_embeddings``, ``dump_bilm_embeddings``; its data classes ``Vocabulary`` (``elmo_fast.chars``),
+``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset`` with bilm-tf's ids (raw character ids
+0..260 where bilm-tf shows them; the inference models take them + 1, as ``Batcher`` gives them).
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .chars import Batcher, Vocabulary, word_to_char_ids
+from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR, MAX_WORD_LENGTH, PAD_CHAR,
+                    UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder
 from .weights import atomic_h5
@@ -105,6 +108,119 @@ class BidirectionalLanguageModel(nn.Module):
         lm = layers[:, :, 1 : T2 - 1] * new_mask[:, None, :, None].to(layers.dtype)
         return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
                 "token_embeddings": out["token_embedding"]}
+
+
+class UnicodeCharsVocabulary(Vocabulary):
+    """bilm-tf's ``UnicodeCharsVocabulary``: a ``Vocabulary`` plus the *raw* character ids (0..260; training ids)
+    of its words. ``<S>`` and ``</S>`` must be in the file: bilm-tf would otherwise give its last word the
+    boundary characters (docs/data.md); the boundary arrays are ``bos_chars`` / ``eos_chars``."""
+
+    bos_char, eos_char, bow_char, eow_char, pad_char = BOS_CHAR, EOS_CHAR, BOW_CHAR, EOW_CHAR, PAD_CHAR
+
+    def __init__(self, filename=None, max_word_length: int = MAX_WORD_LENGTH, validate_file: bool = False, *,
+                 words: list[str] | None = None):
+        super().__init__(filename, validate_file, words=words)
+        missing = [t for t, i in ((BOS_TOKEN, self.bos), (EOS_TOKEN, self.eos)) if i < 0]
+        if missing:
+            raise ValueError(f"vocabulary {filename or '<list>'} lacks {missing}; a character vocabulary needs <S> "
+                             "and </S> (bilm-tf would silently give its last word their characters)")
+        if max_word_length < 3:
+            raise ValueError(f"max_word_length must be >= 3 (begin, end and one byte), got {max_word_length}")
+        self._max_word_length = max_word_length
+        self.bos_chars = self._raw(BOS_TOKEN)
+        self.eos_chars = self._raw(EOS_TOKEN)
+        self._word_char_ids = np.stack([self._raw(w) for w in self.words]) if self.words else \
+            np.zeros((0, max_word_length), np.int32)
+
+    def _raw(self, word: str) -> np.ndarray:
+        return np.array(word_to_char_ids(word, self._max_word_length, shift=0), dtype=np.int32)
+
+    @property
+    def max_word_length(self) -> int:
+        return self._max_word_length
+
+    @property
+    def word_char_ids(self) -> np.ndarray:
+        """(size, max_word_length) int32 raw character ids of every word, in vocabulary order."""
+        return self._word_char_ids
+
+    def word_to_char_ids(self, word: str) -> np.ndarray:
+        return self._raw(word)
+
+    def encode_chars(self, sentence, reverse: bool = False, split: bool = True) -> np.ndarray:
+        """(n + 2, max_word_length) raw ids: ``[bos_chars, words..., eos_chars]`` (``[eos_chars, ..., bos_chars]``
+        with ``reverse``, the sentence being already reversed)."""
+        words = sentence.split() if split else sentence
+        ends = (self.eos_chars, self.bos_chars) if reverse else (self.bos_chars, self.eos_chars)
+        return np.vstack([ends[0], *(self._raw(w) for w in words), ends[1]])
+
+
+class LMDataset:
+    """bilm-tf's ``LMDataset`` over elmo_fast's training stream (``training.data.LMStream``): the same packing
+    (docs/data.md), bilm-tf's batch dicts ``token_ids``, ``tokens_characters``, ``next_token_id`` (int32; raw
+    character ids, None for a plain ``Vocabulary``). Differences: shards are read in sorted order in test mode and
+    shuffled with this dataset's own ``seed`` (bilm-tf uses the global ``random``); every ``iter_batches`` call
+    starts a new pass; the end of test data ends iteration (bilm-tf raises RuntimeError there on Python >= 3.7)."""
+
+    def __init__(self, filepattern, vocab: Vocabulary, reverse: bool = False, test: bool = False,
+                 shuffle_on_load: bool = False, seed: int | str = 0):
+        from .training.data import resolve_shards
+
+        missing = [t for t, i in ((BOS_TOKEN, vocab.bos), (EOS_TOKEN, vocab.eos), (UNK_TOKEN, vocab.unk)) if i < 0]
+        if missing:
+            raise ValueError(f"the vocabulary lacks {missing}; language-model data needs <S>, </S> and <UNK> "
+                             "(bilm-tf would emit the id -1 for them)")
+        self._shards = resolve_shards(filepattern, "LMDataset")
+        self._vocab = vocab
+        self._reverse, self._test, self._shuffle, self._seed = reverse, test, shuffle_on_load, seed
+
+    @property
+    def vocab(self) -> Vocabulary:
+        return self._vocab
+
+    @property
+    def max_word_length(self) -> int | None:
+        return getattr(self._vocab, "max_word_length", None)
+
+    def _stream(self, batch_size: int, num_steps: int):
+        from .training.data import LMStream
+
+        return LMStream(self._shards, self._vocab, batch_size, num_steps, self.max_word_length or MAX_WORD_LENGTH,
+                        self._reverse, self._test, self._shuffle, self._seed)
+
+    def iter_batches(self, batch_size: int, num_steps: int):
+        yield from _bilm_batches(self._stream(batch_size, num_steps), self.max_word_length is not None)
+
+
+class BidirectionalLMDataset(LMDataset):
+    """bilm-tf's ``BidirectionalLMDataset``: forward and reverse ``LMDataset`` batches in one dict, the reverse
+    keys with a ``_reverse`` suffix; the two directions are shuffled independently."""
+
+    def __init__(self, filepattern, vocab: Vocabulary, test: bool = False, shuffle_on_load: bool = False,
+                 seed: int | str = 0):
+        super().__init__(filepattern, vocab, False, test, shuffle_on_load, seed)
+
+    def _stream(self, batch_size: int, num_steps: int):
+        from .training.data import BidirectionalStream
+
+        return BidirectionalStream(self._shards, self._vocab, batch_size, num_steps,
+                                   self.max_word_length or MAX_WORD_LENGTH, self._test, self._shuffle, self._seed)
+
+
+def _bilm_batches(stream, chars: bool):
+    """elmo_fast's batches (int64, inference char ids = raw + 1) as bilm-tf's (int32, raw ids or None)."""
+    while True:
+        try:
+            batch = stream.next_batch()
+        except StopIteration:
+            return
+        out = {}
+        for key, value in batch.items():
+            if key.startswith("tokens_characters"):
+                out[key] = (value - 1).astype(np.int32) if chars else None
+            else:
+                out[key] = value.astype(np.int32)
+        yield out
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """Parity with the real AllenNLP 2.10.1 ELMo (``allennlp.modules.elmo``) on random-weight models.
 
-These tests need allennlp importable; they are skipped otherwise. ``bash bench/setup_allennlp.sh`` builds the
+These tests need allennlp importable; they are skipped otherwise, except under `make test-parity`, which
+requires it (``tests/oracles.py``). ``bash bench/setup_allennlp.sh`` builds the
 ``.venv-allennlp`` venv that has it (with elmo_fast installed editable), then:
 
     .venv-allennlp/bin/python -m pytest -q -s tests/test_allennlp_parity.py
@@ -18,10 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-allennlp_elmo = pytest.importorskip(
-    "allennlp.modules.elmo",
-    reason="allennlp is not importable in this venv: run `bash bench/setup_allennlp.sh` and use .venv-allennlp",
-)
+from oracles import require  # noqa: E402
+
+allennlp_elmo = require("allennlp.modules.elmo")
 
 from elmo_fast import Elmo, ElmoBiLM, batch_to_ids  # noqa: E402
 from elmo_fast.testing import TINY_OPTIONS, random_arrays, write_random_model  # noqa: E402
