@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .util import check_backend, check_input_file, check_output_file, parse_device, read_utf8
+from .util import check_backend, check_input_file, check_output_file, parse_device, read_utf8, text_lines
 from .weights import atomic_h5
 
 MODEL_OPS = ("char_cnn", "highway", "lstmp")  # the ops a biLM forward runs
@@ -40,9 +40,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _read_sentences(path: str, sentence_keys: bool) -> list[list[str]]:
-    lines = read_utf8(path, "input file", CLIError).split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
+    lines = text_lines(read_utf8(path, "input file", CLIError))
     sentences = []
     seen: dict[str, int] = {}
     for i, line in enumerate(lines):
