@@ -1,7 +1,8 @@
 """Entry points under the original projects' names, for ports of code (and tests) written against them.
 
 AllenNLP: ``_ElmoBiLm``, ``_ElmoCharacterEncoder``, ``ElmoTokenEmbedder``; ``register_allennlp()`` (AllenNLP
-configurations can then name ``"elmo_fast_token_embedder"``; it runs by itself when allennlp is imported first);
+configurations can then name ``"elmo_fast_token_embedder"``; it runs by itself when allennlp is imported first,
+e.g. by ``allennlp train ... --include-package elmo_fast.compat``);
 ``to_allennlp_state_dict`` (AllenNLP's checkpoint layout; ``load_state_dict`` takes it as is).
 bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_batch_size`` state rows),
 ``dump_token_embeddings``, ``dump_bilm_embeddings``.
@@ -9,6 +10,7 @@ bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_b
 from __future__ import annotations
 
 import sys
+import warnings
 
 import h5py
 import numpy as np
@@ -163,5 +165,8 @@ def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, ou
             fout.create_dataset(str(i), data=out["lm_embeddings"][0, :, : len(sent)].numpy().astype(np.float32))
 
 
-if "allennlp.modules.token_embedders" in sys.modules:  # allennlp was imported first (e.g. --include-package elmo_fast)
-    register_allennlp()
+if "allennlp" in sys.modules:  # allennlp was imported first (`--include-package elmo_fast.compat`): register now
+    try:
+        register_allennlp()
+    except ImportError as e:  # a broken allennlp must not make elmo_fast unimportable
+        warnings.warn(f"allennlp is imported but elmo_fast could not register its token embedder: {e}", stacklevel=2)

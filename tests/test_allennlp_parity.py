@@ -512,8 +512,10 @@ def test_registered_token_embedder_from_params_and_nested_checkpoints(model_file
 
 
 def test_registration_runs_at_import_when_allennlp_is_loaded_first():
-    code = ("import allennlp.modules.token_embedders as t, elmo_fast; "
-            "print(t.TokenEmbedder.by_name('elmo_fast_token_embedder').__name__)")
+    code = ("from allennlp.common.util import import_module_and_submodules as include; "
+            "include('elmo_fast.compat'); "  # what `allennlp train --include-package elmo_fast.compat` does
+            "from allennlp.modules.token_embedders import TokenEmbedder as T; "
+            "print(T.by_name('elmo_fast_token_embedder').__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "AllenNLPElmoTokenEmbedder"
 
