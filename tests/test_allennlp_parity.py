@@ -370,7 +370,7 @@ def _exchange_files(model, model_files):
     return os.path.join(FIXTURE, "options.json"), os.path.join(FIXTURE, "lm_weights.hdf5")
 
 
-def _fine_tune(model, outputs, steps: int = 3, lr: float = 1e-2) -> None:
+def _fine_tune(model, outputs, steps: int = 2, lr: float = 1e-2) -> None:
     """Adam steps on a random linear function of ``outputs(batch)`` (a list of tensors), over the stateful
     batches; every parameter tensor must change."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -398,6 +398,7 @@ def _reset(ref_elmo, ours_elmo):
 
 
 ELMO_KW = dict(num_output_representations=2, requires_grad=True, do_layer_norm=True, dropout=0.0)
+EXCHANGE_BATCHES = _stateful_batches()[:4]  # the state grows and shrinks; the other checks run all 7
 
 
 @pytest.mark.parametrize("model", ["tiny", "variant", "fixture"])
@@ -416,7 +417,7 @@ def test_checkpoint_from_allennlp_after_fine_tuning(model, model_files, tmp_path
     result = ours.load_state_dict(_through_file(ref.state_dict(), tmp_path))
     assert not result.missing_keys and not result.unexpected_keys
     _reset(ref, ours)
-    _compare_elmo(f"checkpoint AllenNLP -> elmo_fast [{model}] after fine-tuning", ref, ours, _stateful_batches())
+    _compare_elmo(f"checkpoint AllenNLP -> elmo_fast [{model}] after fine-tuning", ref, ours, EXCHANGE_BATCHES)
 
 
 @pytest.mark.parametrize("model", ["tiny", "variant"])
@@ -428,14 +429,14 @@ def test_checkpoint_to_allennlp_after_fine_tuning(model, model_files, tmp_path):
     ref = allennlp_elmo.Elmo(opt, wts, **ELMO_KW)
     ref.load_state_dict(_through_file(ours.allennlp_state_dict(), tmp_path))
     _reset(ref, ours)
-    _compare_elmo(f"checkpoint elmo_fast -> AllenNLP [{model}] after fine-tuning", ref, ours, _stateful_batches())
+    _compare_elmo(f"checkpoint elmo_fast -> AllenNLP [{model}] after fine-tuning", ref, ours, EXCHANGE_BATCHES)
 
 
 def test_checkpoint_exchange_with_vocab_cache(model_files):
     """The vocab_to_cache table (AllenNLP's _word_embedding.weight) goes both ways; <S>/</S> cached vectors stay
     those computed at construction on both sides (AllenNLP does not save them)."""
     opt, wts = model_files["tiny"]
-    batches = _stateful_batches()
+    batches = EXCHANGE_BATCHES
     vocab = _cache_vocab(batches)
     words = [_word_ids(b, vocab) for b in batches]
     kw = dict(num_output_representations=1, requires_grad=True, dropout=0.0, vocab_to_cache=vocab)
@@ -481,7 +482,7 @@ def _compare_taggers(name, ref, ours):
     ref.embedder.token_embedder_elmo._elmo._elmo_lstm._elmo_lstm.reset_states()
     ours.embedder.token_embedder_elmo._elmo.reset_states()
     with torch.no_grad():
-        for batch in _stateful_batches():
+        for batch in EXCHANGE_BATCHES:
             ids = batch_to_ids(batch)
             worst = max(worst, _maxdiff(ours(ids), ref(ids)))
     assert worst <= ATOL, f"{name}: {worst:.3e}"
