@@ -1,6 +1,9 @@
 """Entry points under the original projects' names, for ports of code (and tests) written against them.
 
-AllenNLP: ``_ElmoBiLm``, ``_ElmoCharacterEncoder``, ``ElmoTokenEmbedder``.
+AllenNLP: ``_ElmoBiLm``, ``_ElmoCharacterEncoder``, ``ElmoTokenEmbedder``; ``register_allennlp()`` (AllenNLP
+configurations can then name ``"elmo_fast_token_embedder"``; it runs by itself when allennlp is imported first,
+e.g. by ``allennlp train ... --include-package elmo_fast.compat``);
+``to_allennlp_state_dict`` (AllenNLP's checkpoint layout; ``load_state_dict`` takes it as is).
 bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_batch_size`` state rows),
 ``dump_token_embeddings``, ``dump_bilm_embeddings``; its data classes ``Vocabulary`` (``elmo_fast.chars``),
 ``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset`` with bilm-tf's ids (raw character ids
@@ -8,11 +11,15 @@ bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_b
 """
 from __future__ import annotations
 
+import sys
+import warnings
+
 import h5py
 import numpy as np
 import torch
 import torch.nn as nn
 
+from .allennlp_compat import to_allennlp_state_dict  # noqa: F401  (re-exported)
 from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR, MAX_WORD_LENGTH, PAD_CHAR,
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM
@@ -52,6 +59,28 @@ class ElmoTokenEmbedder(nn.Module):
     def forward(self, elmo_tokens: torch.Tensor, word_inputs: torch.Tensor | None = None) -> torch.Tensor:
         rep = self._elmo(elmo_tokens, word_inputs)["elmo_representations"][0]
         return self._projection(rep) if self._projection is not None else rep
+
+
+ALLENNLP_TOKEN_EMBEDDER_NAME = "elmo_fast_token_embedder"
+
+
+def register_allennlp() -> type:
+    """Register :class:`ElmoTokenEmbedder` with AllenNLP as the token embedder ``"elmo_fast_token_embedder"``
+    (the arguments of AllenNLP's ``"elmo_token_embedder"``, plus ``backend``), so ``from_params`` and
+    configuration files can use it. Needs allennlp importable; elmo_fast never depends on it. Idempotent;
+    returns the registered class (a subclass of both ``ElmoTokenEmbedder`` and AllenNLP's ``TokenEmbedder``)."""
+    try:
+        from allennlp.modules.token_embedders import TokenEmbedder
+    except ImportError as e:
+        raise ImportError(f"register_allennlp() needs allennlp importable ({e}); elmo_fast itself does not") from e
+    cls = globals().get("AllenNLPElmoTokenEmbedder")
+    if cls is None:
+        cls = type("AllenNLPElmoTokenEmbedder", (ElmoTokenEmbedder, TokenEmbedder),
+                   {"__module__": __name__, "__doc__": "elmo_fast's ElmoTokenEmbedder as an AllenNLP TokenEmbedder "
+                    f"(registered as {ALLENNLP_TOKEN_EMBEDDER_NAME!r})."})
+        TokenEmbedder.register(ALLENNLP_TOKEN_EMBEDDER_NAME)(cls)
+        globals()["AllenNLPElmoTokenEmbedder"] = cls  # importable by name, so a pickled model loads again
+    return cls
 
 
 class BidirectionalLanguageModel(nn.Module):
@@ -250,3 +279,10 @@ def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, ou
             sent = line.strip().split()
             out = model(batcher.batch_sentences([sent]))
             fout.create_dataset(str(i), data=out["lm_embeddings"][0, :, : len(sent)].numpy().astype(np.float32))
+
+
+if "allennlp" in sys.modules:  # allennlp was imported first (`--include-package elmo_fast.compat`): register now
+    try:
+        register_allennlp()
+    except ImportError as e:  # a broken allennlp must not make elmo_fast unimportable
+        warnings.warn(f"allennlp is imported but elmo_fast could not register its token embedder: {e}", stacklevel=2)

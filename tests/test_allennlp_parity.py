@@ -13,7 +13,10 @@ difference is only rounding. AllenNLP only supports ``use_skip_connections: true
 from __future__ import annotations
 
 import copy
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -353,3 +356,175 @@ def test_all_empty_batch(model_files):
     assert o["elmo_representations"][0].shape == r["elmo_representations"][0].shape == (2, 0, 32)
     assert o["mask"].shape == r["mask"].shape == (2, 0)
     _report("all-empty batch (n, 0, 50)", worst)
+
+
+# ------------------------------------------------------------------ checkpoint exchange, both ways (issue 14)
+FIXTURE = os.path.join(os.environ.get("ELMO_FAST_FIXTURES", "/work/fixtures"), "allennlp", "test_fixtures", "elmo")
+
+
+def _exchange_files(model, model_files):
+    if model != "fixture":
+        return model_files[model]
+    if not os.path.isdir(FIXTURE):
+        pytest.skip(f"golden fixture {FIXTURE} not present")
+    return os.path.join(FIXTURE, "options.json"), os.path.join(FIXTURE, "lm_weights.hdf5")
+
+
+def _fine_tune(model, outputs, steps: int = 2, lr: float = 1e-2) -> None:
+    """Adam steps on a random linear function of ``outputs(batch)`` (a list of tensors), over the stateful
+    batches; every parameter tensor must change."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    model.train()
+    for batch in _stateful_batches()[:steps]:
+        loss = sum((y * torch.randn(y.shape, generator=gen)).sum() for y in outputs(batch))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p.detach(), before[n])]
+    assert not unchanged, f"fine-tuning left {unchanged} unchanged"
+
+
+def _through_file(state_dict, tmp_path):
+    torch.save(state_dict, tmp_path / "checkpoint.th")
+    return torch.load(tmp_path / "checkpoint.th")
+
+
+def _reset(ref_elmo, ours_elmo):
+    ref_elmo._elmo_lstm._elmo_lstm.reset_states()
+    ours_elmo.reset_states()
+
+
+ELMO_KW = dict(num_output_representations=2, requires_grad=True, do_layer_norm=True, dropout=0.0)
+EXCHANGE_BATCHES = _stateful_batches()[:4]  # the state grows and shrinks; the other checks run all 7
+
+
+@pytest.mark.parametrize("model", ["tiny", "variant", "fixture"])
+def test_checkpoint_from_allennlp_after_fine_tuning(model, model_files, tmp_path):
+    """A fine-tuned AllenNLP Elmo's state_dict (saved, reloaded) goes into elmo_fast's Elmo by plain
+    load_state_dict (strict); outputs then agree over the stateful batches."""
+    opt, wts = _exchange_files(model, model_files)
+    ref = allennlp_elmo.Elmo(opt, wts, **ELMO_KW)
+    _fine_tune(ref, lambda batch: ref(batch_to_ids(batch))["elmo_representations"])
+    assert not any("_states" in k for k in ref.state_dict())  # AllenNLP keeps the LSTM state out of it
+    ours = Elmo(opt, wts, backend="reference", **ELMO_KW)
+    _reset(ref, ours)
+    with torch.no_grad():
+        ids = batch_to_ids(_stateful_batches()[0])
+        assert _maxdiff(ref(ids)["elmo_representations"][0], ours(ids)["elmo_representations"][0]) > 1e-3
+    result = ours.load_state_dict(_through_file(ref.state_dict(), tmp_path))
+    assert not result.missing_keys and not result.unexpected_keys
+    _reset(ref, ours)
+    _compare_elmo(f"checkpoint AllenNLP -> elmo_fast [{model}] after fine-tuning", ref, ours, EXCHANGE_BATCHES)
+
+
+@pytest.mark.parametrize("model", ["tiny", "variant"])
+def test_checkpoint_to_allennlp_after_fine_tuning(model, model_files, tmp_path):
+    """elmo_fast's fine-tuned Elmo, saved with allennlp_state_dict(), loads into AllenNLP's Elmo (strict)."""
+    opt, wts = _exchange_files(model, model_files)
+    ours = Elmo(opt, wts, backend="reference", **ELMO_KW)
+    _fine_tune(ours, lambda batch: ours(batch_to_ids(batch))["elmo_representations"])
+    ref = allennlp_elmo.Elmo(opt, wts, **ELMO_KW)
+    ref.load_state_dict(_through_file(ours.allennlp_state_dict(), tmp_path))
+    _reset(ref, ours)
+    _compare_elmo(f"checkpoint elmo_fast -> AllenNLP [{model}] after fine-tuning", ref, ours, EXCHANGE_BATCHES)
+
+
+def test_checkpoint_exchange_with_vocab_cache(model_files):
+    """The vocab_to_cache table (AllenNLP's _word_embedding.weight) goes both ways; <S>/</S> cached vectors stay
+    those computed at construction on both sides (AllenNLP does not save them)."""
+    opt, wts = model_files["tiny"]
+    batches = EXCHANGE_BATCHES
+    vocab = _cache_vocab(batches)
+    words = [_word_ids(b, vocab) for b in batches]
+    kw = dict(num_output_representations=1, requires_grad=True, dropout=0.0, vocab_to_cache=vocab)
+    ref = allennlp_elmo.Elmo(opt, wts, **kw)
+    # both paths, so that the char CNN and the cached table are trained
+    _fine_tune(ref, lambda batch: ref(batch_to_ids(batch))["elmo_representations"]
+               + ref(batch_to_ids(batch), _word_ids(batch, vocab))["elmo_representations"])
+    ours = Elmo(opt, wts, backend="reference", **kw)
+    ours.load_state_dict(ref.state_dict())
+    _reset(ref, ours)
+    _compare_elmo("checkpoint AllenNLP -> elmo_fast with vocab_to_cache", ref, ours, batches, words)
+    back = allennlp_elmo.Elmo(opt, wts, **kw)
+    back.load_state_dict(ours.allennlp_state_dict())
+    _reset(back, ours)
+    _compare_elmo("checkpoint elmo_fast -> AllenNLP with vocab_to_cache", back, ours, batches, words)
+
+
+class _Tagger(torch.nn.Module):
+    """A user's model: a text-field embedder holding the ELMo token embedder (so its keys sit under
+    ``embedder.token_embedder_elmo._elmo.``), then a linear head."""
+
+    def __init__(self, embedder):
+        super().__init__()
+        self.embedder = embedder
+        torch.manual_seed(5)
+        self.head = torch.nn.Linear(embedder.get_output_dim(), 3)
+
+    def forward(self, ids):
+        return self.head(self.embedder({"elmo": {"elmo_tokens": ids}}))
+
+
+def _tagger(embedder_type, opt, wts, **extra):
+    from allennlp.common import Params
+    from allennlp.modules.text_field_embedders import TextFieldEmbedder
+
+    params = {"type": embedder_type, "options_file": opt, "weight_file": wts, "projection_dim": 7, "dropout": 0.0,
+              "requires_grad": True, **extra}
+    return _Tagger(TextFieldEmbedder.from_params(Params({"token_embedders": {"elmo": params}})))
+
+
+def _compare_taggers(name, ref, ours):
+    worst = 0.0
+    ref.embedder.token_embedder_elmo._elmo._elmo_lstm._elmo_lstm.reset_states()
+    ours.embedder.token_embedder_elmo._elmo.reset_states()
+    with torch.no_grad():
+        for batch in EXCHANGE_BATCHES:
+            ids = batch_to_ids(batch)
+            worst = max(worst, _maxdiff(ours(ids), ref(ids)))
+    assert worst <= ATOL, f"{name}: {worst:.3e}"
+    _report(name, worst)
+
+
+def test_registered_token_embedder_from_params_and_nested_checkpoints(model_files, tmp_path):
+    """AllenNLP configurations name "elmo_fast_token_embedder" (from_params through a real TextFieldEmbedder);
+    a whole model's checkpoint with AllenNLP's ElmoTokenEmbedder (projection_dim, under a prefix) loads into
+    the same model built with elmo_fast's, and back, after fine-tuning each side."""
+    from allennlp.modules.token_embedders import TokenEmbedder
+
+    from elmo_fast.compat import ElmoTokenEmbedder, register_allennlp, to_allennlp_state_dict
+
+    cls = register_allennlp()
+    assert register_allennlp() is cls and issubclass(cls, TokenEmbedder) and issubclass(cls, ElmoTokenEmbedder)
+    opt, wts = model_files["tiny"]
+    ref = _tagger("elmo_token_embedder", opt, wts)
+    ours = _tagger("elmo_fast_token_embedder", opt, wts, backend="reference")
+    assert type(ours.embedder.token_embedder_elmo) is cls
+    _fine_tune(ref, lambda batch: [ref(batch_to_ids(batch))])
+    ours.load_state_dict(_through_file(ref.state_dict(), tmp_path))
+    _compare_taggers("nested checkpoint AllenNLP -> elmo_fast (token embedder, projection_dim=7)", ref, ours)
+    _fine_tune(ours, lambda batch: [ours(batch_to_ids(batch))])
+    back = _tagger("elmo_token_embedder", opt, wts)
+    back.load_state_dict(_through_file(to_allennlp_state_dict(ours), tmp_path))
+    _compare_taggers("nested checkpoint elmo_fast -> AllenNLP (token embedder, projection_dim=7)", back, ours)
+
+
+def test_registration_runs_at_import_when_allennlp_is_loaded_first():
+    code = ("from allennlp.common.util import import_module_and_submodules as include; "
+            "include('elmo_fast.compat'); "  # what `allennlp train --include-package elmo_fast.compat` does
+            "from allennlp.modules.token_embedders import TokenEmbedder as T; "
+            "print(T.by_name('elmo_fast_token_embedder').__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "AllenNLPElmoTokenEmbedder"
+
+
+def test_word_inputs_without_cache_are_ignored_like_allennlp(model_files):
+    opt, wts = model_files["tiny"]
+    ref, ours = _pair(opt, wts, num_output_representations=1)
+    batches = _stateful_batches()[:3]
+    junk = [torch.zeros(len(b), 3, dtype=torch.long) for b in batches]  # any shape: neither side looks at them
+    with pytest.warns(UserWarning, match="no vocab_to_cache: ignored"):
+        _compare_elmo("Elmo word_inputs without vocab_to_cache (ignored)", ref, ours, batches, junk)

@@ -6,6 +6,7 @@ import warnings
 import torch
 import torch.nn as nn
 
+from ..allennlp_compat import bilm_links, encoder_links, load_allennlp_pre_hook, to_allennlp_state_dict
 from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
 from ..modules.scalar_mix import ScalarMix
 from ..util import add_sentence_boundary_token_ids, remove_sentence_boundaries
@@ -44,8 +45,10 @@ class ElmoCharacterEncoder(nn.Module):
 
     def __init__(self, token_encoder, owns_encoder: bool = True):
         super().__init__()
+        self._owns_encoder = owns_encoder
         if owns_encoder:
             self.encoder = token_encoder
+            self.register_load_state_dict_pre_hook(load_allennlp_pre_hook)  # AllenNLP's keys load too
         else:  # shared with a module that registers it already: keep it out of this one's state_dict
             object.__setattr__(self, "encoder", token_encoder)
         self.register_buffer("bos_ids", _BOS_IDS.clone(), persistent=False)
@@ -53,6 +56,10 @@ class ElmoCharacterEncoder(nn.Module):
 
     def get_output_dim(self) -> int:
         return self.encoder.output_dim
+
+    def allennlp_links(self, export: bool = False) -> list:
+        """The correspondence with AllenNLP's ``_ElmoCharacterEncoder`` state_dict (see ``allennlp_compat``)."""
+        return encoder_links(self.encoder, "", export) if self._owns_encoder else []
 
     def add_boundaries(self, inputs: torch.Tensor):
         """char ids (B, T, 50) -> (ids (B, T+2, 50) with <S>/</S>, mask (B, T+2))."""
@@ -89,6 +96,11 @@ class ElmoBiLM(nn.Module):
         self._eos_embedding = None
         if vocab_to_cache:
             self.create_cached_cnn_embeddings(vocab_to_cache)
+        self.register_load_state_dict_pre_hook(load_allennlp_pre_hook)  # AllenNLP's _ElmoBiLm keys load too
+
+    def allennlp_links(self, export: bool = False) -> list:
+        """The correspondence with AllenNLP's ``_ElmoBiLm`` state_dict (see ``allennlp_compat``)."""
+        return bilm_links(self._bilm, self._word_embedding, export)
 
     @property
     def num_layers(self) -> int:
@@ -130,6 +142,10 @@ class ElmoBiLM(nn.Module):
         dev = self._device()
         _check_char_ids(inputs, dev)
         token_embedding = None
+        if word_inputs is not None and self._word_embedding is None:
+            warnings.warn("word_inputs given but the model has no vocab_to_cache: ignored, the char ids are used "
+                          "(as AllenNLP does)", stacklevel=2)
+            word_inputs = None
         if word_inputs is not None:
             if not isinstance(word_inputs, torch.Tensor) or word_inputs.dtype.is_floating_point:
                 raise TypeError("word_inputs must be an integer tensor of shape (batch, tokens)")
@@ -138,9 +154,7 @@ class ElmoBiLM(nn.Module):
                                  f"(batch, tokens) = {tuple(inputs.shape[:2])}")
             if word_inputs.device != dev:
                 raise ValueError(f"word_inputs are on {word_inputs.device} but the model is on {dev}")
-            if self._word_embedding is None:
-                warnings.warn("word_inputs given but the model has no vocab_to_cache; using the char ids", stacklevel=2)
-            elif word_inputs.numel() and (int(word_inputs.min()) < 0
+            if word_inputs.numel() and (int(word_inputs.min()) < 0
                                           or int(word_inputs.max()) >= self._word_embedding.shape[0]):
                 warnings.warn("word_inputs hold ids outside the cached vocabulary; using the char ids "
                               "(as AllenNLP does)", stacklevel=2)
@@ -195,6 +209,12 @@ class Elmo(nn.Module):
     def get_output_dim(self) -> int:
         return self._elmo_lstm.get_output_dim()
 
+    def allennlp_state_dict(self) -> dict:
+        """This model's state_dict in AllenNLP 2.10.1's layout: ``allennlp.modules.elmo.Elmo`` built with the same
+        arguments loads it (``load_state_dict``, strict). Loading goes the other way through ``load_state_dict``
+        itself, which takes either layout."""
+        return to_allennlp_state_dict(self)
+
     def reset_states(self, mask=None) -> None:
         self._elmo_lstm.reset_states(mask)
 
@@ -204,6 +224,9 @@ class Elmo(nn.Module):
         ``char_ids`` / ``word_ids`` are accepted as keyword aliases."""
         inputs, word_inputs = _alias(inputs, char_ids, "inputs", "char_ids"), _alias(word_inputs, word_ids,
                                                                                      "word_inputs", "word_ids")
+        if word_inputs is not None and not self._has_cached_vocab:
+            warnings.warn("word_inputs given but Elmo has no vocab_to_cache: ignored (as AllenNLP does)", stacklevel=2)
+            word_inputs = None
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs must be a torch.LongTensor from batch_to_ids, got {type(inputs).__name__}")
         if inputs.dim() < 3:
