@@ -69,7 +69,7 @@ def _bench_import(name):  # smoke of a GPU-only benchmark that has no CPU mode: 
 STEPS = (
     Step("env", 60, "versions, GPU, driver, commit",
          ((PY, "-c", _ENV), ("nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm",
-                             "--format=csv,noheader"), ("git", "log", "-1", "--format=commit %H %s"))),
+                             "--format=csv,noheader"), ("git", "log", "-1", "--format=commit %H %s")),
          ((PY, "-c", _ENV), ("git", "log", "-1", "--format=commit %H %s"))),
     Step("install", 180, "pip install --no-deps --no-build-isolation --no-index -e . (pure Python), imports",
          ((PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."),
