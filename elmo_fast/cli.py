@@ -59,7 +59,7 @@ def cmd_embed(args) -> int:
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     dev = _device(args.device)
-    model = ElmoBiLM(args.options, args.weights, backend=args.backend).to(dev).eval()
+    model = ElmoBiLM(args.options, args.weights, backend=args.backend, cuda_graph=dev.type == "cuda").to(dev).eval()
     keys: dict[str, str] = {}
     with atomic_h5(args.output) as out, torch.no_grad():
         for start in tqdm(range(0, len(sentences), args.batch_size), desc="embed", unit="batch",

@@ -14,12 +14,15 @@ from elmo_fast.probes import probe
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def _autocast():
-    return torch.autocast("cpu", dtype=BF16)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _params(*shapes, scale=0.3):
-    return [torch.nn.Parameter(torch.randn(*s) * scale) for s in shapes]
+def _autocast(device="cpu"):
+    return torch.autocast(device, dtype=BF16)
+
+
+def _params(*shapes, scale=0.3, device="cpu"):
+    return [torch.nn.Parameter(torch.randn(*s, device=device) * scale) for s in shapes]
 
 
 def _launched(counts, name):
@@ -44,13 +47,14 @@ def _grads_are_fp32(params):
 
 @pytest.mark.triton
 @requires_triton
-def test_lstmp_autocast_runs_bf16_variant_with_fp32_state():
+@pytest.mark.parametrize("device", DEVICES)
+def test_lstmp_autocast_runs_bf16_variant_with_fp32_state(device):
     B, T, H, P = 2, 3, 16, 16
-    w_in, w_rec, bias, w_proj = params = _params((P, 4 * H), (P, 4 * H), (4 * H,), (H, P))
-    x = torch.randn(B, T, P)
-    h0, c0 = torch.zeros(B, P), torch.zeros(B, H)
-    lengths = torch.tensor([3, 2])
-    with _autocast(), probe() as counts:
+    w_in, w_rec, bias, w_proj = params = _params((P, 4 * H), (P, 4 * H), (4 * H,), (H, P), device=device)
+    x = torch.randn(B, T, P, device=device)
+    h0, c0 = torch.zeros(B, P, device=device), torch.zeros(B, H, device=device)
+    lengths = torch.tensor([3, 2], device=device)
+    with _autocast(device), probe() as counts:
         y, h_n, c_n = ops.lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0,
                                 backend="triton")
         (y.float().sum() + h_n.sum() + c_n.sum()).backward()
@@ -82,14 +86,16 @@ def test_char_cnn_and_highway_autocast_run_bf16_variants():
 
 @pytest.mark.triton
 @requires_triton
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
-def test_softmax_autocast_runs_bf16_variant(sampled):
-    W, b = _params((40, 16), (40,))
-    hidden = torch.randn(6, 16)
-    targets = torch.randint(0, 40, (6,))
-    with _autocast(), probe() as counts:
+def test_softmax_autocast_runs_bf16_variant(sampled, device):
+    W, b = _params((40, 16), (40,), device=device)
+    hidden = torch.randn(6, 16, device=device)
+    targets = torch.randint(0, 40, (6,), device=device)
+    with _autocast(device), probe() as counts:
         if sampled:
-            loss = ops.sampled_softmax_loss(hidden, targets, W, b, torch.arange(8), 9, backend="triton")
+            loss = ops.sampled_softmax_loss(hidden, targets, W, b, torch.arange(8, device=device), 9,
+                                            backend="triton")
         else:
             loss = ops.full_softmax_nll(hidden, targets, W, b, backend="triton")
         loss.backward()
@@ -163,3 +169,29 @@ def test_bf16_model_keeps_fp32_lstm_state(tiny_model):
     assert all(a.dtype == BF16 for a in out["activations"])
     _assert_bf16_variant(counts, "_fwd_cell_kernel", ["w_rec_ptr"], fp32=["h_ptr", "c_ptr"])
     assert all(s.dtype == F32 for s in model._bilm._states)
+
+
+@pytest.mark.gpu
+@pytest.mark.cuda_ext
+def test_cuda_extension_takes_autocast_calls():
+    """bf16 operands with fp32 bias and states (what autocast hands over): no dtype error, close to Triton's."""
+    from elmo_fast._backend import cuda_ext_import_error
+
+    if cuda_ext_import_error() is not None:
+        pytest.skip(f"elmo_fast._C is not built: {cuda_ext_import_error()}")
+    B, T, D, H, P = 4, 5, 512, 4096, 512
+    params = _params((D, 4 * H), (P, 4 * H), (4 * H,), (H, P), scale=0.02, device="cuda")
+    x = torch.randn(B, T, D, device="cuda")
+    h0, c0 = torch.zeros(B, P, device="cuda"), torch.zeros(B, H, device="cuda")
+    lengths = torch.full((B,), T, device="cuda")
+    out = {}
+    for be in ("cuda", "triton"):
+        with _autocast("cuda"):
+            y, h_n, c_n = ops.lstmp(x, *params, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0, backend=be)
+        (y.float().sum() + c_n.sum()).backward()
+        out[be] = [y.float(), c_n] + [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+    assert out["cuda"][1].dtype == F32
+    for a, b in zip(out["cuda"], out["triton"]):
+        assert (a - b).abs().max() <= 0.02 * b.abs().max() + 1e-3
