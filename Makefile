@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-parity demo bench lint gpu-check clean cuda-compile-check
+.PHONY: setup test test-parity demo bench lint gpu-check gpu-check-smoke clean cuda-compile-check
 
 setup: $(STAMP)
 
@@ -55,9 +55,17 @@ lint: setup
 cuda-compile-check:
 	bash csrc/compile_check.sh
 
-# On the GPU machine (python3 there has CUDA torch, triton, nvcc, ninja): build, GPU tests, benchmarks -> $OUT.
+# On the GPU machine (python3 there has CUDA torch, triton, nvcc, ninja; no network): install, then named steps,
+# each under its own time limit, results in 3 files under $OUT. `make gpu-check STEPS="selfcheck test-gpu"`
+# runs a subset; `bash bench/gpu_check.sh --list` names them.
+STEPS ?=
 gpu-check:
-	bash bench/gpu_check.sh
+	bash bench/gpu_check.sh $(STEPS)
+
+# Every gpu-check step on the CPU at the smallest sizes, from a fresh clone of HEAD (tests/test_gpu_check.py runs
+# it in `make test`).
+gpu-check-smoke: setup
+	$(PY) bench/gpu_check.py --smoke --out $${OUT:-gpu_out_smoke} --budget 1200
 
 clean:
-	rm -rf build *.egg-info .pytest_cache
+	rm -rf build *.egg-info .pytest_cache gpu_out gpu_out_smoke

@@ -1,8 +1,8 @@
 """Build script: a pure-Python install by default; the optional CUDA extension ``elmo_fast._C``.
 
-ELMO_FAST_BUILD_CUDA: "1" forces the extension (a failed build is an error), "0" skips it, unset = build it
-only when a CUDA toolkit (nvcc) and a CUDA build of torch are both present. Honours TORCH_CUDA_ARCH_LIST
-(default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile time) and MAX_JOBS;
+ELMO_FAST_BUILD_CUDA=1 builds the extension (opt-in: it has never run on a GPU, see BACKEND_STATUS in
+elmo_fast/_backend.py; a failed build is an error); unset or any other value installs pure Python. Honours
+TORCH_CUDA_ARCH_LIST (default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile time) and MAX_JOBS;
 uses ninja. Without a GPU, `make cuda-compile-check` (csrc/compile_check.sh) compiles every source; for development
 `python csrc/jit_build.py` builds the same sources with torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
 """
@@ -23,8 +23,7 @@ def _sources():
 
 
 def _want_cuda() -> bool:
-    flag = os.environ.get("ELMO_FAST_BUILD_CUDA", "").strip()
-    if flag == "0":
+    if os.environ.get("ELMO_FAST_BUILD_CUDA", "").strip() != "1":
         return False
     try:
         import torch  # noqa: F401
@@ -33,20 +32,13 @@ def _want_cuda() -> bool:
     except Exception:  # noqa: BLE001
         has_torch_cuda, CUDA_HOME = False, None
     has_nvcc = CUDA_HOME is not None or shutil.which("nvcc") is not None
-    if flag == "1":
-        if not (has_torch_cuda and has_nvcc):
-            raise RuntimeError(
-                "ELMO_FAST_BUILD_CUDA=1 but the CUDA extension cannot be built here: "
-                f"torch CUDA build={has_torch_cuda}, nvcc found={has_nvcc}. Install a CUDA build of torch and the "
-                "CUDA toolkit, or unset ELMO_FAST_BUILD_CUDA."
-            )
-        return True
-    if has_torch_cuda and has_nvcc and _sources():
-        return True
-    if flag != "0":
-        print(f"elmo_fast: building without the CUDA extension (torch CUDA build={has_torch_cuda}, nvcc={has_nvcc}); "
-              "set ELMO_FAST_BUILD_CUDA=1 to require it")
-    return False
+    if not (has_torch_cuda and has_nvcc and _sources()):
+        raise RuntimeError(
+            "ELMO_FAST_BUILD_CUDA=1 but the CUDA extension cannot be built here: "
+            f"torch CUDA build={has_torch_cuda}, nvcc found={has_nvcc}, sources={bool(_sources())}. Install a CUDA "
+            "build of torch and the CUDA toolkit, or unset ELMO_FAST_BUILD_CUDA."
+        )
+    return True
 
 
 ext_modules, cmdclass = [], {}

@@ -1,18 +1,24 @@
 """End-to-end biLM embedding: throughput (64 sentences of ~25 tokens) and single-sentence latency (20 tokens).
 
 Providers, in one run on one device (performance.md, "Baselines"):
-* ``elmo_fast-<backend>``: ``ElmoBiLM`` on the reference / triton / cuda backends (each only where it can run);
+* ``elmo_fast-auto``: ``ElmoBiLM`` as a user gets it (backend ``auto``); ``elmo_fast-auto+graph``: the same
+  with ``cuda_graph=True`` (one CUDA-graph replay per call after the first two calls of a shape);
+* ``elmo_fast-reference`` / ``elmo_fast-triton``: every op on that backend;
+* ``elmo_fast-cuda``: the LSTMP chains on the CUDA extension (the only op it has), the token encoder on
+  Triton -- only where the extension was built (``ELMO_FAST_BUILD_CUDA=1``);
 * ``library``: the fastest composition of library parts — ``nn.Conv1d`` + torch highway + ``nn.LSTM(proj_size)``
   (cuDNN) per chain. It cannot clip and ignores lengths, so it computes a slightly different function: a speed
   bar, not an oracle;
 * ``allennlp``: AllenNLP 2.10.1's ``_ElmoBiLm`` where it is importable (``bench/setup_allennlp.sh``).
 
 CPU part (pytest-benchmark, tiny model): ``python -m pytest bench/bench_bilm.py --benchmark-only``.
-GPU part: ``python bench/bench_bilm.py`` (or the ``gpu`` tests below); rows go to bench/results/bilm.csv with
-device, versions, commit and command.
+GPU part: ``python bench/bench_bilm.py`` (or the ``gpu`` test below); rows go to bench/results/bilm.csv with
+device, versions, commit and command. ``python bench/bench_bilm.py --device cpu --tiny`` runs every provider
+once on the CPU at the tiny model's size (a smoke run of this script; its timings mean nothing).
 """
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import tempfile
@@ -96,16 +102,30 @@ def test_cpu_tiny_embed(benchmark, tiny):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def _providers(opts, o, w, dtype):
-    dev = torch.device("cuda")
+PROVIDERS = ("reference", "triton", "auto", "auto+graph", "cuda")
+
+
+def _elmo_fast(o, w, provider, dev, dtype):
+    backend, _, graph = provider.partition("+")
+    if backend == "cuda":  # the extension has the LSTMP chain only: the token encoder stays on Triton
+        m = elmo_fast.ElmoBiLM(o, w, backend="triton", stateful=False, cuda_graph=bool(graph))
+        m._bilm.forward_lstm.backend = m._bilm.backward_lstm.backend = "cuda"
+    else:
+        m = elmo_fast.ElmoBiLM(o, w, backend=backend, stateful=False, cuda_graph=bool(graph))
+    return m.to(dev, dtype).eval()
+
+
+def _providers(opts, o, w, dtype, dev):
     provs = {}
-    for be in ("reference", "triton", "cuda"):
+    warm = elmo_fast.batch_to_ids([["warm", "up"]]).to(dev)
+    for prov in PROVIDERS:
         try:
-            m = elmo_fast.ElmoBiLM(o, w, backend=be, stateful=False).to(dev, dtype).eval()
-            m(elmo_fast.batch_to_ids([["warm", "up"]]).to(dev))
-            provs[f"elmo_fast-{be}"] = m
+            m = _elmo_fast(o, w, prov, dev, dtype)
+            with torch.no_grad():
+                m(warm)
+            provs[f"elmo_fast-{prov}"] = m
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is skipped, and said so
-            print(f"skip elmo_fast-{be}: {type(exc).__name__}: {exc}")
+            print(f"skip elmo_fast-{prov}: {type(exc).__name__}: {exc}")
     lib = LibraryBiLM(opts).to(dev, dtype).eval()
     bos, eos = (torch.tensor(elmo_fast.word_to_char_ids(t), device=dev) for t in ("<S>", "</S>"))
     provs["library"] = lambda ids: lib(add_sentence_boundary_token_ids(ids, (ids > 0).any(-1), bos, eos)[0])
@@ -120,28 +140,31 @@ def _providers(opts, o, w, dtype):
     return provs
 
 
-def run_gpu(opts=ORIGINAL_OPTIONS) -> list[dict]:
+def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
+    dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     with tempfile.TemporaryDirectory() as d:
         o, w = write_random_model(d, opts)
-        cases = {"throughput": sentences(64, 25, seed=1), "latency": sentences(1, 20, seed=2)}
-        cases["latency"] = [cases["latency"][0][:19] + ["."]]
+        small = dev.type != "cuda"  # smoke run: a few short sentences
+        cases = {"throughput": sentences(3 if small else 64, 6 if small else 25, seed=1),
+                 "latency": sentences(1, 20, seed=2)}
+        cases["latency"] = [cases["latency"][0][:4 if small else 19] + ["."]]
         for dtype in (torch.float32, torch.bfloat16):
-            provs = _providers(opts, o, w, dtype)
+            provs = _providers(opts, o, w, dtype, dev)
             for case, sents in cases.items():
-                ids = elmo_fast.batch_to_ids(sents).cuda()
+                ids = elmo_fast.batch_to_ids(sents).to(dev)
                 n_tok = sum(len(s) for s in sents)
                 for name, fn in provs.items():
                     with torch.no_grad():
-                        p50, p20, p80 = common.gpu_time_ms(lambda fn=fn, ids=ids: fn(ids))
+                        p50, p20, p80 = common.time_ms(lambda fn=fn, ids=ids: fn(ids), dev, reps=1)
                         mem = common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids))
                     rows.append({"case": case, "provider": name, "dtype": str(dtype).replace("torch.", ""),
                                  "sentences": len(sents), "tokens": n_tok, "ms_p50": round(p50, 4),
                                  "ms_p20": round(p20, 4), "ms_p80": round(p80, 4),
                                  "tokens_per_s": round(n_tok / (p50 / 1e3)), "peak_mem_mib": round(mem, 1)})
-                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:20s} {p50:9.3f} ms "
-                          f"{rows[-1]['tokens_per_s']:>10d} tok/s")
+                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:24s} {p50:9.3f} ms "
+                          f"{rows[-1]['tokens_per_s']:>10d} tok/s", flush=True)
     common.append_rows("bilm", rows)
     return rows
 
@@ -152,6 +175,10 @@ def test_gpu_bilm_benchmark():
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        sys.exit("bench_bilm: the GPU part needs a CUDA device")
-    run_gpu()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny test model instead of the original's sizes")
+    a = ap.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("bench_bilm: no CUDA device; `--device cpu --tiny` runs a smoke pass of this script")
+    run_gpu(TINY_OPTIONS if a.tiny else ORIGINAL_OPTIONS, a.device)

@@ -82,7 +82,28 @@ def gpu_time_ms(fn, warmup_ms: int = 50, rep_ms: int = 300, grad_to_none=None) -
     return p50, p20, p80
 
 
+def time_ms(fn, device: torch.device, reps: int = 5) -> tuple[float, float, float]:
+    """(p50, p20, p80) ms: CUDA events on a GPU (:func:`gpu_time_ms`); on the CPU a plain clock over ``reps``
+    calls after one warm-up (for the smoke runs of the GPU benchmarks, not for numbers to report)."""
+    if torch.device(device).type == "cuda":
+        return gpu_time_ms(fn)
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    times.sort()
+    return tuple(times[min(reps - 1, int(q * reps))] for q in (0.5, 0.2, 0.8))
+
+
 def peak_memory_mib(fn) -> float:
+    """Peak device memory (MiB) that ``fn`` allocates beyond what was allocated before; NaN off CUDA."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

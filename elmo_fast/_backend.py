@@ -6,16 +6,19 @@ Nothing here runs at import time; every probe is lazy and cached.
 * ``triton``: Triton kernels (``elmo_fast.kernels``). Needs ``triton`` and CUDA tensors, or CPU tensors
   with ``TRITON_INTERPRET=1`` set before Python started (that is how CI checks the kernels).
 * ``cuda``: the compiled extension ``elmo_fast._C`` and CUDA tensors.
-* ``auto``: ``cuda`` where the extension has the op and the tensors are on a GPU, else ``triton`` where it can
-  run on the tensors' device (CUDA only: the interpreter is a correctness tool, never picked silently), else
-  ``reference``.
+* ``auto``: ``cuda`` only once ``BACKEND_STATUS`` records its GPU tests as passed on real hardware (not yet), else
+  ``triton`` on CUDA tensors when its once-per-device self-check agrees with the reference for that op (the
+  interpreter is a correctness tool, never picked silently), else ``reference``.
+
+``BACKEND_STATUS`` is the one record of what each backend has been verified on (shown in the README).
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import os
-from typing import Literal
+import warnings
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -115,8 +118,66 @@ def select_backend(backend: str | None, device: torch.device, op: str = "op") ->
         return "cuda"
     # auto
     if dev.type == "cuda":
-        if cuda_ext_import_error() is None and hasattr(importlib.import_module("elmo_fast._C"), op):
+        if verified_on_gpu("cuda") and cuda_ext_import_error() is None and hasattr(cuda_ext(), op):
             return "cuda"
-        if triton_import_error() is None:
+        if triton_import_error() is None and triton_self_check(op, dev):
             return "triton"
     return "reference"
+
+
+# ------------------------------------------------------------------------------------------ what is verified
+class BackendStatus(NamedTuple):
+    backend: str
+    device: str
+    status: str  # "verified on <GPU> at <commit>", "verified on CPU", "interpreter-only", "compiled-only", ...
+    evidence: str
+
+
+# One row per (backend, device). A GPU row becomes "verified on <GPU> at <commit>" only when `make gpu-check`
+# passed there and its results are committed under bench/results/; `auto` reads this table.
+BACKEND_STATUS: tuple[BackendStatus, ...] = (
+    BackendStatus("reference", "cpu", "verified on CPU",
+                  "the whole suite in CI, every commit; parity with AllenNLP 2.10.1 (make test-parity)"),
+    BackendStatus("reference", "cuda", "never run on a GPU", "plain PyTorch ops; same code as on the CPU"),
+    BackendStatus("cpu", "cpu", "verified on CPU", "its tests in CI, every commit"),
+    BackendStatus("triton", "cpu", "interpreter-only",
+                  "every kernel against the reference under TRITON_INTERPRET=1 in CI (a test tool, never auto)"),
+    BackendStatus("triton", "cuda", "compiled-only",
+                  "compiles for sm_90a; never run on a GPU; auto uses it behind a once-per-device self-check"),
+    BackendStatus("cuda", "cuda", "compiled-only",
+                  "csrc compiles for sm_90a (make cuda-compile-check); never run; opt-in build; auto skips it"),
+)
+
+
+def verified_on_gpu(backend: str) -> bool:
+    """True once ``BACKEND_STATUS`` records ``backend``'s GPU tests as passed on real hardware."""
+    return any(r.backend == backend and r.device == "cuda" and r.status.startswith("verified on")
+               for r in BACKEND_STATUS)
+
+
+def status_table() -> str:
+    """``BACKEND_STATUS`` as the Markdown table the README shows."""
+    lines = ["| backend | device | status | evidence |", "|---|---|---|---|"]
+    lines += [f"| `{r.backend}` | {r.device} | {r.status} | {r.evidence} |" for r in BACKEND_STATUS]
+    return "\n".join(lines)
+
+
+_SELF_CHECKED: dict[tuple[str, str], bool] = {}
+
+
+def triton_self_check(op: str, device: torch.device) -> bool:
+    """Once per (op, device): the Triton kernel of ``op`` against the reference at a small shape (forward and
+    gradients, fp32). On disagreement or error: one warning naming the op and the error, and False (auto then
+    takes the reference path for that op on that device)."""
+    key = (op, str(torch.device(device)))
+    ok = _SELF_CHECKED.get(key)
+    if ok is None:
+        from .ops._selfcheck import run_self_check
+
+        err = run_self_check(op, torch.device(device))
+        ok = err is None
+        if not ok:
+            warnings.warn(f"elmo_fast: the Triton kernel of {op} failed its self-check on {key[1]} ({err}); "
+                          f"auto uses the reference path for {op} there", RuntimeWarning, stacklevel=3)
+        _SELF_CHECKED[key] = ok
+    return ok

@@ -85,7 +85,7 @@ def cmd_embed(args) -> int:
     check_input_file(args.input, "--input", CLIError)
     dev = _check_model_args(args)
     sentences = _read_sentences(args.input, args.use_sentence_keys)
-    model = ElmoBiLM(args.options, args.weights, backend=args.backend).to(dev).eval()
+    model = ElmoBiLM(args.options, args.weights, backend=args.backend, cuda_graph=dev.type == "cuda").to(dev).eval()
     keys: dict[str, str] = {}
     with atomic_h5(args.output) as out, torch.no_grad():
         for start in tqdm(range(0, len(sentences), args.batch_size), desc="embed", unit="batch",

@@ -350,6 +350,20 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
     return gemb, (gw if need_w else None), gb
 
 
+_WIDTHS: dict = {}
+
+
+def _filter_widths(groups: tuple, device: torch.device) -> torch.Tensor:
+    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Uploaded once per
+    filter layout and device, then reused (no host->device copy per call)."""
+    key = (groups, torch.device(device))
+    wid = _WIDTHS.get(key)
+    if wid is None:
+        host = torch.cat([torch.full((n,), wi, dtype=torch.int32) for wi, n in groups])
+        wid = _WIDTHS[key] = host if host.device == key[1] else host.pin_memory().to(device)
+    return wid
+
+
 class CharCNNFunction(torch.autograd.Function):
     """Saves ids, the packed weights, the output and the argmax (int8) -- never the convolution maps."""
 
@@ -364,8 +378,7 @@ class CharCNNFunction(torch.autograd.Function):
         kw = max(widths)
         w_packed = _pack_weights([w.to(dtype) for w in weights], kw, dc)
         bias = torch.cat([b.to(dtype) for b in biases]).contiguous()
-        wid = torch.cat([torch.full((int(w.shape[2]),), wi, dtype=torch.int32) for w, wi in zip(weights, widths)])
-        wid = wid.to(ids.device)
+        wid = _filter_widths(tuple((wi, int(w.shape[2])) for w, wi in zip(weights, widths)), ids.device)
         need_grad = any(ctx.needs_input_grad[1:])
         out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=need_grad)
         if need_grad:

@@ -28,9 +28,13 @@ forget bias are added in the kernel in fp32.
 *Padding and direction.* At step ``s`` row ``b`` is active iff ``s < len_b``. Its time position is ``s``
 (forward) or ``len_b - 1 - s`` (reverse, each row reversed within its own length). An inactive row at step
 ``s`` sits on a padded position (``s >= len_b``), so writing zeros there writes each padded position exactly
-once. Every element of ``y`` and of the zero-padded work buffers is therefore written by a kernel;
-positions at or beyond ``max(len)`` (no kernel step reaches them) are zero-filled on the host. Inactive rows
-keep their state, so empty rows return h0/c0.
+once. The loop runs all T steps (not max(len): knowing that on the host would cost a sync every call), so
+every element of ``y`` and of the zero-padded work buffers is written by a kernel. Inactive rows keep their
+state, so empty rows return h0/c0.
+
+*No host sync.* Nothing on the host reads a device value: the step count is T, and the constants (forget
+bias, clips) live in a small device tensor uploaded once per (values, dtype, device) and reused, so the
+time loop can be captured in a CUDA graph.
 
 *What forward saves for backward.* In fp32 (fp64 for fp64 inputs), per token: the four gate activations
 (σ(i), tanh(j), σ(f+fb), σ(o)), the **pre-clip** cell ``c_t``, the pre-clip projection ``h_t`` and the
@@ -359,11 +363,21 @@ def _pow2(n: int, lo: int = 16, hi: int = 64) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
 
 
+_CONSTS: dict = {}
+
+
 def _consts(forget_bias, cell_clip, proj_clip, acc, dev) -> torch.Tensor:
     # Scalars go through memory in the accumulation dtype: a float kernel argument is fp32, which would
-    # round e.g. a clip of 0.3 and break fp64 agreement.
-    vals = [forget_bias, 0.0 if cell_clip is None else cell_clip, 0.0 if proj_clip is None else proj_clip]
-    return torch.tensor([float(v) for v in vals], dtype=acc, device=dev)
+    # round e.g. a clip of 0.3 and break fp64 agreement. One upload per distinct set of values, then reused
+    # (a cached tensor is never written, so reuse across calls and streams is safe).
+    vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
+                                    0.0 if proj_clip is None else proj_clip))
+    key = (vals, acc, torch.device(dev))
+    t = _CONSTS.get(key)
+    if t is None:
+        host = torch.tensor(vals, dtype=acc)
+        t = _CONSTS[key] = host if host.device == key[2] else host.pin_memory().to(dev)
+    return t
 
 
 def _blocks(B: int, H: int, P: int) -> tuple[int, int, int]:
@@ -381,13 +395,10 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     dev = x.device
     acc = acc_dtype(x.dtype)
     len_i = lengths.to(device=dev, dtype=torch.int32).contiguous()
-    T_run = int(len_i.max()) if B else 0  # steps beyond the longest row only produce zeros
+    T_run = T  # all steps run (see "No host sync" above); rows past their length are masked in the kernels
 
     # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside).
-    gx = torch.matmul(x[:, :T_run].reshape(-1, D), w_in).reshape(B, T_run, G)
-    if T_run < T:
-        gx = torch.cat([gx, gx.new_zeros(B, T - T_run, G)], 1) if T_run else gx.new_zeros(B, T, G)
-    gx = gx.contiguous()
+    gx = torch.matmul(x.reshape(-1, D), w_in).reshape(B, T, G).contiguous()
 
     h = h0.to(acc).contiguous().clone()
     c = c0.to(acc).contiguous().clone()
@@ -400,9 +411,6 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         hprev = torch.empty(B, T, P, dtype=acc, device=dev)
     else:
         gates = cpre = hpre = hprev = m  # never touched (SAVE=False)
-    if T_run < T:
-        y[:, T_run:].zero_()
-        m[:, T_run:].zero_()
 
     BB, BH, BP = _blocks(B, H, P)
     BKP, BKH = _pow2(P), _pow2(H)

@@ -15,7 +15,8 @@ One pair of kernels serves both ops. A "column" is a candidate class: for the sa
 
 For the sampled loss the true-class column is not a tile column: its gradient ``g_n (p_true − 1)`` is an O(N·P)
 gather/scatter done on the host side in torch. The weight gradient is naturally sparse — rows
-``sampled_ids ∪ targets`` — and comes out as a coalesced sparse COO tensor with ``sparse_grad=True``.
+``sampled_ids ∪ targets`` — and comes out as a sparse COO tensor with ``sparse_grad=True`` (uncoalesced, so
+that no host sync sizes it: repeated rows are pre-summed in fp32 into their first entry, the others are 0).
 
 Numerics: dots accumulate in fp32 (fp32 inputs use IEEE fp32 dots, not TF32); log-sum-exp, softmax and the
 gradient buffers are fp32; outputs are cast to the input dtype at the end. Accidental hits get −FLT_MAX in the
@@ -269,19 +270,29 @@ def _reduce(loss: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Ten
     return loss.to(dtype)
 
 
-def _merge_rows(ids: torch.Tensor, values: torch.Tensor, V: int):
-    """Sum fp32 ``values`` of duplicate row ids; returns (sorted unique ids, summed values)."""
-    uniq, inv = torch.unique(ids, sorted=True, return_inverse=True)
-    out = values.new_zeros((uniq.numel(),) + values.shape[1:]).index_add_(0, inv, values)
-    return uniq, out
+def _merge_rows(ids: torch.Tensor, values: torch.Tensor):
+    """Sum fp32 ``values`` of duplicate row ids without a host sync (no ``torch.unique``, whose output size
+    lives on the device). Returns (ids sorted, values) of the same length, where the first entry of each run of
+    equal ids holds the run's fp32 sum and the others hold zeros."""
+    sorted_ids, order = torch.sort(ids)
+    vals = values.index_select(0, order)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    run = torch.cumsum(first, 0) - 1  # run index of every entry
+    sums = torch.zeros_like(vals).index_add_(0, run, vals)
+    keep = first.view(-1, *([1] * (vals.dim() - 1)))
+    return sorted_ids, torch.where(keep, sums.index_select(0, run), torch.zeros((), dtype=vals.dtype,
+                                                                                 device=vals.device))
 
 
 def _rows_grad(ids, values, V, shape, dtype, sparse):
-    uniq, vals = _merge_rows(ids, values, V)
+    """The gradient of a (V, ...) table from fp32 row contributions at possibly repeated ``ids``: dense, or an
+    uncoalesced sparse COO tensor whose repeated rows beyond the first are zero (duplicates summed in fp32)."""
+    ids, vals = _merge_rows(ids, values)
     vals = vals.to(dtype)
     if sparse:
-        return torch.sparse_coo_tensor(uniq.unsqueeze(0), vals, shape, is_coalesced=True, check_invariants=False)
-    return torch.zeros(shape, dtype=dtype, device=vals.device).index_copy_(0, uniq, vals)
+        return torch.sparse_coo_tensor(ids.unsqueeze(0), vals, shape, check_invariants=False)
+    return torch.zeros(shape, dtype=dtype, device=vals.device).index_add_(0, ids, vals)
 
 
 class SampledSoftmaxFunction(torch.autograd.Function):
@@ -364,7 +375,7 @@ def sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true
                                 sparse_grad: bool = False) -> torch.Tensor:
     """TF sampled softmax loss, fused (see module docstring). hidden (N, P), targets (N,), weight (V, P),
     bias (V,), sampled_ids (S,), true_expected (N,), sampled_expected (S,) expected counts (any float dtype).
-    With ``sparse_grad`` the weight and bias gradients are coalesced sparse COO tensors over
+    With ``sparse_grad`` the weight and bias gradients are sparse COO tensors (uncoalesced) over
     ``sampled_ids ∪ targets``."""
     return SampledSoftmaxFunction.apply(hidden, weight, bias, targets.long(), sampled_ids.long(), true_expected,
                                         sampled_expected, bool(remove_accidental_hits), reduction,

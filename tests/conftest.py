@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
+        if item.get_closest_marker("gpu") is not None and not has_gpu:
             item.add_marker(skip_gpu)
 
 

@@ -44,13 +44,15 @@ elmo_fast::LstmpDtype to_dtype(at::ScalarType st) {
   return elmo_fast::LstmpDtype::kFloat32;  // unreachable
 }
 
-void check_tensor(const Tensor& t, const char* name, const Tensor& x, at::IntArrayRef shape) {
+// fp32_ok: the tensor may also be float32 while x is bfloat16 (autocast's fp32 bias and recurrent states, which
+// elmo_fast.ops._precision keeps in fp32); it is converted where the kernel needs x's dtype.
+void check_tensor(const Tensor& t, const char* name, const Tensor& x, at::IntArrayRef shape, bool fp32_ok = false) {
   TORCH_CHECK(t.defined(), kOp, ": ", name, " is required");
   TORCH_CHECK(t.is_cuda(), kOp, ": ", name, " must be a CUDA tensor, got device ", t.device());
   TORCH_CHECK(t.device() == x.device(), kOp, ": ", name, " is on ", t.device(), " but x is on ", x.device());
   TORCH_CHECK(t.sizes() == shape, kOp, ": ", name, " must have shape ", shape, ", got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), kOp, ": ", name, " must have x's dtype ", x.scalar_type(),
-              ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type() || (fp32_ok && t.scalar_type() == at::kFloat), kOp, ": ", name,
+              " must have x's dtype ", x.scalar_type(), fp32_ok ? " or float32" : "", ", got ", t.scalar_type());
 }
 
 Dims check_inputs(const Tensor& x, const Tensor& w_in, const Tensor& w_rec, const Tensor& bias,
@@ -72,10 +74,10 @@ Dims check_inputs(const Tensor& x, const Tensor& w_in, const Tensor& w_rec, cons
               ": the persistent kernel needs a projection (w_proj of shape (H, P)); got None. Use backend='triton'.");
   check_tensor(w_in, "w_in", x, {d.D, 4 * d.H});
   check_tensor(w_rec, "w_rec", x, {d.P, 4 * d.H});
-  check_tensor(bias, "bias", x, {4 * d.H});
+  check_tensor(bias, "bias", x, {4 * d.H}, /*fp32_ok=*/true);
   check_tensor(*w_proj, "w_proj", x, {d.H, d.P});
-  check_tensor(h0, "h0", x, {d.B, d.P});
-  check_tensor(c0, "c0", x, {d.B, d.H});
+  check_tensor(h0, "h0", x, {d.B, d.P}, /*fp32_ok=*/true);
+  check_tensor(c0, "c0", x, {d.B, d.H}, /*fp32_ok=*/true);
   TORCH_CHECK(lengths.defined() && lengths.dim() == 1 && lengths.size(0) == d.B, kOp, ": lengths must be (B=", d.B,
               ",), got ", lengths.defined() ? lengths.sizes() : at::IntArrayRef{});
   TORCH_CHECK(at::isIntegralType(lengths.scalar_type(), /*includeBool=*/false), kOp,
@@ -135,7 +137,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> forward_impl(
   const auto fopts = x.options().dtype(at::kFloat);
   const int64_t B = d.B, T = d.T, H = d.H, P = d.P;
 
-  Tensor h = h0.contiguous().clone();
+  Tensor h = h0.to(x.scalar_type()).contiguous().clone();  // the kernel keeps h in x's dtype
   Tensor c = c0.to(at::kFloat).contiguous().clone();
   Tensor gates, cpre, hpre;
   if (training) {
@@ -144,14 +146,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> forward_impl(
     hpre = at::zeros({B, T, P}, fopts);
   }
   if (B == 0 || T == 0) {
-    return {at::zeros({B, T, P}, opts), h, c.to(c0.scalar_type()), gates, cpre, hpre};
+    return {at::zeros({B, T, P}, opts), h.to(h0.scalar_type()), c.to(c0.scalar_type()), gates, cpre, hpre};
   }
   const elmo_fast::LstmpPlan plan = make_plan(d, x);
 
   Tensor xc = dense(x);
   Tensor gx = at::matmul(xc.view({B * T, d.D}), w_in).view({B, T, 4 * H});  // hoisted input projection
   gx = dense(gx);
-  Tensor wr = dense(w_rec), wp = dense(*w_proj), bs = dense(bias);
+  Tensor wr = dense(w_rec), wp = dense(*w_proj), bs = dense(bias.to(x.scalar_type()));
   Tensor len32 = lengths.to(x.device(), at::kInt).contiguous();
   Tensor y = at::empty({B, T, P}, opts);
   Tensor partial = at::empty({static_cast<int64_t>(elmo_fast::lstmp_partial_bytes(plan, static_cast<int>(P)) / 4)},
@@ -174,7 +176,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> forward_impl(
     a.hpre = hpre.data_ptr<float>();
   }
   check_launch(elmo_fast::lstmp_forward(d.dtype, plan, a, c10::cuda::getCurrentCUDAStream().stream()), "forward kernel");
-  return {y, h, c.to(c0.scalar_type()), gates, cpre, hpre};
+  return {y, h.to(h0.scalar_type()), c.to(c0.scalar_type()), gates, cpre, hpre};
 }
 
 std::tuple<Tensor, Tensor, Tensor> lstmp(const Tensor& x, const Tensor& w_in, const Tensor& w_rec, const Tensor& bias,
@@ -250,7 +252,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lstmp_backwar
   // Weight gradients: large GEMMs over all B*T positions (dz and dL/dh' are 0 at padded positions).
   const auto st = x.scalar_type();
   Tensor dz2 = dz.view({B * T, 4 * H});
-  Tensor dbias = dz.sum(at::IntArrayRef{0, 1}, /*keepdim=*/false, at::kFloat).to(st);
+  Tensor dbias = dz.sum(at::IntArrayRef{0, 1}, /*keepdim=*/false, at::kFloat).to(bias.scalar_type());
   Tensor dw_in = at::matmul(x.reshape({B * T, D}).t(), dz2);
   Tensor dx = at::matmul(dz2, w_in.t()).view({B, T, D});
   Tensor steps = at::arange(T, lengths.options().dtype(at::kLong).device(x.device()));
@@ -266,11 +268,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> lstmp_backwar
   if (T == 0) {
     hprev = at::zeros({B, 0, P}, opts);
   } else if (!reverse) {
-    hprev = at::cat({h0.unsqueeze(1), hseq.slice(1, 0, T - 1)}, 1);
+    hprev = at::cat({h0.to(st).unsqueeze(1), hseq.slice(1, 0, T - 1)}, 1);
   } else {
     Tensor shifted = at::cat({hseq.slice(1, 1, T), at::zeros({B, 1, P}, opts)}, 1);
     Tensor has_prev = ((steps.unsqueeze(0) + 1) < len_l.unsqueeze(1)).unsqueeze(2);
-    hprev = at::where(has_prev, shifted, h0.unsqueeze(1));
+    hprev = at::where(has_prev, shifted, h0.to(st).unsqueeze(1));
   }
   Tensor dw_rec = at::matmul(hprev.reshape({B * T, P}).t(), dz2);
   Tensor cseq = cell_clip.has_value() ? cpre.clamp(-*cell_clip, *cell_clip) : cpre;

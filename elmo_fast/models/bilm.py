@@ -10,6 +10,8 @@ import torch.nn as nn
 from .._backend import check_backend_name
 from ..modules.lstm import LSTMPStack
 from ..modules.token_encoder import CharCNNTokenEncoder
+from ..ops import _precision as prec
+from ..ops.lstmp import check_lengths, trusted_lengths
 from ..options import ElmoOptions, OptionsError
 from ..weights import WeightFileError, lstm_prefix, read_weights, write_weights
 
@@ -87,7 +89,15 @@ class BiLM(nn.Module):
     def run_lstms(self, token_embedding: torch.Tensor, lengths: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
                   dropout: float = 0.0, token_embedding_bwd: torch.Tensor | None = None):
         """Both stacks over (B, T, P) inputs. h0 (2, L, B, P), c0 (2, L, B, H). Returns
-        (forward outputs per layer, backward outputs per layer, h_n, c_n) with states stacked like h0/c0."""
+        (forward outputs per layer, backward outputs per layer, h_n, c_n) with states stacked like h0/c0.
+
+        ``lengths`` (B,) must lie in [0, T]: checked here once (one host sync) unless the caller runs this under
+        ``elmo_fast.ops.lstmp.trusted_lengths()`` (lengths made from a mask, as ``forward_embeddings`` does)."""
+        check_lengths(lengths, token_embedding.shape[1], "run_lstms")
+        with trusted_lengths():
+            return self._run_lstms(token_embedding, lengths, h0, c0, dropout, token_embedding_bwd)
+
+    def _run_lstms(self, token_embedding, lengths, h0, c0, dropout, token_embedding_bwd):
         x_b = token_embedding if token_embedding_bwd is None else token_embedding_bwd
         L = self.options.lstm.n_layers
         fwd, f_fin = self.forward_lstm(token_embedding, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], dropout)
@@ -100,17 +110,25 @@ class BiLM(nn.Module):
                            mask_token_layer: bool = True) -> dict:
         """Run the LSTMs on a token layer (B, T+2, P) with boundaries, mask (B, T+2). Layer 0 is zero at padded
         positions when ``mask_token_layer`` (AllenNLP); bilm-tf leaves the CNN output of the empty token there."""
-        lengths = mask.long().sum(1)
         B = token_embedding.shape[0]
-        h0, c0 = self.initial_states(B, token_embedding.device, token_embedding.dtype)
-        fwd, bwd, h_n, c_n = self.run_lstms(token_embedding, lengths, h0, c0)
+        h0, c0 = self.initial_states(B, token_embedding.device, prec.state_dtype(token_embedding.dtype))
+        acts, h_n, c_n = self.stateless_forward(token_embedding, mask, h0, c0, mask_token_layer)
         if self.stateful:
             self._store_states(h_n, c_n)
+        return {"activations": acts, "mask": mask, "token_embedding": token_embedding}
+
+    def stateless_forward(self, token_embedding: torch.Tensor, mask: torch.Tensor, h0: torch.Tensor,
+                          c0: torch.Tensor, mask_token_layer: bool = True):
+        """The LSTMs from explicit states: (activations, h_n, c_n). No host sync (lengths come from ``mask``), so
+        it can be captured in a CUDA graph. States stay fp32 for bf16/fp16 activations (``state_dtype``)."""
+        lengths = mask.long().sum(1)
+        with trusted_lengths():
+            fwd, bwd, h_n, c_n = self._run_lstms(token_embedding, lengths, h0, c0, 0.0, None)
         acts = [torch.cat([token_embedding, token_embedding], -1)]
         if mask_token_layer:
             acts[0] = acts[0] * mask.unsqueeze(-1).to(token_embedding.dtype)
         acts += [torch.cat([f, b], -1) for f, b in zip(fwd, bwd)]
-        return {"activations": acts, "mask": mask, "token_embedding": token_embedding}
+        return acts, h_n, c_n
 
     def forward(self, char_ids: torch.Tensor) -> dict:
         """char ids with boundaries (B, T+2, L) -> {"activations": [(B, T+2, 2P)] * (n_layers+1), "mask",

@@ -9,7 +9,9 @@ import torch.nn as nn
 from ..allennlp_compat import bilm_links, encoder_links, load_allennlp_pre_hook, to_allennlp_state_dict
 from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
 from ..modules.scalar_mix import ScalarMix
+from ..ops import _precision as prec
 from ..util import add_sentence_boundary_token_ids, remove_sentence_boundaries
+from ._graphs import GraphCache
 from .bilm import BiLM
 
 MAX_CHAR_ID = 261
@@ -64,6 +66,9 @@ class ElmoCharacterEncoder(nn.Module):
     def add_boundaries(self, inputs: torch.Tensor):
         """char ids (B, T, 50) -> (ids (B, T+2, 50) with <S>/</S>, mask (B, T+2))."""
         _check_char_ids(inputs, self.encoder.char_embed.device)
+        return self._add_boundaries(inputs)
+
+    def _add_boundaries(self, inputs: torch.Tensor):  # inputs already checked
         return add_sentence_boundary_token_ids(inputs, (inputs > 0).any(-1), self.bos_ids, self.eos_ids)
 
     def forward(self, inputs: torch.Tensor) -> dict:
@@ -78,12 +83,16 @@ class ElmoBiLM(nn.Module):
     ``vocab_to_cache``: words whose token-layer vectors are precomputed; ``forward`` then also takes
     ``word_ids`` (B, T) indexing that list (index 0 is the padding word and gives a zero vector).
     ``backend``: "auto" | "reference" | "triton" | "cuda" (else ``ELMO_FAST_BACKEND``, else auto).
+    ``cuda_graph``: inference (no gradient) on CUDA tensors replays a CUDA graph per (B, T) seen twice
+    (``elmo_fast.models._graphs``): one launch instead of ~180 per call at the original size. Elsewhere, or
+    where capture fails, the call runs eagerly with the same results.
     """
 
     def __init__(self, options_file, weight_file, requires_grad: bool = False, vocab_to_cache: list[str] | None = None,
-                 backend: str | None = "auto", stateful: bool = True):
+                 backend: str | None = "auto", stateful: bool = True, cuda_graph: bool = False):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
+        self._graphs = GraphCache(self._graph_forward, max_graphs=8) if cuda_graph else None
         self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
         self._requires_grad = requires_grad
         for p in self._bilm.parameters():
@@ -164,10 +173,32 @@ class ElmoBiLM(nn.Module):
                 token_embedding, mask = add_sentence_boundary_token_ids(
                     emb, mask_wo, self._bos_embedding, self._eos_embedding)
         if token_embedding is None:
-            enc = self._token_embedder(inputs)
-            token_embedding, mask = enc["token_embedding"], enc["mask"]
+            if self._graphs is not None and not (torch.is_grad_enabled() and self._requires_grad):
+                return self._replay(inputs)
+            ids, mask = self._token_embedder._add_boundaries(inputs)
+            token_embedding = self._bilm.token_encoder(ids)
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
+
+    def _graph_forward(self, inputs: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, _tag: torch.Tensor):
+        """Checked char ids and explicit states -> (*activations, mask, h_n, c_n), with no host sync: every token
+        is encoded (no deduplication, whose size would be read back), the LSTM lengths come from the mask."""
+        ids, mask = self._token_embedder._add_boundaries(inputs)
+        B, T2, L = ids.shape
+        emb = self._bilm.token_encoder.encode_unique(ids.reshape(-1, L)).reshape(B, T2, -1)
+        acts, h_n, c_n = self._bilm.stateless_forward(emb, mask, h0, c0)
+        return (*acts, mask, h_n, c_n)
+
+    def _replay(self, inputs: torch.Tensor) -> dict:
+        dev = inputs.device
+        state = prec.state_dtype(self._bilm.token_encoder.char_embed.dtype)
+        h0, c0 = self._bilm.initial_states(inputs.shape[0], dev, state)
+        # the autocast state is part of the graph's identity: an empty tensor of that dtype joins the shape key
+        tag = torch.empty(0, dtype=prec.autocast_dtype(dev) or torch.float32, device=dev)
+        *acts, mask, h_n, c_n = self._graphs(inputs, h0, c0, tag)
+        if self._bilm.stateful:
+            self._bilm._store_states(h_n, c_n)
+        return {"activations": acts, "mask": mask}
 
 
 def _alias(a, b, name_a: str, name_b: str):
@@ -179,12 +210,13 @@ def _alias(a, b, name_a: str, name_b: str):
 
 
 class Elmo(nn.Module):
-    """AllenNLP's ``Elmo``: ``{"elmo_representations": [(B, T, 2P)] * num_output_representations, "mask"}``."""
+    """AllenNLP's ``Elmo``: ``{"elmo_representations": [(B, T, 2P)] * num_output_representations, "mask"}``.
+    ``cuda_graph``: see ``ElmoBiLM`` (the biLM replays CUDA graphs; the scalar mixes run eagerly)."""
 
     def __init__(self, options_file, weight_file, num_output_representations: int, requires_grad: bool = False,
                  do_layer_norm: bool = False, dropout: float = 0.5, vocab_to_cache: list[str] | None = None,
                  keep_sentence_boundaries: bool = False, scalar_mix_parameters: list[float] | None = None,
-                 module: nn.Module | None = None, backend: str | None = "auto"):
+                 module: nn.Module | None = None, backend: str | None = "auto", cuda_graph: bool = False):
         super().__init__()
         if module is not None:
             if options_file is not None or weight_file is not None:
@@ -192,7 +224,7 @@ class Elmo(nn.Module):
             self._elmo_lstm = module
         else:
             self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,
-                                       vocab_to_cache=vocab_to_cache, backend=backend)
+                                       vocab_to_cache=vocab_to_cache, backend=backend, cuda_graph=cuda_graph)
         if num_output_representations < 1:
             raise ValueError(f"num_output_representations must be >= 1, got {num_output_representations}")
         self._has_cached_vocab = vocab_to_cache is not None

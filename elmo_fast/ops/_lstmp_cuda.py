@@ -8,7 +8,9 @@ The extension is loaded lazily through ``elmo_fast._backend.cuda_ext`` (never at
   unclipped cell (B, T, H) fp32 and the unclipped projection (B, T, P) fp32. ``_C.lstmp_backward`` runs the
   backward time loop on chip, then the weight gradients as large GEMMs.
 
-Cast policy: every tensor argument must share x's dtype (float32 or bfloat16); no autocast.
+Cast policy (elmo_fast.ops._precision): x and the three weight matrices share one dtype (float32 or bfloat16);
+bias, h0 and c0 may be float32 beside bfloat16 operands (autocast keeps them fp32); h_n, c_n come back in h0's
+and c0's dtypes, every gradient in its input's dtype.
 """
 from __future__ import annotations
 

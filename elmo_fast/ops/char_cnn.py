@@ -5,6 +5,7 @@ import torch
 
 from .._backend import select_backend
 from ..reference.char_cnn import char_cnn_reference, highway_reference
+from . import _precision as prec
 
 
 def char_cnn(
@@ -19,6 +20,8 @@ def char_cnn(
     """char_ids (N, L) inference ids -> (N, F): embedding, every filter width, max over positions, bias, act.
 
     char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
+    Under autocast the table and the filters run in the autocast dtype (``elmo_fast.ops._precision``); the
+    output has the table's (cast) dtype.
     """
     if char_ids.dim() != 2:
         raise ValueError(f"char_cnn: char_ids must be (N, L), got shape {tuple(char_ids.shape)}")
@@ -32,12 +35,16 @@ def char_cnn(
                 f"char_cnn: filter group {i}: weight must be (w, d_c={char_embed.shape[1]}, n) and bias (n,), "
                 f"got {tuple(w.shape)} and {tuple(b.shape)}"
             )
+    low = prec.compute_dtype(char_embed)
+    char_embed, *conv_weights = prec.weights(low, char_embed, *conv_weights)
     be = select_backend(backend, char_ids.device, "char_cnn")
-    if be == "triton":
-        from ..kernels.char_cnn import char_cnn_triton
+    with prec.no_autocast(char_ids.device):
+        if be == "triton":
+            from ..kernels.char_cnn import char_cnn_triton
 
-        return char_cnn_triton(char_ids, char_embed, conv_weights, conv_biases, activation)
-    return char_cnn_reference(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
+            return char_cnn_triton(char_ids, char_embed, conv_weights, conv_biases, activation)
+        conv_biases = prec.reference_inputs(char_embed.dtype, *conv_biases)
+        return char_cnn_reference(char_ids.long(), char_embed, conv_weights, list(conv_biases), activation)
 
 
 def highway(
@@ -49,15 +56,22 @@ def highway(
     *,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """One highway layer, TF convention: g = σ(x·W_carry + b_carry); x' = g·relu(x·W_transform + b_t) + (1-g)·x."""
+    """One highway layer, TF convention: g = σ(x·W_carry + b_carry); x' = g·relu(x·W_transform + b_t) + (1-g)·x.
+
+    Under autocast x and both matrices run in the autocast dtype (``elmo_fast.ops._precision``)."""
     F_ = x.shape[-1]
     for name, t, shape in (("w_carry", w_carry, (F_, F_)), ("b_carry", b_carry, (F_,)),
                            ("w_transform", w_transform, (F_, F_)), ("b_transform", b_transform, (F_,))):
         if tuple(t.shape) != shape:
             raise ValueError(f"highway: {name} must have shape {shape}, got {tuple(t.shape)}")
+    low = prec.compute_dtype(x)
+    (x,) = prec.activations(low, x)
+    w_carry, w_transform = prec.weights(low, w_carry, w_transform)
     be = select_backend(backend, x.device, "highway")
-    if be == "triton":
-        from ..kernels.highway import highway_triton
+    with prec.no_autocast(x.device):
+        if be == "triton":
+            from ..kernels.highway import highway_triton
 
-        return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
-    return highway_reference(x, w_carry, b_carry, w_transform, b_transform)
+            return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
+        args = prec.reference_inputs(x.dtype, w_carry, b_carry, w_transform, b_transform)
+        return highway_reference(x, *args)

@@ -1,10 +1,36 @@
 """``lstmp``: one LSTMP chain (one layer, one direction). See ``elmo_fast.reference.lstmp`` for the math."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
 from ..reference.lstmp import lstmp_reference
+from . import _precision as prec
+
+_trusted = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_lengths():
+    """Inside this block the caller guarantees ``0 <= lengths <= T`` (lengths it derived from a mask, or checked
+    once itself), so :func:`lstmp` skips its own range check, the one host sync it would otherwise make."""
+    old = getattr(_trusted, "on", False)
+    _trusted.on = True
+    try:
+        yield
+    finally:
+        _trusted.on = old
+
+
+def check_lengths(lengths: torch.Tensor, T: int, what: str = "lstmp") -> None:
+    """lengths must lie in [0, T]: one host sync (the only one of a call; skipped under :func:`trusted_lengths`)."""
+    if lengths.numel() and not getattr(_trusted, "on", False):
+        lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())
+        if lo < 0 or hi > T:
+            raise ValueError(f"{what}: lengths must lie in [0, T={T}], got [{lo}, {hi}]")
 
 
 def lstmp(
@@ -31,24 +57,44 @@ def lstmp(
     w_proj (H, P) or None; h0 (B, P); c0 (B, H); lengths (B,) integer.
     ``cpu_weight_cache``: a dict owned by the caller (the module owning the weights) in which the reference path
     keeps CPU-packed copies of the recurrent weights across calls; other backends ignore it.
+
+    Precision (``elmo_fast.ops._precision``): under autocast x and the three weight matrices run in the autocast
+    dtype (weights cast once per update), bias and states keep their dtype; h_n/c_n come back in h0/c0's dtype.
+    Host syncs: one, the range check of ``lengths``, skipped under :func:`trusted_lengths`.
     """
     _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual)
+    low = prec.compute_dtype(x)
+    (x,) = prec.activations(low, x)
+    w_in, w_rec, w_proj = prec.weights(low, w_in, w_rec, w_proj)
+    _check_dtypes(x, w_in, w_rec, w_proj)
+    check_lengths(lengths, x.shape[1])
     be = select_backend(backend, x.device, "lstmp")
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
-    if be == "cuda":
-        from ._lstmp_cuda import lstmp_cuda, unsupported_reason
+    with prec.no_autocast(x.device):
+        if be == "cuda":
+            from ._lstmp_cuda import lstmp_cuda, unsupported_reason
 
-        reason = unsupported_reason(x, w_in, w_proj, h0)
-        if reason is None:
-            return lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-        if check_backend_name(backend) == "cuda":  # asked for explicitly: say why it cannot run
-            raise BackendUnavailableError(f"backend 'cuda' for lstmp cannot run this call: {reason}")
-        be = "triton" if triton_import_error() is None else "reference"  # auto: fall back
-    if be == "triton":
-        from ..kernels.lstmp import lstmp_triton
+            reason = unsupported_reason(x, w_in, w_proj, h0)
+            if reason is None:
+                return lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+            if check_backend_name(backend) == "cuda":  # asked for explicitly: say why it cannot run
+                raise BackendUnavailableError(f"backend 'cuda' for lstmp cannot run this call: {reason}")
+            be = "triton" if triton_import_error() is None else "reference"  # auto: fall back
+        if be == "triton":
+            from ..kernels.lstmp import lstmp_triton
 
-        return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cpu_weight_cache=cpu_weight_cache, **kw)
+            return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+        # the reference mixes no dtypes: everything in x's dtype, the states handed back in their own
+        b, s0, s1 = prec.reference_inputs(x.dtype, bias, h0, c0)
+        y, h_n, c_n = lstmp_reference(x, w_in, w_rec, b, w_proj, s0, s1, lengths, cpu_weight_cache=cpu_weight_cache,
+                                      **kw)
+        return y, h_n.to(h0.dtype), c_n.to(c0.dtype)
+
+
+def _check_dtypes(x, w_in, w_rec, w_proj):
+    for name, w in (("w_in", w_in), ("w_rec", w_rec), ("w_proj", w_proj)):
+        if w is not None and w.dtype != x.dtype:
+            raise TypeError(f"lstmp: {name} must have x's dtype {x.dtype} (or run under torch.autocast), got {w.dtype}")
 
 
 def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):
@@ -78,9 +124,5 @@ def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):
             raise ValueError(f"lstmp: {name} is on {t.device} but x is on {x.device}")
     if lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
         raise TypeError(f"lstmp: lengths must be an integer tensor, got {lengths.dtype}")
-    if B:
-        lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())  # one host sync
-        if lo < 0 or hi > T:
-            raise ValueError(f"lstmp: lengths must lie in [0, T={T}], got [{lo}, {hi}]")
     if residual and D != P:
         raise ValueError(f"lstmp: residual needs D == P, got D={D}, P={P}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import select_backend
+from . import _precision as prec
 from ..reference.sampled_softmax import (
     expected_count_reference,
     full_softmax_nll_reference,
@@ -37,7 +38,8 @@ def log_uniform_sample(num_sampled: int, vocab_size: int, *, generator: torch.Ge
         generator: a ``torch.Generator`` on ``device`` (``None``: the default generator).
         device: where the draws and the ids live.
     Returns:
-        (ids (S,) int64 on ``device``, num_tries: int). One host sync per round (the count check).
+        (ids (S,) int64 on ``device``, num_tries: int). One host sync per round: num_tries is a host int
+        (TF's expected counts branch on it), and whether the round found S distinct ids decides another round.
     """
     if not 0 < num_sampled <= vocab_size:
         raise ValueError(f"num_sampled must be in [1, vocab_size={vocab_size}], got {num_sampled}")
@@ -53,11 +55,11 @@ def log_uniform_sample(num_sampled: int, vocab_size: int, *, generator: torch.Ge
         first = torch.full((vocab_size,), big, dtype=torch.long, device=device)
         first.scatter_reduce_(0, draws, pos, reduce="amin")
         is_first = first.index_select(0, draws) == pos
-        n_unique = int(is_first.sum())  # the one host check per round
+        # the first S first-occurrence positions, in draw order, with no data-dependent shape
+        kept_pos = torch.sort(torch.where(is_first, pos, big)).values[:num_sampled]
+        n_unique, last = torch.stack([is_first.sum(), kept_pos[-1]]).tolist()  # the one host sync per round
         if n_unique >= num_sampled:
-            kept_pos = torch.nonzero(is_first).squeeze(1)[:num_sampled]
-            num_tries = int(kept_pos[-1]) + 1
-            return draws.index_select(0, kept_pos), num_tries
+            return draws.index_select(0, kept_pos), int(last) + 1
 
 
 def _check_common(hidden, targets, weight, bias, reduction):
@@ -99,6 +101,7 @@ def sampled_softmax_loss(
         reduction: 'mean' (TF, per direction), 'sum' or 'none'.
         sparse_grad: the gradients of ``weight`` and ``bias`` are sparse COO tensors holding only the target
             and sample rows (for a sparse optimizer); the values are those of the dense gradient.
+    Under autocast hidden and weight run in the autocast dtype (the table cast once per update), bias in fp32.
     Returns:
         scalar loss, or (N,) with reduction='none'.
     """
@@ -113,16 +116,23 @@ def sampled_softmax_loss(
     sampled_ids = sampled_ids.long()
     true_q = expected_count_reference(targets, num_tries, S, V)
     samp_q = expected_count_reference(sampled_ids, num_tries, S, V)
+    hidden, weight = _low_precision(hidden, weight)
     be = select_backend(backend, hidden.device, "sampled_softmax")
-    if be == "triton":
-        from ..kernels.softmax import sampled_softmax_loss_triton
+    kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
+    with prec.no_autocast(hidden.device):
+        if be == "triton":
+            from ..kernels.softmax import sampled_softmax_loss_triton
 
-        return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
-                                           remove_accidental_hits=remove_accidental_hits, reduction=reduction,
-                                           sparse_grad=sparse_grad)
-    return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
-                                          remove_accidental_hits=remove_accidental_hits, reduction=reduction,
-                                          sparse_grad=sparse_grad)
+            return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
+        (bias,) = prec.reference_inputs(hidden.dtype, bias)
+        return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
+
+
+def _low_precision(hidden, weight):
+    """Under autocast: hidden and the (V, P) table in the autocast dtype, the table cast once per update."""
+    low = prec.compute_dtype(hidden)
+    (hidden,) = prec.activations(low, hidden)
+    return hidden, prec.cast_weight(weight, low)
 
 
 def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -131,12 +141,16 @@ def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.
 
     hidden (N, P), targets (N,), weight (V, P), bias (V,). The Triton backend tiles the vocabulary with an
     online log-sum-exp and recomputes logits per tile in backward: memory O(N·P + V·P), never N × V.
+    Under autocast hidden and weight run in the autocast dtype (the table cast once per update).
     """
     _check_common(hidden, targets, weight, bias, reduction)
     targets = targets.long()
+    hidden, weight = _low_precision(hidden, weight)
     be = select_backend(backend, hidden.device, "full_softmax")
-    if be == "triton":
-        from ..kernels.softmax import full_softmax_nll_triton
+    with prec.no_autocast(hidden.device):
+        if be == "triton":
+            from ..kernels.softmax import full_softmax_nll_triton
 
-        return full_softmax_nll_triton(hidden, targets, weight, bias, reduction=reduction)
-    return full_softmax_nll_reference(hidden, targets, weight, bias, reduction=reduction)
+            return full_softmax_nll_triton(hidden, targets, weight, bias, reduction=reduction)
+        (bias,) = prec.reference_inputs(hidden.dtype, bias)
+        return full_softmax_nll_reference(hidden, targets, weight, bias, reduction=reduction)

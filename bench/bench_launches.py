@@ -1,0 +1,128 @@
+"""Kernel launches, host syncs and pageable uploads per biLM forward and per training step.
+
+    TRITON_INTERPRET=1 python bench/bench_launches.py          # on the CPU (counts only; no GPU needed)
+    python bench/bench_launches.py                              # on a GPU: the same counts, compiled kernels
+
+Counted with ``elmo_fast.probes.probe`` (Triton launches by wrapping the launch path; syncs and uploads by
+patching the calls that make them; torch operator calls beside, each about one more kernel on a GPU):
+
+* ``forward``: ``ElmoBiLM`` inference, batch 1 x 20 tokens (22 LSTM steps with the boundaries), eager;
+* ``forward-graph`` (GPU only): the same call replayed from a CUDA graph (``cuda_graph=True``);
+* ``train-step``: one ``Trainer.train_step`` at the original configuration's structure (2 layers, 7 filter
+  widths, 2 highway layers, 20 steps, sampled softmax per direction).
+
+The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
+small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
+``BUDGET`` holds the design's ceilings (tests/test_launch_budget.py keeps the code within them).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import elmo_fast  # noqa: E402
+from elmo_fast.probes import probe  # noqa: E402
+from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
+
+# Ceilings of this design, counted under the interpreter (before it, at d7c2cef, the same probe counted: forward
+# 179 launches, 11 syncs, 4 pageable uploads; training step 335 launches, 20 syncs, 12 uploads).
+# * forward: 4 chains x 22 steps x 2 launches + char CNN + 2 highway = 179 Triton launches (a CUDA-graph replay
+#   makes them one launch); 2 syncs: the char-id range check (one per call, before any work) and the token
+#   encoder's deduplication (torch.unique sizes its output on the host; the graph path encodes every token
+#   instead); no upload (constants are uploaded once and reused).
+# * train-step: 335 launches (4 chains x 20 steps x 4 (fwd + bwd) + encoder + 2 x 2 softmax); 5 syncs: the
+#   sampler's one per sample set (x2: num_tries is a host int), the lengths check of run_lstms, the token
+#   encoder's deduplication, the trainer's sparse-row merge (torch.equal); 4 uploads: the trainer's batch arrays
+#   (pageable: training/trainer.py, to be pinned by its owner).
+BUDGET = {
+    "forward": {"launches": 179, "syncs": 2, "uploads": 0},
+    "train-step": {"launches": 335, "syncs": 5, "uploads": 4},
+}
+
+
+def small_original_options() -> dict:
+    """The original model's structure (2 layers, 7 filter widths, 2 highway, projections) at small widths."""
+    opts = {k: dict(v) for k, v in ORIGINAL_OPTIONS.items()}
+    opts["char_cnn"].update(embedding={"dim": 4}, filters=[[w, 4 * w] for w in range(1, 8)])
+    opts["lstm"].update(dim=64, projection_dim=16)
+    return opts
+
+
+def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
+    words = "the cat sat on the mat and then it ran off to see what the dog had done today .".split()
+    assert len(words) == 20
+    with tempfile.TemporaryDirectory() as d:
+        model = elmo_fast.ElmoBiLM(*write_random_model(d, small_original_options()), backend="triton",
+                                   cuda_graph=cuda_graph).to(device).eval()
+    ids = elmo_fast.batch_to_ids([words]).to(device)
+    with torch.no_grad():
+        for _ in range(3 if cuda_graph else 1):  # warm-up (compile, self-check, constants; graph capture)
+            model(ids)
+        with probe(count_ops=True) as counts:
+            model(ids)
+    return _row("forward-graph" if cuda_graph else "forward", counts)
+
+
+def measure_train_step(device: torch.device) -> dict:
+    from elmo_fast.chars import Vocabulary
+    from elmo_fast.training import configs
+    from elmo_fast.training.trainer import Trainer
+
+    opts = small_original_options()
+    cfg = configs.original()
+    cfg.char_embed_dim = opts["char_cnn"]["embedding"]["dim"]
+    cfg.filters = opts["char_cnn"]["filters"]
+    cfg.lstm_dim, cfg.projection_dim = opts["lstm"]["dim"], opts["lstm"]["projection_dim"]
+    cfg.batch_size, cfg.n_negative_samples_batch, cfg.backend, cfg.check_memory = 2, 64, "triton", False
+    words = [f"w{i}" for i in range(300)]
+    with tempfile.TemporaryDirectory() as d:
+        corpus = Path(d) / "train.txt"
+        corpus.write_text("\n".join(" ".join(words[(7 * i + j * j) % 300] for j in range(12)) for i in range(400)))
+        vocab = Vocabulary(words=["<S>", "</S>", "<UNK>"] + words)
+        trainer = Trainer(cfg, vocab, [str(corpus)], None, d, device=device)
+        try:
+            trainer.train_step()  # warm-up
+            with probe(count_ops=True) as counts:
+                trainer.train_step()
+        finally:
+            trainer.close()
+    return _row("train-step", counts)
+
+
+def _row(case: str, counts) -> dict:
+    return {"case": case, "triton_launches": counts.n_launches, "host_syncs": len(counts.syncs),
+            "pageable_uploads": len(counts.uploads), "torch_ops": counts.torch_ops,
+            "syncs_at": ";".join(sorted(set(counts.syncs))), "uploads_at": ";".join(sorted(set(counts.uploads)))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cases", default="forward,forward-graph,train-step")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    rows = []
+    for case in args.cases.split(","):
+        if case == "forward-graph" and dev.type != "cuda":
+            continue
+        fn = {"forward": lambda: measure_forward(dev), "forward-graph": lambda: measure_forward(dev, True),
+              "train-step": lambda: measure_train_step(dev)}[case]
+        rows.append(fn())
+        r = rows[-1]
+        budget = BUDGET.get(case, {})
+        print(f"{case:14s} launches {r['triton_launches']:4d} (budget {budget.get('launches', '-')})  "
+              f"syncs {r['host_syncs']:3d} (budget {budget.get('syncs', '-')})  uploads {r['pageable_uploads']:2d}  "
+              f"torch ops {r['torch_ops']:5d}  syncs at: {r['syncs_at'] or '-'}", flush=True)
+    common.append_rows("launches", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

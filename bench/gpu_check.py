@@ -1,0 +1,273 @@
+"""The GPU check (``make gpu-check``, ``bench/gpu_check.sh [STEP...]``): what to run on a lent GPU machine.
+
+    bench/gpu_check.sh                      # install, then every step that fits in the budget (default 560 s)
+    bench/gpu_check.sh selfcheck test-gpu   # install if needed, then these steps only
+    bench/gpu_check.sh --list               # the steps, their time limits and what they do
+    python bench/gpu_check.py --smoke       # every step on the CPU, from a fresh clone (CI: make test)
+
+The GPU machine has python3 with a CUDA torch, triton, nvcc, ninja and pytest, and no network. ``install``
+puts the package into that python without dependency resolution or build isolation (``pip install --no-deps
+--no-build-isolation --no-index -e .``, pure Python: the CUDA extension is its own step, ``build-cuda``).
+Every step runs in its own process group under its own time limit (killed at the limit: a killed step loses
+only itself) with unbuffered output, and its output is appended line by line to ``$OUT/log.txt`` as it comes;
+``$OUT/summary.txt`` gets the environment first and one line per step as each ends; the benchmarks' CSV rows
+are packed into ``$OUT/bench_rows.jsonl`` (one JSON object per row, with its ``bench`` name) after each step.
+Three files in all (the device machine returns at most 8). A step that would not finish inside the remaining
+budget is not started and is listed as such: run it in the next call.
+
+``--smoke`` clones the committed HEAD into a temporary directory, makes a virtual environment that sees this
+interpreter's packages but not the package itself (``elmo_fast`` must not import before ``install``), installs
+the clone the same way, and runs every step on the CPU at the smallest sizes (Triton under the interpreter):
+what would die on a GPU machine of an import, install or Python error dies here first.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    timeout: int  # seconds on the GPU machine
+    what: str
+    gpu: tuple  # command lines (lists), run in order; "{py}" is the interpreter
+    smoke: tuple  # the same step on the CPU at the smallest sizes
+    smoke_env: tuple = (("TRITON_INTERPRET", "1"),)
+
+
+PY = "{py}"
+_SELFCHECK = ("import sys, torch; from elmo_fast.ops._selfcheck import CHECKS, op_error; "
+              "dev = torch.device(sys.argv[1]); errs = {op: op_error(op, dev) for op in CHECKS}; "
+              "[print(f'self-check {op:16s} relative error {e:.3g}') for op, e in errs.items()]; "
+              "sys.exit(0 if all(e <= 1e-3 for e in errs.values()) else 1)")
+_IMPORTS = ("import elmo_fast, elmo_fast.kernels, elmo_fast.probes, elmo_fast._backend as b; "
+            "print('elmo_fast from', elmo_fast.__file__); print('triton:', b.triton_import_error() or 'ok'); "
+            "print('elmo_fast._C:', b.cuda_ext_import_error() or 'ok'); print(b.status_table())")
+_ENV = ("import platform, sys, torch; print('python', sys.version.split()[0], platform.platform()); "
+        "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', "
+        "torch.cuda.get_device_name() if torch.cuda.is_available() else None)\n"
+        "try:\n import triton; print('triton', triton.__version__)\nexcept Exception as e: print('triton:', e)")
+
+
+def _bench_import(name):  # smoke of a GPU-only benchmark that has no CPU mode: it imports
+    return ((PY, "-c", f"import sys; sys.path.insert(0, 'bench'); import {name}; print('imported {name}')"),)
+
+
+STEPS = (
+    Step("env", 60, "versions, GPU, driver, commit",
+         ((PY, "-c", _ENV), ("nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm",
+                             "--format=csv,noheader"), ("git", "log", "-1", "--format=commit %H %s")),
+         ((PY, "-c", _ENV), ("git", "log", "-1", "--format=commit %H %s"))),
+    Step("install", 180, "pip install --no-deps --no-build-isolation --no-index -e . (pure Python), imports",
+         ((PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."),
+          (PY, "-c", _IMPORTS)),
+         ((PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."),
+          (PY, "-c", _IMPORTS))),
+    Step("selfcheck", 240, "every Triton kernel against the reference at a small shape (auto's guard)",
+         ((PY, "-c", _SELFCHECK, "cuda"),), ((PY, "-c", _SELFCHECK, "cpu"),)),
+    Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
+         ((PY, "-m", "pytest", "-q", "-x", "-m", "triton and not slow", "tests"),),
+         ((PY, "-m", "pytest", "-q", "--co", "-m", "triton and not slow", "tests"),)),
+    Step("test-gpu", 540, "the GPU tests at the original sizes (pytest -m 'gpu and not cuda_ext')",
+         ((PY, "-m", "pytest", "-q", "-rs", "-m", "gpu and not cuda_ext", "tests"),),
+         ((PY, "-m", "pytest", "-q", "-rs", "-m", "gpu and not cuda_ext", "tests"),)),
+    Step("bench-launches", 300, "launches, syncs and uploads per forward and training step",
+         ((PY, "bench/bench_launches.py"),), ((PY, "bench/bench_launches.py", "--cases", "forward"),)),
+    Step("bench-bilm", 540, "end-to-end embedding throughput and latency, every provider",
+         ((PY, "bench/bench_bilm.py"),), ((PY, "bench/bench_bilm.py", "--device", "cpu", "--tiny"),), ()),
+    Step("bench-lstmp", 540, "one LSTMP chain, Triton vs cuDNN, the sweep", ((PY, "bench/bench_lstmp.py"),),
+         _bench_import("bench_lstmp")),
+    Step("bench-token-encoder", 300, "char CNN + highway", ((PY, "bench/bench_token_encoder.py"),),
+         _bench_import("bench_token_encoder")),
+    Step("bench-softmax", 540, "sampled and full softmax", ((PY, "bench/bench_softmax.py"),),
+         _bench_import("bench_softmax")),
+    Step("bench-train", 540, "pretraining throughput, original config", ((PY, "bench/bench_train.py"),),
+         ((PY, "bench/bench_train.py"),)),
+    Step("build-cuda", 540, "the CUDA extension elmo_fast._C, in place (ELMO_FAST_BUILD_CUDA=1; opt-in)",
+         ((PY, "setup.py", "-q", "build_ext", "--inplace"), (PY, "-c", _IMPORTS)),
+         ((PY, "-c", "import setuptools"),), ()),
+    Step("test-cuda-ext", 540, "the CUDA extension's tests (after build-cuda)",
+         ((PY, "-m", "pytest", "-q", "-rs", "-m", "cuda_ext", "tests"),),
+         ((PY, "-m", "pytest", "-q", "-rs", "-m", "cuda_ext", "tests"),)),
+    Step("bench-lstmp-cuda", 540, "the persistent CUDA LSTMP beside Triton and cuDNN (after build-cuda)",
+         ((PY, "bench/bench_lstmp_cuda.py"),), ((PY, "bench/bench_lstmp_cuda.py", "--batches", "1"),)),
+)
+BY_NAME = {s.name: s for s in STEPS}
+STEP_ENV = {"build-cuda": {"ELMO_FAST_BUILD_CUDA": "1", "MAX_JOBS": os.environ.get("MAX_JOBS", "16")}}
+
+
+class Output:
+    """summary.txt, log.txt and bench_rows.jsonl under ``out``, each written and flushed as results come."""
+
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.summary = open(out / "summary.txt", "a", buffering=1, encoding="utf-8")
+        self.log = open(out / "log.txt", "a", buffering=1, encoding="utf-8")
+        self.rows = out / "bench_rows.jsonl"
+
+    def note(self, line: str) -> None:
+        self.summary.write(line + "\n")
+        self.log.write(line + "\n")
+        print(line, flush=True)
+
+    def pack_rows(self, staging: Path) -> int:
+        """Move the CSV rows the benchmarks appended under ``staging`` into bench_rows.jsonl."""
+        n = 0
+        with open(self.rows, "a", encoding="utf-8") as fh:
+            for path in sorted(staging.glob("*.csv")):
+                with open(path, newline="", encoding="utf-8") as f:
+                    for row in csv.DictReader(f):
+                        fh.write(json.dumps({"bench": path.stem, **row}) + "\n")
+                        n += 1
+                path.unlink()
+        return n
+
+
+def run_step(cmds, env: dict, cwd: Path, timeout: float, log) -> tuple[str, float]:
+    """Run the command lines in order, each in its own process group, under one time limit for the step.
+    Output goes to ``log`` line by line. Returns ("ok" | "FAILED rc=N" | "TIMEOUT", seconds)."""
+    t0 = time.monotonic()
+    for cmd in cmds:
+        left = timeout - (time.monotonic() - t0)
+        if left <= 0:
+            return "TIMEOUT", time.monotonic() - t0
+        log.write(f"$ {' '.join(cmd)}\n")
+        try:
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
+                                    start_new_session=True)
+        except OSError as exc:
+            log.write(f"cannot start: {exc}\n")
+            return f"FAILED ({exc.strerror})", time.monotonic() - t0
+        killer = _Killer(proc, left)
+        for line in proc.stdout:
+            log.write(line)
+        rc = proc.wait()
+        killer.cancel()
+        if killer.fired:
+            log.write(f"-- killed after {timeout:.0f} s\n")
+            return "TIMEOUT", time.monotonic() - t0
+        if rc:
+            return f"FAILED rc={rc}", time.monotonic() - t0
+    return "ok", time.monotonic() - t0
+
+
+class _Killer:
+    """Kills a process group when its time is up (SIGTERM, then SIGKILL 5 s later)."""
+
+    def __init__(self, proc, seconds: float):
+        import threading
+
+        self.proc = proc
+        self.fired = False
+        self.timer = threading.Timer(seconds, self._kill)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _kill(self):
+        self.fired = True
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def cancel(self):
+        self.timer.cancel()
+
+
+def smoke_setup(work: Path) -> tuple[Path, Path]:
+    """A fresh clone of HEAD and a venv seeing this interpreter's packages but not elmo_fast: (clone, python)."""
+    clone, venv = work / "clone", work / "venv"
+    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site_dir = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+    # plain path lines: this interpreter's packages (torch, triton, pip, setuptools, ...) become importable, but
+    # the .pth files there are not processed, so the editable elmo_fast of the working tree stays invisible
+    paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site_dir, "_gpu_check_smoke.pth").write_text("\n".join(sorted(paths)) + "\n")
+    probe = subprocess.run([str(py), "-c", "import elmo_fast"], cwd=work, capture_output=True, text=True)
+    if probe.returncode == 0:
+        raise SystemExit("gpu_check --smoke: elmo_fast is importable before the install step; the smoke run "
+                         "would not test the install")
+    return clone, py
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("steps", nargs="*", help="steps to run (default: all); install runs first unless skipped")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_out"))
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 560)),
+                    help="seconds for the whole call (the device machine allows 600 per command)")
+    ap.add_argument("--smoke", action="store_true", help="every step on the CPU, from a fresh clone")
+    ap.add_argument("--no-install", action="store_true", help="the package is installed already")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in STEPS:
+            print(f"{s.name:20s} {s.timeout:4d} s  {s.what}")
+        return 0
+    unknown = [n for n in args.steps if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown step(s) {unknown}; the steps are: {', '.join(BY_NAME)}")
+    names = args.steps or [s.name for s in STEPS]
+    if not args.no_install and "install" not in names:
+        names = ["install", *names]
+    names = [s.name for s in STEPS if s.name in names]  # the order of STEPS: env, install, ... build-cuda last
+
+    start = time.monotonic()
+    out = Output(Path(args.out).resolve())
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        tmp = Path(tmp)
+        cwd, py = (smoke_setup(tmp) if args.smoke else (ROOT, Path(os.environ.get("PYTHON", "python3"))))
+        staging = tmp / "csv"
+        staging.mkdir()
+        out.note(f"== gpu_check {'--smoke ' if args.smoke else ''}{' '.join(names)}  "
+                 f"(budget {args.budget:.0f} s, {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})")
+        failed = False
+        for name in names:
+            step = BY_NAME[name]
+            left = args.budget - (time.monotonic() - start)
+            limit = min(step.timeout, left - 5)
+            if limit < min(60, step.timeout):
+                out.note(f"{name:20s} NOT STARTED (budget: {left:.0f} s left); run it in the next call")
+                continue
+            env = dict(os.environ, PYTHONUNBUFFERED="1", ELMO_FAST_BENCH_DIR=str(staging),
+                       PIP_DISABLE_PIP_VERSION_CHECK="1", **STEP_ENV.get(name, {}))
+            if args.smoke:
+                env.update(step.smoke_env)
+                env.pop("ELMO_FAST_BUILD_CUDA", None)
+            cmds = [[str(py) if a == PY else a for a in cmd] for cmd in (step.smoke if args.smoke else step.gpu)]
+            out.log.write(f"\n==== {name} (limit {limit:.0f} s)\n")
+            status, secs = run_step(cmds, env, cwd, limit, out.log)
+            rows = out.pack_rows(staging)
+            out.note(f"{name:20s} {status:14s} {secs:6.1f} s" + (f"  {rows} bench rows" if rows else ""))
+            failed |= status != "ok"
+            if name == "install" and status != "ok":
+                out.note("install failed: the other steps would test another copy of elmo_fast; stopping")
+                break
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""CUDA-graph replay of a biLM inference forward at fixed shapes (``ElmoBiLM(..., cuda_graph=True)``).
+
+A forward of the original model at batch 1 is ~180 small kernel launches (two per LSTM step per chain): on a
+GPU their host-side launch cost is several times the GPU work. A CUDA graph records them once and replays
+them with one launch. The recorded function must not sync with the host (no value read back, no
+data-dependent shape): the biLM's inference path is written that way (see ``BiLM.stateless_forward``).
+
+:class:`GraphCache` keeps one graph per input shape, captured the second time that shape is seen (the first
+call runs eagerly: it compiles the Triton kernels, runs their self-checks and uploads their constants, and a
+shape seen once, like a last partial batch, never pays for a capture). Inputs are copied into the graph's
+static buffers before each replay and outputs are cloned out after it. Where a graph cannot be used -- the
+tensors are not on a GPU, or the capture fails (a backend that syncs, such as the reference path) -- the
+call runs eagerly; a failed capture warns once and that shape stays eager.
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+
+import torch
+
+
+def can_capture(device: torch.device) -> bool:
+    """CUDA graphs exist for CUDA tensors only."""
+    return torch.device(device).type == "cuda"
+
+
+def capture(fn, inputs: tuple[torch.Tensor, ...]):
+    """Record ``fn(*inputs)`` in a CUDA graph: returns (replay, outputs), where ``replay()`` re-runs the recorded
+    work on whatever ``inputs`` then hold and leaves the results in ``outputs``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as CUDA graph capture requires
+        fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    return graph.replay, outputs
+
+
+class GraphCache:
+    """Graph replay of ``fn`` (tensors in, a tuple of tensors out) per input shape; at most ``max_graphs`` kept."""
+
+    def __init__(self, fn, max_graphs: int = 4):
+        self.fn = fn
+        self.max_graphs = max_graphs
+        self.graphs: collections.OrderedDict = collections.OrderedDict()  # key -> (inputs, replay, outputs)
+        self.seen: set = set()
+        self.eager_keys: set = set()
+        self.replays = 0
+
+    def __call__(self, *inputs: torch.Tensor):
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key in self.eager_keys or key not in self.seen or not can_capture(inputs[0].device):
+                self.seen.add(key)
+                return self.fn(*inputs)
+            entry = self._capture(key, inputs)
+            if entry is None:
+                return self.fn(*inputs)
+        self.graphs.move_to_end(key)
+        static_in, replay, static_out = entry
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        replay()
+        self.replays += 1
+        return tuple(t.clone() for t in static_out)
+
+    def _capture(self, key, inputs):
+        static_in = tuple(t.clone() for t in inputs)
+        try:
+            replay, static_out = capture(self.fn, static_in)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: run this shape eagerly from now on
+            self.eager_keys.add(key)
+            warnings.warn(f"elmo_fast: CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                          "this input shape runs without a graph", RuntimeWarning, stacklevel=4)
+            return None
+        entry = (static_in, replay, tuple(static_out))
+        self.graphs[key] = entry
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return entry

@@ -1,0 +1,82 @@
+"""Backends honest about what has been verified: the status table, auto never picking an unverified CUDA
+extension, the once-per-device Triton self-check, and the opt-in CUDA build."""
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_triton
+from elmo_fast import _backend
+from elmo_fast.ops import _selfcheck
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_shows_the_status_table():
+    assert _backend.status_table() in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_auto_never_picks_an_unverified_cuda_extension(monkeypatch):
+    fake_ext = types.SimpleNamespace(lstmp=object())
+    monkeypatch.setattr(_backend, "cuda_ext_import_error", lambda: None)
+    monkeypatch.setattr(_backend, "cuda_ext", lambda: fake_ext)
+    monkeypatch.setattr(_backend, "triton_import_error", lambda: None)
+    monkeypatch.setattr(_backend, "triton_self_check", lambda op, dev: True)
+    monkeypatch.delenv(_backend.ENV_VAR, raising=False)
+    gpu = torch.device("cuda")
+    assert not _backend.verified_on_gpu("cuda")
+    assert _backend.select_backend("auto", gpu, "lstmp") == "triton"
+    verified = _backend.BackendStatus("cuda", "cuda", "verified on NVIDIA H100 at abc1234", "make gpu-check")
+    rows = tuple(r for r in _backend.BACKEND_STATUS if r.backend != "cuda") + (verified,)
+    monkeypatch.setattr(_backend, "BACKEND_STATUS", rows)
+    assert _backend.select_backend("auto", gpu, "lstmp") == "cuda"
+    assert _backend.select_backend("auto", gpu, "highway") == "triton"  # the extension has no highway
+    monkeypatch.setattr(_backend, "triton_self_check", lambda op, dev: False)
+    assert _backend.select_backend("auto", gpu, "highway") == "reference"
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("op", sorted(_selfcheck.CHECKS))
+def test_self_check_passes_for_every_op(op):
+    assert _selfcheck.run_self_check(op, torch.device("cpu")) is None
+
+
+@pytest.mark.triton
+@requires_triton
+def test_a_failing_self_check_warns_once_and_falls_back(monkeypatch):
+    import elmo_fast.kernels.highway as hk
+
+    real = hk.highway_fwd
+    monkeypatch.setattr(hk, "highway_fwd", lambda *a: real(*a) * 1.01)  # a kernel gone wrong by 1%
+    monkeypatch.setattr(_backend, "_SELF_CHECKED", {})
+    dev = torch.device("cpu")
+    with pytest.warns(RuntimeWarning, match=r"Triton kernel of highway failed its self-check.*relative error"):
+        assert _backend.triton_self_check("highway", dev) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _backend.triton_self_check("highway", dev) is False  # cached: no second warning, no rerun
+    monkeypatch.setattr(hk, "highway_fwd", lambda *a: 1 / 0)
+    monkeypatch.setattr(_backend, "_SELF_CHECKED", {})
+    with pytest.warns(RuntimeWarning, match="ZeroDivisionError"):
+        assert _backend.triton_self_check("highway", dev) is False
+
+
+def test_cuda_extension_build_is_opt_in(tmp_path):
+    code = ("import sys, setuptools; setuptools.setup = lambda **k: print('EXT', len(k['ext_modules'])); "
+            "sys.argv = ['setup.py']; exec(open('setup.py').read(), {'__file__': 'setup.py', '__name__': 'x'})")
+    env = {k: v for k, v in os.environ.items() if k != "ELMO_FAST_BUILD_CUDA"}
+    for flag, want in ((None, "EXT 0"), ("0", "EXT 0"), ("auto", "EXT 0")):
+        if flag is not None:
+            env["ELMO_FAST_BUILD_CUDA"] = flag
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+        assert want in out.stdout, out.stderr
+    env["ELMO_FAST_BUILD_CUDA"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    if torch.version.cuda is None:  # a CPU torch: the forced build says why it cannot be done
+        assert "ELMO_FAST_BUILD_CUDA=1 but the CUDA extension cannot be built here" in out.stderr

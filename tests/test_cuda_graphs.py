@@ -1,0 +1,104 @@
+"""CUDA-graph inference (``ElmoBiLM(..., cuda_graph=True)``, ``elmo_fast.models._graphs``).
+
+On the CPU a stand-in for ``capture`` runs the recorded function under ``probe(forbid=True)``, which raises at
+any host sync or pageable upload, as a real CUDA graph capture fails on one: the graph path is taken, its
+static-buffer plumbing and state handling give the eager results, and a function that syncs (the reference
+backend) falls back cleanly. The real capture runs under the ``gpu`` marker.
+"""
+import warnings
+
+import pytest
+import torch
+
+import elmo_fast
+from conftest import requires_triton
+from elmo_fast.models import _graphs
+from elmo_fast.probes import probe
+
+BATCHES = [[["The", "cat", "sat", "."], ["Hi"]], [["a", "b"], ["naïve", "x" * 60, "<S>"]],
+           [["The", "dog", "ran", "."], ["Yes"]]]  # shapes (2, 4), (2, 3), (2, 4)
+
+
+def _fake_capture(log):
+    def capture(fn, inputs):
+        with probe(forbid=True):
+            outputs = fn(*inputs)
+        log.append(tuple(t.shape for t in inputs))
+
+        def replay():
+            with probe(forbid=True):
+                new = fn(*inputs)
+            for dst, src in zip(outputs, new):
+                dst.copy_(src)
+        return replay, outputs
+    return capture
+
+
+def _run(model, batches):
+    outs = []
+    with torch.no_grad():
+        for sents in batches + batches:
+            res = model(elmo_fast.batch_to_ids(sents))
+            outs.append([a.clone() for a in res["activations"]] + [res["mask"]])
+    return outs
+
+
+def _same(a, b):
+    for xs, ys in zip(a, b):
+        for x, y in zip(xs, ys):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+
+
+@pytest.mark.triton
+@requires_triton
+def test_graph_path_is_taken_and_matches_eager(tiny_model, monkeypatch):
+    log = []
+    monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
+    monkeypatch.setattr(_graphs, "capture", _fake_capture(log))
+    eager = elmo_fast.ElmoBiLM(*tiny_model, backend="triton")
+    graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", cuda_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _run(graphed, BATCHES)
+    _same(got, _run(eager, BATCHES))
+    # (2, 4) is seen at calls 1, 3, 4, 6: captured at call 3, replayed at 3, 4, 6; (2, 3) captured at call 5
+    assert log == [((2, 4, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,)), ((2, 3, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,))]
+    assert graphed._graphs.replays == 4
+    torch.testing.assert_close(graphed._bilm._states[1], eager._bilm._states[1], atol=1e-6, rtol=0)
+
+
+def test_graph_capture_that_syncs_falls_back_with_one_warning(tiny_model, monkeypatch):
+    monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
+    monkeypatch.setattr(_graphs, "capture", _fake_capture([]))
+    eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
+    graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="reference", cuda_graph=True)
+    with pytest.warns(RuntimeWarning, match="CUDA graph capture failed") as rec:
+        got = _run(graphed, BATCHES)
+    assert len(rec) == 2  # once per shape, then that shape stays eager
+    assert graphed._graphs.replays == 0
+    _same(got, _run(eager, BATCHES))
+
+
+def test_cuda_graph_option_on_cpu_runs_eagerly(tiny_model):
+    eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
+    graphed = elmo_fast.Elmo(*tiny_model, 1, dropout=0.0, backend="reference", cuda_graph=True)._elmo_lstm
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _run(graphed, BATCHES)
+    assert graphed._graphs.replays == 0 and not graphed._graphs.graphs
+    _same(got, _run(eager, BATCHES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_gpu_graph_replay_matches_eager(tiny_model, autocast):
+    eager = elmo_fast.ElmoBiLM(*tiny_model).cuda()
+    graphed = elmo_fast.ElmoBiLM(*tiny_model, cuda_graph=True).cuda()
+    batches = [[s for s in b] for b in BATCHES]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+        for sents in batches + batches:
+            ids = elmo_fast.batch_to_ids(sents).cuda()
+            a, b = eager(ids), graphed(ids)
+            for x, y in zip(a["activations"], b["activations"]):  # eager deduplicates tokens: GEMM shapes differ
+                torch.testing.assert_close(y, x, atol=3e-2 if autocast else 1e-4, rtol=3e-2 if autocast else 1e-4)
+    assert graphed._graphs.replays == 4

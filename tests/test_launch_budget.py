@@ -1,0 +1,24 @@
+"""Launches, host syncs and pageable uploads per biLM forward (batch 1 x 20 tokens) and per training step (the
+original configuration's structure) stay within the design's budget (bench/bench_launches.py, BUDGET)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_launches  # noqa: E402
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+
+@pytest.mark.parametrize("case", ["forward", "train-step"])
+def test_launches_and_syncs_within_budget(case):
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    row = bench_launches.measure_forward(dev) if case == "forward" else bench_launches.measure_train_step(dev)
+    budget = bench_launches.BUDGET[case]
+    assert row["triton_launches"] <= budget["launches"], row
+    assert row["host_syncs"] <= budget["syncs"], row
+    assert row["pageable_uploads"] <= budget["uploads"], row

@@ -1,0 +1,90 @@
+"""No host sync and no pageable upload inside any op's forward or backward (Triton path, on the CPU under the
+interpreter): ``probe(forbid=True)`` makes Tensor.item / tolist / __bool__ / nonzero / unique ... and
+``torch.tensor(host data, device=)`` / ``from_numpy(...).to(device)`` raise inside the block."""
+import numpy as np
+import pytest
+import torch
+
+import elmo_fast
+from conftest import requires_triton
+from elmo_fast import ops
+from elmo_fast.ops.lstmp import trusted_lengths
+from elmo_fast.probes import HostSyncError, probe
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+
+def _leaves(*shapes, scale=0.3):
+    return [(torch.randn(*s) * scale).requires_grad_(True) for s in shapes]
+
+
+@pytest.mark.parametrize("sync", [
+    lambda t: t.sum().item(), lambda t: t.tolist(), lambda t: bool(t.sum() > 0), lambda t: torch.nonzero(t),
+    lambda t: torch.unique(t), lambda t: int(t[0]), lambda t: torch.tensor([1.0, 2.0], device=t.device),
+    lambda t: torch.from_numpy(np.ones(2)).to(t.device),
+], ids=["item", "tolist", "bool", "nonzero", "unique", "int", "tensor-upload", "from_numpy-upload"])
+def test_probe_catches_syncs_and_pageable_uploads(sync):
+    t = torch.arange(4.0)
+    with pytest.raises(HostSyncError):
+        with probe(forbid=True):
+            sync(t)
+    with probe() as counts:
+        sync(t)
+    assert len(counts.syncs) + len(counts.uploads) == 1
+    t.sum().item()  # restored after the block
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_lstmp_forward_backward_has_no_sync(training):
+    B, T, H, P = 3, 4, 16, 16
+    x, w_in, w_rec, bias, w_proj, h0, c0 = _leaves((B, T, P), (P, 4 * H), (P, 4 * H), (4 * H,), (H, P), (B, P),
+                                                   (B, H))
+    lengths = torch.tensor([4, 2, 0])
+    with torch.set_grad_enabled(training), trusted_lengths(), probe(forbid=True):
+        y, h_n, c_n = ops.lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0,
+                                reverse=True, residual=True, backend="triton")
+        if training:
+            (y.sum() + h_n.sum() + c_n.sum()).backward()
+    # outside trusted_lengths the range check is the one sync of a call
+    with torch.no_grad(), probe() as counts:
+        ops.lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, backend="triton")
+    assert counts.syncs == ["Tensor.tolist"]
+
+
+def test_token_encoder_ops_have_no_sync():
+    emb, w1, w2, b1, b2 = _leaves((262, 4), (1, 4, 16), (2, 4, 16), (16,), (16,))
+    hw = _leaves((32, 32), (32,), (32, 32), (32,))
+    ids = torch.randint(1, 262, (6, 8))
+    ids[2] = 0
+    with probe(forbid=True):
+        v = ops.char_cnn(ids, emb, [w1, w2], [b1, b2], backend="triton")
+        ops.highway(v, *hw, backend="triton").sum().backward()
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_softmax_losses_have_no_sync(sparse):
+    hidden, W, b = _leaves((7, 16), (30, 16), (30,))
+    targets = torch.tensor([1, 2, 2, 5, 1, 0, 3])
+    ids = torch.tensor([0, 2, 4, 6, 8, 9])
+    with probe(forbid=True):
+        loss = ops.sampled_softmax_loss(hidden, targets, W, b, ids, 11, backend="triton", sparse_grad=sparse)
+        loss = loss + ops.full_softmax_nll(hidden, targets, W, b, backend="triton")
+        loss.backward()
+    dense = torch.autograd.grad(ops.sampled_softmax_loss(hidden, targets, W, b, ids, 11, backend="reference"), W)[0]
+    got = W.grad.to_dense() if sparse else W.grad
+    full = torch.autograd.grad(ops.full_softmax_nll(hidden, targets, W, b, backend="reference"), W)[0]
+    torch.testing.assert_close(got, dense + full, atol=1e-5, rtol=1e-5)
+
+
+def test_bilm_training_hot_path_has_no_sync(tiny_model):
+    bilm = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", requires_grad=True)._bilm
+    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."], ["a", "b", "c", "d"]])
+    B, T, L = ids.shape
+    lengths = torch.full((B,), T, dtype=torch.long)
+    h0 = torch.zeros(2, 2, B, 16)
+    c0 = torch.zeros(2, 2, B, 64)
+    with trusted_lengths(), probe(forbid=True):
+        emb = bilm.token_encoder.encode_unique(ids.reshape(-1, L)).reshape(B, T, -1)
+        fwd, bwd, h_n, c_n = bilm.run_lstms(emb, lengths, h0, c0, dropout=0.1, token_embedding_bwd=emb.flip(1))
+        (fwd[-1].sum() + bwd[-1].sum()).backward()
+    assert all(p.grad is not None for p in bilm.forward_lstm.parameters())
