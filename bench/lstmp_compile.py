@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.pop("TRITON_INTERPRET", None)  # compiled code, not the interpreter: before triton is imported
+if __name__ == "__main__":  # compiled code, not the interpreter: before triton is imported (bench_lstmp
+    os.environ.pop("TRITON_INTERPRET", None)  # imports this module for its estimates and keeps its own mode)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402

@@ -52,13 +52,13 @@ step instead (clipping it again) and writes ``c`` only at each row's last step, 
 fp32 stream per step.
 
 *What forward saves for backward* (training only). Per token: the four gate pre-activations ``z`` (with
-the forget bias added; backward recomputes σ / tanh from them in fp32 — storing activations instead would
-lose ``1 - σ`` to bf16 rounding when σ is near 1), the **pre-clip** cell ``c_t`` (fp32: the cell state
-stays fp32), the pre-clip projection ``h_t`` (fp32) and ``h_{t-1}`` in the operand dtype (only a GEMM
-operand), plus ``m_t``. ``z`` is kept in the operand dtype for bf16/fp16 (half the bytes; the reference run
-in bf16 keeps everything there) and in fp32/fp64 otherwise, so the fp32 path is exact. Pre-clip values make
-the clip masks exact (torch.clamp's convention: gradient 1 on [-clip, clip] inclusive, 0 outside).
-Saving instead of recomputing avoids a second recurrent product over all steps in backward.
+the forget bias added), written over the step's ``gx`` once the cell kernel has read it (no extra buffer);
+backward recomputes σ / tanh from them in fp32 (storing the activations in bf16 would lose ``1 - σ`` where σ
+is near 1). Then the **pre-clip** cell ``c_t`` (fp32: the cell state stays fp32), the pre-clip projection
+``h_t`` (fp32), ``h_{t-1}`` (a GEMM operand only) and ``m_t``. ``z``, ``h_{t-1}`` and ``m_t`` are in the
+operand dtype: half the bytes at bf16 (the reference run in bf16 keeps everything there), exact at fp32.
+Pre-clip values make the clip masks exact (torch.clamp's convention: gradient 1 on [-clip, clip] inclusive,
+0 outside). Saving instead of recomputing avoids a second recurrent product over all steps in backward.
 
 *Precision.* GEMM operands are in the weights' dtype (bf16/fp16: tensor cores; fp32: ``input_precision=
 "ieee"``, plain FMA, no TF32, so fp32 matches the reference to rounding; fp64 for near-exact tests).
@@ -70,19 +70,21 @@ stored in the operand dtype: it is a GEMM operand only (db sums it in fp32).
     launch_plan(B, T, H, P, dtype, *, training, target=H100, has_proj=True, cell_clip=True,
                 proj_clip=True, reverse=False, residual=False, tiles=None) -> dict[str, Launch]
 
-keys ``fwd_cell, fwd_proj, fwd_reduce`` and, when ``training``, ``bwd_cell, bwd_rec, bwd_reduce``
-(``*_proj``/``bwd_*`` GEMM launches are absent without a projection where they do not apply). A ``Launch``
-holds the kernel, its grid, every constexpr (tiles, split counts, pipeline depth, dtype flags, behaviour
-flags), ``num_warps``/``num_stages``, the runtime arguments in order as ``(name, dtype or example int)``,
-``count`` (launches per chain call) and ``bytes``/``flops`` (its memory traffic if every operand is read
-once, and its multiply-add work: the roofline terms). ``target`` is a ``Target(interpret, sms)``;
-``device_target(device)`` gives the launchers' one. The launchers take everything from this function and
-cast their tensors to the argument dtypes it names, so a compile report that calls it compiles exactly
-what runs. ``tiles`` overrides the per-kernel ``Tile`` (used by the tuning tool). Tiles come from
-``TUNED``: one entry per (kernel, operand class, batch size), chosen with ``bench/lstmp_compile.py
---search`` (compile for sm_90a, drop candidates that spill, miss the tensor cores, or launch fewer than
-``sms`` programs at B >= 128, rank the rest by the roofline estimate); the interpreter uses fixed small
-tiles. Split counts follow from the tiles: the fewest splits that give ``sms`` programs.
+It returns ``fwd_cell``, ``fwd_proj`` (absent without a projection), ``fwd_reduce`` and, when ``training``,
+``bwd_cell``, ``bwd_rec``, ``bwd_reduce``. A ``Launch`` holds the kernel, its grid, every constexpr (tiles,
+split counts, pipeline depth, dtype and behaviour flags), ``num_warps``/``num_stages``, the runtime
+arguments in order as ``(name, torch dtype)`` for tensors and ``(name, value)`` for ints (``s``, the step,
+is an example), ``count`` (launches per chain call), and the roofline terms: ``bytes`` (every operand read
+once, every result written once), ``scratch_bytes`` (the split-K partials) and ``flops``. ``target`` is a
+``Target(interpret, sms)``; ``device_target(device)`` gives the launchers' one. The launchers
+(``fwd_setup``/``bwd_setup`` build the plan and the buffers) launch nothing else and check once per call
+that every tensor has the dtype the plan names, so a compile report that calls ``launch_plan`` compiles
+exactly what runs. ``tiles`` overrides the per-kernel ``Tile`` (the tuning tool's hook). Tiles come from
+``TUNED``, one entry per (kernel, operand class, batch size), chosen with ``bench/lstmp_compile.py
+--search`` (compile for sm_90a, drop candidates that spill, miss the tensor cores or async copies, or
+launch fewer than ``sms`` programs at B >= 128; rank the rest by the roofline estimate, then L2 traffic);
+the interpreter uses fixed tiles. Split counts follow from the tiles and the SM count: the fewest splits
+that give every SM a program.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ from elmo_fast.kernels._common import acc_dtype, tl_acc_dtype
 from elmo_fast.reference.lstmp import lstmp_reference
 
 __all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction", "launch_plan", "Launch", "Tile", "Target",
-           "device_target", "H100", "TUNED"]
+           "device_target", "fwd_setup", "bwd_setup", "H100", "TUNED"]
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -584,10 +586,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     cdiv = triton.cdiv
     op = dtype
     acc = acc_dtype(dtype)
-    save = op if _low(dtype) else acc
     dhpre = op if has_proj else acc
     lo = _low(dtype)
-    isz, asz, ssz = op.itemsize, acc.itemsize, save.itemsize
+    isz, asz = op.itemsize, acc.itemsize
     flags = dict(ACC=tl_acc_dtype(acc), IEEE=not lo, EMU=dtype == torch.bfloat16 and target.interpret)
     G = 4 * H
     proj_clip = has_proj and proj_clip
@@ -617,9 +618,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         _fwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, **flags),
         (("gx", op), ("bias", op), ("w_rec", op), ("hop", op), ("c", acc), ("lengths", i64), ("m", op),
-         ("z", save), ("cpre", acc), ("consts", acc)),
+         ("z", op), ("cpre", acc), ("consts", acc)),
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
-        T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * ssz if training else 0),
+        T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * isz if training else 0),
         2 * B * P * G, t)
     if has_proj:
         t = tile("fwd_proj")
@@ -647,9 +648,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     plan["bwd_cell"] = launch(
         _bwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK, **flags),
-        (("dhpre", dhpre), ("w_proj", op), ("z", save), ("cpre", acc), ("c0", op), ("dc", acc),
+        (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", op), ("dc", acc),
          ("lengths", i64), ("dz", op), ("consts", acc)),
-        T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * ssz + 2 * B * H * asz
+        T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz
             + 2 * B * H * asz + B * G * isz), 2 * B * P * H if has_proj else 0, t)
     t = tile("bwd_rec")
     S, KS = split(G, t)
@@ -717,51 +718,79 @@ def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
     return lengths.to(device=dev, dtype=torch.int64).contiguous()
 
 
+def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual) -> dict:
+    return launch_plan(B, T, H, P, dtype, training=training, target=device_target(dev), has_proj=w_proj is not None,
+                       cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
+                       residual=bool(residual))
+
+
+def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
+              residual, save: bool) -> tuple[dict, dict]:
+    """(plan, buffers) of a forward call: the input projection done, the state initialised, every buffer the
+    launches name allocated (``bench/bench_lstmp.py`` times single launches with these)."""
+    B, T, D = x.shape
+    G = w_in.shape[1]
+    H, P = G // 4, h0.shape[1]
+    dev, op = x.device, w_rec.dtype
+    acc = acc_dtype(op)
+    plan = _plan_for(B, T, H, P, op, dev, save, w_proj, cell_clip, proj_clip, reverse, residual)
+    xo = x.to(op)
+    # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside). In
+    # training the cell kernel overwrites each step's gx with that step's z, which backward reads.
+    gx = torch.matmul(xo.reshape(-1, D), w_in.to(op)).reshape(B, T, G)
+    hn = h0.to(acc).contiguous().clone()
+    c = c0.to(acc).contiguous().clone()
+    hop = h0.to(op).contiguous().clone()
+    bufs = dict(
+        gx=gx, z=gx, bias=bias.to(op).contiguous(), w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, x=xo,
+        hop=hop, hn=hn, c=c, lengths=_lengths(lengths, dev),
+        consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev),
+        y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
+        # Buffers a variant never touches (no projection: HAS_PROJ=False; inference: SAVE=False) alias others.
+        part=torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev) if "fwd_proj" in plan else hn,
+        cpre=torch.empty(B, T, H, dtype=acc, device=dev) if save else c,
+        hpre=torch.empty(B, T, P, dtype=acc, device=dev) if save else hn,
+        hprev=torch.empty(B, T, P, dtype=op, device=dev) if save else hop,
+    )
+    _check_dtypes(plan, bufs, "fwd")
+    return plan, bufs
+
+
 def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
               residual, save: bool):
     """Host launcher of the forward pass. Returns (y, h_n, c_n, cache) where cache is None unless ``save``.
 
     No host sync: all T steps run (rows mask themselves); every tensor's shape follows from the arguments'.
     """
-    B, T, D = x.shape
-    G = w_in.shape[1]
-    H = G // 4
-    P = h0.shape[1]
-    dev = x.device
-    op = w_rec.dtype
-    acc = acc_dtype(op)
-    has_proj = w_proj is not None
-    plan = launch_plan(B, T, H, P, op, training=save, target=device_target(dev), has_proj=has_proj,
-                       cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
-                       residual=bool(residual))
-    xo = x.to(op)
-    # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside).
-    gx = torch.matmul(xo.reshape(-1, D), w_in.to(op)).reshape(B, T, G)
-    bufs = dict(
-        gx=gx, bias=bias.to(op).contiguous(), w_rec=w_rec, w_proj=w_proj if has_proj else w_rec, x=xo,
-        hop=h0.to(op).contiguous().clone(), hn=h0.to(acc).contiguous().clone(),
-        c=c0.to(acc).contiguous().clone(), lengths=_lengths(lengths, dev),
-        consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev),
-        y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
-    )
-    if has_proj:
-        bufs["part"] = torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev)
-    else:
-        bufs["part"] = bufs["hn"]  # never read (HAS_PROJ=False)
-    if save:
-        bufs.update(z=torch.empty(B, T, G, dtype=plan["fwd_cell"].args[7][1], device=dev),
-                    cpre=torch.empty(B, T, H, dtype=acc, device=dev),
-                    hpre=torch.empty(B, T, P, dtype=acc, device=dev),
-                    hprev=torch.empty(B, T, P, dtype=op, device=dev))
-    else:  # never touched (SAVE=False)
-        bufs.update(z=bufs["m"], cpre=bufs["c"], hpre=bufs["hn"], hprev=bufs["hop"])
-    _check_dtypes(plan, bufs, "fwd")
-    steps = [plan["fwd_cell"]] + ([plan["fwd_proj"]] if has_proj else []) + [plan["fwd_reduce"]]
-    for s in range(T):
+    plan, bufs = fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
+                           proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
+                           save=save)
+    steps = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
+    for s in range(x.shape[1]):
         for launch in steps:
             _run(launch, bufs, s)
     cache = (bufs["z"], bufs["cpre"], bufs["hpre"], bufs["hprev"], bufs["m"], bufs["lengths"]) if save else None
     return bufs["y"].to(x.dtype), bufs["hn"].to(h0.dtype), bufs["c"].to(c0.dtype), cache
+
+
+def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual
+              ) -> tuple[dict, dict]:
+    """(plan, buffers) of a backward call (see ``fwd_setup``)."""
+    z, cpre, hpre, hprev, m, lengths = cache
+    B, T, _ = x.shape
+    H, P = cpre.shape[2], hprev.shape[2]
+    dev, op, acc = x.device, w_rec.dtype, cpre.dtype
+    plan = _plan_for(B, T, H, P, op, dev, True, w_proj, cell_clip, proj_clip, reverse, residual)
+    bufs = dict(
+        dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
+        w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, z=z, cpre=cpre, hpre=hpre,
+        c0=c0.to(op).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
+        part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
+        dz=torch.empty(B, T, 4 * H, dtype=op, device=dev),
+        dhpre=torch.empty(B, T, P, dtype=plan["bwd_cell"].args[0][1], device=dev),
+    )
+    _check_dtypes(plan, bufs, "bwd")
+    return plan, bufs
 
 
 def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual,
@@ -771,27 +800,10 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
     ``needs`` flags (x, w_in, w_rec, bias, w_proj): the after-loop GEMM of a gradient nobody needs is skipped
     (None returned); the time loop itself always runs, every gradient depends on it.
     """
-    z, cpre, hpre, hprev, m, lengths = cache
+    plan, bufs = bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, cell_clip=cell_clip, proj_clip=proj_clip,
+                           reverse=reverse, residual=residual)
     B, T, D = x.shape
-    G = w_in.shape[1]
-    H = G // 4
-    P = hprev.shape[2]
-    dev = x.device
-    op = w_rec.dtype
-    acc = cpre.dtype
-    has_proj = w_proj is not None
-    plan = launch_plan(B, T, H, P, op, training=True, target=device_target(dev), has_proj=has_proj,
-                       cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
-                       residual=bool(residual))
-    dhpre_dt = plan["bwd_cell"].args[0][1]
-    bufs = dict(
-        dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
-        w_rec=w_rec, w_proj=w_proj if has_proj else w_rec, z=z, cpre=cpre, hpre=hpre, c0=c0.to(op).contiguous(),
-        lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
-        part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
-        dz=torch.empty(B, T, G, dtype=op, device=dev), dhpre=torch.empty(B, T, P, dtype=dhpre_dt, device=dev),
-    )
-    _check_dtypes(plan, bufs, "bwd")
+    op, acc = w_rec.dtype, bufs["dc"].dtype
     cell, rec, red = plan["bwd_cell"], plan["bwd_rec"], plan["bwd_reduce"]
     _run(red, bufs, T - 1, HAS_PART=False)  # dh_pre of the first step from dh_n
     for s in range(T - 1, -1, -1):
@@ -800,21 +812,22 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
         _run(red, bufs, s - 1)
 
     # Weight gradients: one GEMM each over all B*T tokens, operands in the weights' dtype (zeros at padding).
-    dz2 = bufs["dz"].reshape(-1, G)
+    _, _, _, hprev, m, lengths = cache
+    dz2 = bufs["dz"].reshape(B * T, -1)
     dx = dw_in = dw_rec = dbias = dw_proj = None
     if needs[1]:
         dw_in = torch.matmul(x.reshape(-1, D).to(op).t(), dz2)
     if needs[2]:
-        dw_rec = torch.matmul(hprev.reshape(-1, P).t(), dz2)
+        dw_rec = torch.matmul(hprev.reshape(B * T, -1).t(), dz2)
     if needs[3]:
         dbias = dz2.sum(0, dtype=acc)
-    if has_proj and needs[4]:
-        dw_proj = torch.matmul(m.reshape(-1, H).t(), bufs["dhpre"].reshape(-1, P))
+    if w_proj is not None and needs[4]:
+        dw_proj = torch.matmul(m.reshape(B * T, -1).t(), bufs["dhpre"].reshape(B * T, -1))
     if needs[0]:
         dx = torch.matmul(dz2, w_in.to(op).t()).reshape(B, T, D)
         if residual:
-            valid = (torch.arange(T, device=dev)[None, :] < lengths[:, None]).unsqueeze(-1)
-            dx = dx + torch.where(valid, bufs["dy"], torch.zeros((), dtype=op, device=dev))
+            valid = (torch.arange(T, device=x.device)[None, :] < lengths[:, None]).unsqueeze(-1)
+            dx = dx + torch.where(valid, bufs["dy"], torch.zeros((), dtype=op, device=x.device))
     return dx, dw_in, dw_rec, dbias, dw_proj, bufs["dh"], bufs["dc"]
 
 
