@@ -109,9 +109,10 @@ def estimate_us(launch: KL.Launch, low: bool, graph: bool = True, scratch_in_hbm
     return max(nbytes / HBM, launch.flops / PEAK[low]) * 1e6 + (0.0 if graph else LAUNCH_US)
 
 
-def filled_us(launch: KL.Launch, low: bool, sms: int = KL.H100.sms) -> float:
-    """The estimate with a launch of n < sms programs using n/sms of the machine (ranking only)."""
-    return estimate_us(launch, low) * max(1.0, sms / programs(launch))
+def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H100.sms) -> float:
+    """The estimate with a launch of n < sms programs given n/sms of the bandwidth and of the peak (this tool's
+    assumption, pessimistic for memory-bound launches: one SM can pull more than its 1/sms share)."""
+    return (estimate_us(launch, low) * max(1.0, sms / programs(launch))) + (0.0 if graph else LAUNCH_US)
 
 
 def l2_bytes(name: str, launch: KL.Launch, B: int, dtype: torch.dtype) -> int:
@@ -131,12 +132,14 @@ def plan(dtype, B, training, tiles=None):
     return KL.launch_plan(B, T, H, P, dtype, training=training, tiles=tiles, **FLAGS)
 
 
-def step_us(pl: dict, low: bool, graph: bool, scratch_in_hbm: bool = False) -> tuple[float, float]:
+def step_us(pl: dict, low: bool, graph: bool, scratch_in_hbm: bool = False, filled: bool = False
+            ) -> tuple[float, float]:
     """(forward step, backward step) in µs; bwd_reduce's one extra launch per call is spread over the T steps."""
     steps = pl["fwd_cell"].count
 
     def est(k):
-        return estimate_us(pl[k], low, graph, scratch_in_hbm) * pl[k].count / steps
+        one = filled_us(pl[k], low, graph) if filled else estimate_us(pl[k], low, graph, scratch_in_hbm)
+        return one * pl[k].count / steps
 
     fwd = sum(est(k) for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in pl)
     bwd = sum(est(k) for k in ("bwd_cell", "bwd_rec", "bwd_reduce") if k in pl)
@@ -183,23 +186,25 @@ def report(md_path: str | None) -> int:
                      f"{r['spill_st']}/{r['spill_ld']}", r["stack"], r["smem"] // 1024, r["wgmma"], r["mma"],
                      f"{r['cp_async']}/{r['tma']}", f"{launch.bytes / 1e6:.2f}",
                      f"{l2_bytes(name, launch, B, dtype) / 1e6:.1f}", f"{launch.flops / 1e9:.2f}",
-                     f"{estimate_us(launch, low):.2f}"]
+                     f"{estimate_us(launch, low):.2f}", f"{filled_us(launch, low):.2f}"]
             rows.append("| " + " | ".join(map(str, cells)) + " |")
             print(rows[-1], flush=True)
             bad += rule_violations(name, launch, r, B, low)
     head = ("| kernel | dtype | B | mode | tile BMxBNxBK | warps/stages | grid=programs | regs | spill st/ld B | "
-            "stack B | smem KiB | wgmma | mma | cp.async/TMA | MB | L2 MB | GFLOP | est µs |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = ["## Every launch (after)", "", head, *rows, "", "## Estimates (µs, graph / no graph)", "",
-             "| dtype | B | mode | fwd step | bwd step | chain call |", "|---|---|---|---|---|---|"]
+            "stack B | smem KiB | wgmma | mma | cp.async/TMA | MB | L2 MB | GFLOP | est µs | filled µs |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = ["## Every launch (after)", "", head, *rows, "",
+             "## Estimates per step (µs): rule in a CUDA graph / rule outside one (+3 µs a launch) / filled in a graph",
+             "", "| dtype | B | mode | fwd step | bwd step | chain call (graph / no graph) |",
+             "|---|---|---|---|---|---|"]
     for dtype, B, training in VARIANTS:
         low = dtype != torch.float32
         pl = plan(dtype, B, training)
-        f = [step_us(pl, low, g) for g in (True, False)]
+        f = [step_us(pl, low, True), step_us(pl, low, False), step_us(pl, low, True, filled=True)]
         c = [chain_us(dtype, B, training, g) for g in (True, False)]
-        bwd = f"{f[0][1]:.1f} / {f[1][1]:.1f}" if training else "-"
+        bwd = " / ".join(f"{x[1]:.1f}" for x in f) if training else "-"
         lines.append(f"| {dtype_name(dtype)} | {B} | {'train' if training else 'infer'} | "
-                     f"{f[0][0]:.1f} / {f[1][0]:.1f} | {bwd} | {c[0]:.0f} / {c[1]:.0f} |")
+                     f"{' / '.join(f'{x[0]:.1f}' for x in f)} | {bwd} | {c[0]:.0f} / {c[1]:.0f} |")
     env = common.environment()
     lines += ["", f"device: sm_90a compiled on CPU, no GPU run; triton {env['triton']}, torch {env['torch']}, "
                   f"commit {env['commit']}, command `{env['command']}`"]
