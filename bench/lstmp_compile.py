@@ -205,6 +205,14 @@ def report(md_path: str | None) -> int:
         bwd = " / ".join(f"{x[1]:.1f}" for x in f) if training else "-"
         lines.append(f"| {dtype_name(dtype)} | {B} | {'train' if training else 'infer'} | "
                      f"{' / '.join(f'{x[0]:.1f}' for x in f)} | {bwd} | {c[0]:.0f} / {c[1]:.0f} |")
+    lines += ["", "## The biLM's four LSTMP chains (2 layers x 2 directions), bf16, against performance.md's targets",
+              "", "| what | graph | no graph | target |", "|---|---|---|---|"]
+    one = [4 * chain_us(torch.bfloat16, 1, False, g, steps=22) / 1e3 for g in (True, False)]
+    lines.append(f"| batch-1 forward, 20 tokens + 2 boundary tokens (ms) | {one[0]:.2f} | {one[1]:.2f} | "
+                 "<= 1 ms for the whole biLM |")
+    tr = [4 * chain_us(torch.bfloat16, 384, True, g) / 1e3 for g in (True, False)]
+    lines.append(f"| training step, 384 rows x 20 steps, forward + backward (ms) | {tr[0]:.2f} | {tr[1]:.2f} | "
+                 f"<= {384 * 20 / 400e3 * 1e3:.1f} ms for the whole step (400k tokens/s) |")
     env = common.environment()
     lines += ["", f"device: sm_90a compiled on CPU, no GPU run; triton {env['triton']}, torch {env['torch']}, "
                   f"commit {env['commit']}, command `{env['command']}`"]

@@ -12,7 +12,7 @@ grid-wide barrier between them (a persistent kernel would need a spin barrier, w
 
 1. ``_fwd_cell_kernel``, grid (B/BB, H/BH): ``h_{t-1} · w_rec`` for the four gate tiles of one H slice
    (tensor cores for 16-bit operands), gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t``.
-2. ``_fwd_proj_kernel``, grid (B/BB, P/BP, S): split-K ``m_t · w_proj``: split k of S sums K-rows
+2. ``_splitk_kernel``, grid (B/BB, P/BP, S): split-K ``m_t · w_proj``: split k of S sums K-rows
    [k·KS, (k+1)·KS) of H=4096 and writes an fp32 partial (S, B, P). Without the split the projection has
    (B/BB)·(P/BP) programs (a dozen at B=384) each walking K=4096 serially.
 3. ``_fwd_reduce_kernel``, grid (B/BB, P/BP): sums the S partials in split order (deterministic: no
@@ -22,7 +22,7 @@ Backward walks the steps in reverse with the mirror image:
 
 1. ``_bwd_cell_kernel``, grid (B/BB, H/BH): ``dm = dh_pre · w_projᵀ``, then the gate/cell chain rule with
    the cell-clip mask; writes ``dz_t`` (zero for inactive rows) and the cell-gradient carry.
-2. ``_bwd_rec_kernel``, grid (B/BB, P/BP, S): split-K ``dz_t · w_recᵀ`` over K = 4H = 16384, fp32 partials.
+2. ``_splitk_kernel`` again, grid (B/BB, P/BP, S): split-K ``dz_t · w_recᵀ`` over K = 4H = 16384.
 3. ``_bwd_reduce_kernel``, grid (B/BB, P/BP): sums the partials in split order into the carry
    ``dL/dh_{t-1}`` of the rows that ran step t, then (already the next step's prologue) adds ``dy`` of the
    next step, applies its projection-clip mask and writes ``dh_pre`` in the operand dtype: the A operand of
@@ -242,32 +242,6 @@ def _fwd_cell_kernel(
 
 
 @triton.jit
-def _splitk_gemm(a_ptr, a_row, valid, b_ptr, s_bk, s_bn, rn, nmask, K, live,
-                 IEEE: tl.constexpr, ACC: tl.constexpr, EMU: tl.constexpr,
-                 BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr):
-    """Σ over K-rows [k·KS, (k+1)·KS) (k = program_id(2)) of a[row, k] · b[k, n], a row-major with row offsets
-    ``a_row`` (masked by ``valid``), b at ``b_ptr + k·s_bk + n·s_bn``."""
-    kb = tl.program_id(2) * KS
-    acc = tl.zeros([BB, BN], ACC)
-    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
-        rk = kb + k0 + tl.arange(0, BK)
-        kmask = rk < K
-        a = tl.load(a_ptr + a_row[:, None] + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptr + rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn,
-                    mask=kmask[:, None] & nmask[None, :] & live, other=0.0)
-        acc = _mma(a, b, acc, IEEE, ACC, EMU)
-    return acc
-
-
-@triton.jit
-def _store_partial(part_ptr, acc, rb, rmask, rn, nmask, B, N: tl.constexpr):
-    """Partial sum of split program_id(2) into part (S, B, N); rows of inactive tokens hold zeros."""
-    k = tl.program_id(2)
-    tl.store(part_ptr + (k * B + rb)[:, None].to(tl.int64) * N + rn[None, :], acc,
-             mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit
 def _sum_partials(part_ptr, rb, mask, rn, B, N: tl.constexpr, SPLITS: tl.constexpr, ACC: tl.constexpr,
                   BB: tl.constexpr, BN: tl.constexpr):
     """Σ_k part[k, rb, rn] in split order: the same bits on every run."""
@@ -278,19 +252,33 @@ def _sum_partials(part_ptr, rb, mask, rn, B, N: tl.constexpr, SPLITS: tl.constex
 
 
 @triton.jit(do_not_specialize=["s"])
-def _fwd_proj_kernel(
-    m_ptr, w_proj_ptr, part_ptr, len_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr,
+def _splitk_kernel(
+    a_ptr, b_ptr, part_ptr, len_ptr,
+    s, B, T, K: tl.constexpr, P: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
     REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
     BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Split k of m_t · w_proj for one (row block, P slice) at step s, into part (S, B, P)."""
+    """Split k = program_id(2) of a_t · b at step s for one (row block, P slice): the sum over K-rows
+    [k·KS, (k+1)·KS), into part (S, B, P). a (B, T, K) per token: m_t (K = H, the forward projection, b =
+    w_proj (K, P) row-major) or dz_t (K = 4H, the recurrent backward, b = w_recᵀ: element [k, p] = w_rec[p, k])."""
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
-    acc = _splitk_gemm(m_ptr, tok * H, valid, w_proj_ptr, P, 1, rp, pmask, H, _any(valid),
-                       IEEE, ACC, EMU, BB, BP, BK, KS, STAGES)
-    _store_partial(part_ptr, acc, rb, rmask, rp, pmask, B, P)
+    live = _any(valid)
+    kb = tl.program_id(2) * KS
+    acc = tl.zeros([BB, BP], ACC)
+    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
+        rk = kb + k0 + tl.arange(0, BK)
+        kmask = rk < K
+        a = tl.load(a_ptr + tok[:, None] * K + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        if B_ROW_MAJOR:
+            bp = b_ptr + rk[:, None].to(tl.int64) * P + rp[None, :]
+        else:
+            bp = b_ptr + rp[None, :].to(tl.int64) * K + rk[:, None]
+        b = tl.load(bp, mask=kmask[:, None] & pmask[None, :] & live, other=0.0)
+        acc = _mma(a, b, acc, IEEE, ACC, EMU)
+    tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc,
+             mask=rmask[:, None] & pmask[None, :])
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -395,23 +383,6 @@ def _bwd_cell_kernel(
 
 
 @triton.jit(do_not_specialize=["s"])
-def _bwd_rec_kernel(
-    dz_ptr, w_rec_ptr, part_ptr, len_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr,
-    REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
-    BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Split k of dz_t · w_recᵀ (K = 4H) for one (row block, P slice) at step s, into part (S, B, P)."""
-    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
-    rp = tl.program_id(1) * BP + tl.arange(0, BP)
-    pmask = rp < P
-    # (w_rec)ᵀ: element [k, p] = w_rec[p, k]
-    acc = _splitk_gemm(dz_ptr, tok * (4 * H), valid, w_rec_ptr, 1, 4 * H, rp, pmask, 4 * H, _any(valid),
-                       IEEE, ACC, EMU, BB, BP, BK, KS, STAGES)
-    _store_partial(part_ptr, acc, rb, rmask, rp, pmask, B, P)
-
-
-@triton.jit(do_not_specialize=["s"])
 def _bwd_reduce_kernel(
     part_ptr, dh_ptr, dy_ptr, hpre_ptr, dhpre_ptr, len_ptr, consts_ptr,
     s, B, T, P: tl.constexpr, SPLITS: tl.constexpr,
@@ -420,7 +391,7 @@ def _bwd_reduce_kernel(
 ):
     """Between the steps s+1 and s of backward, for one (row block, P slice).
 
-    HAS_PART: rows that ran step s+1 get the carry dL/dh = Σ partials of ``_bwd_rec_kernel`` (in split order);
+    HAS_PART: rows that ran step s+1 get the carry dL/dh = Σ partials of the split-K GEMM (in split order);
     the other rows keep theirs (dh_n, or what an earlier step left). Then, for the rows active at step s:
     dh_pre_s = (carry + dy_s) masked by the projection clip, written (zeros for inactive rows) into dhpre,
     which the cell kernel of step s and the dW_proj GEMM read. s = -1 only finishes the carry (dh0).
@@ -626,8 +597,8 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         t = tile("fwd_proj")
         S, KS = split(H, t)
         plan["fwd_proj"] = launch(
-            _fwd_proj_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
-            dict(H=H, P=P, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+            _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+            dict(K=H, P=P, B_ROW_MAJOR=True, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
             (("m", op), ("w_proj", op), ("part", acc), ("lengths", i64)),
             T, B * H * isz + H * P * isz, 2 * B * H * P, t, S * B * P * asz)
     else:
@@ -655,8 +626,8 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     t = tile("bwd_rec")
     S, KS = split(G, t)
     plan["bwd_rec"] = launch(
-        _bwd_rec_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
-        dict(H=H, P=P, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+        _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+        dict(K=G, P=P, B_ROW_MAJOR=False, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
         (("dz", op), ("w_rec", op), ("part", acc), ("lengths", i64)),
         T, B * G * isz + P * G * isz, 2 * B * G * P, t, S * B * P * asz)
     t = tile("bwd_reduce")
