@@ -30,7 +30,8 @@ Backward walks the steps in reverse with the mirror image:
    prologue for the first step; after the loop the carry is dh0.
 
 Three launches per step (two forward without a projection), all with shapes fixed by (B, T): the time loop
-allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph.
+allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph
+(after one warm-up call: the first call per (device, dtype, forget bias, clips) uploads those constants).
 
 *Input projection* of all steps is one matmul (``x · w_in``) before the time loop (cuBLAS); the weight
 gradients are matmuls over all B·T tokens after it: ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``,
