@@ -8,8 +8,14 @@ H=4096, P=512, D=512, cell/proj clip 3, bf16 and fp32, modes ``fwd`` and ``fwd+b
 
 * ``triton``: ``elmo_fast.kernels.lstmp.lstmp_triton``;
 * ``reference``: ``elmo_fast.reference.lstmp.lstmp_reference`` (step by step, PyTorch ops);
+* ``triton-graph`` (mode ``fwd`` only): the same forward captured once in a CUDA graph and replayed (no
+  per-launch host overhead: what the capturable time loop buys);
 * ``cudnn``: ``torch.nn.LSTM(512, 4096, proj_size=512)``. It has no clipping and no per-row lengths, so it
   computes a slightly different function: a speed bar, not an oracle.
+
+Per kernel (``bench_kernels``): every launch of the chain's plan (``elmo_fast.kernels.lstmp.launch_plan``) at
+a middle step, timed alone with ``do_bench`` on the buffers the launchers build, beside its roofline estimate
+from bench/lstmp_compile.py (``ratio`` = measured / estimated) -> ``lstmp_kernels.csv``.
 
 All rows are full length (lengths = T) so the three do the same amount of work. The Triton kernel is checked
 against the reference before anything is timed; a mismatch stops the sweep. Each case appends a CSV row
@@ -124,7 +130,22 @@ def check_triton(device: str, dims: dict) -> None:
             raise AssertionError(f"triton LSTMP disagrees with the reference on d{k}: {err:.3g}; not timing it")
 
 
-def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=("triton", "reference", "cudnn"),
+def _graphed(fn, chain):
+    """fn(chain) (no grad) captured once in a CUDA graph; returns the replay."""
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run_chain(fn, chain)  # warm-up: compiles, caches the kernels' constants
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_chain(fn, chain)
+    return graph.replay
+
+
+def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
+              providers=("triton", "triton-graph", "reference", "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
     from elmo_fast.kernels.lstmp import lstmp_triton
 
@@ -138,10 +159,12 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
         for B, T in shapes:
             for provider in providers:
                 for mode in modes:
+                    if provider == "triton-graph" and mode != "fwd":
+                        continue
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    if provider == "triton":
+                    if provider in ("triton", "triton-graph"):
                         fn = lstmp_triton
                     elif provider == "reference":
                         fn = lstmp_reference
@@ -153,7 +176,9 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
                     up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device,
                                                                                        dtype=dtype),
                           torch.randn(B, H, device=device, dtype=dtype)]
-                    if mode == "fwd":
+                    if provider == "triton-graph":
+                        call = _graphed(fn, chain)
+                    elif mode == "fwd":
                         def call(fn=fn, chain=chain):
                             with torch.no_grad():
                                 run_chain(fn, chain)
@@ -182,6 +207,52 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
     return rows
 
 
+KERNEL_FIELDS = ["date", "op", "kernel", "B", "T", "dtype", "mode", "grid", "tile", "us_p50", "us_p20", "us_p80",
+                 "est_us", "ratio", "bytes", "flops", "device", "torch", "triton", "cuda", "commit", "command"]
+
+
+def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float32), T=20, dims=ELMO,
+                  device="cuda") -> list[dict]:
+    """Every launch of the plan, timed alone at step T // 2 on real buffers, beside its roofline estimate."""
+    import lstmp_compile
+
+    from elmo_fast.kernels import lstmp as KL
+
+    H, P = dims["H"], dims["P"]
+    fl = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
+    meta = dict(op="lstmp", **common.environment())
+    rows = []
+    for dtype in dtypes:
+        for B in batches:
+            training = B >= 128
+            c = make_chain(B, T, dtype=dtype, device=device, **dims)
+            args = [c[k] for k in ARGS]
+            with torch.no_grad():
+                plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=training, **fl)
+                timed = [(k, plan[k], bufs) for k in ("fwd_cell", "fwd_proj", "fwd_reduce")]
+                if training:
+                    _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **fl)
+                    up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
+                          torch.randn(B, H, device=device)]
+                    bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **fl)
+                    timed += [(k, bplan[k], bbufs) for k in ("bwd_cell", "bwd_rec", "bwd_reduce")]
+            for name, launch, b in timed:
+                p50, p20, p80 = common.gpu_time_ms(lambda launch=launch, b=b: KL._run(launch, b, T // 2))
+                est = lstmp_compile.estimate_us(launch, dtype != torch.float32)
+                t = launch.tile
+                rows.append(dict(
+                    meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    kernel=name, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train" if training else "infer",
+                    grid="x".join(map(str, launch.grid)), tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}",
+                    us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
+                    est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops,
+                ))
+                print(f"{name:>10} {rows[-1]['dtype']:>8} B={B:<3}: {p50 * 1e3:8.2f} us, estimate {est:6.2f} us, "
+                      f"ratio {rows[-1]['ratio']}", flush=True)
+            del c, args, bufs, plan
+    return rows
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sweep():
     rows = bench_gpu()
@@ -193,3 +264,5 @@ if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
     print(f"wrote rows to {append_csv(bench_gpu())}")
+    path = common.append_rows("lstmp_kernels", bench_kernels(), KERNEL_FIELDS)
+    print(f"wrote per-kernel rows to {path}")

@@ -6,79 +6,102 @@ Shapes: B batch, T padded steps, D input width, H cell, P projection (= hidden),
 Design (and why)
 ----------------
 *Work split.* Per time step the LSTMP needs two all-to-all exchanges: every gate column needs all of
-``h_{t-1}`` (K = P) and every projected output needs all of ``m_t`` (K = H). We run **two kernels per step**:
+``h_{t-1}`` (K = P) and every projected output needs all of ``m_t`` (K = H). A kernel boundary is the
+grid-wide barrier between them (a persistent kernel would need a spin barrier, which deadlocks under
+``TRITON_INTERPRET=1`` where programs run one after another, so CI could not check it). Forward, per step:
 
-1. ``_fwd_cell_kernel``, grid (B/BB, H/BH): recurrent product ``h_{t-1} · w_rec`` for the four gate tiles of
-   one H-slice, gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t`` to global memory.
-2. ``_fwd_proj_kernel``, grid (B/BB, P/BP): ``m_t · w_proj`` + clip, masking of finished rows, output ``y``.
+1. ``_fwd_cell_kernel``, grid (B/BB, H/BH): ``h_{t-1} · w_rec`` for the four gate tiles of one H slice
+   (tensor cores for 16-bit operands), gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t``.
+2. ``_splitk_kernel``, grid (B/BB, P/BP, S): split-K ``m_t · w_proj``: split k of S sums K-rows
+   [k·KS, (k+1)·KS) of H=4096 and writes an fp32 partial (S, B, P). Without the split the projection has
+   (B/BB)·(P/BP) programs (a dozen at B=384) each walking K=4096 serially.
+3. ``_fwd_reduce_kernel``, grid (B/BB, P/BP): sums the S partials in split order (deterministic: no
+   atomics anywhere here), clips, writes y, the h state and the step caches.
 
-The kernel boundary is the grid-wide barrier between the two exchanges. We did not write a persistent
-kernel that loops over time inside one launch because that needs a grid-wide barrier inside the kernel
-(spin on a global counter). That cannot be checked on CPU: ``TRITON_INTERPRET=1`` runs programs one after
-another, so a spin barrier deadlocks, and CI could then never test the kernel. The other persistent design,
-one program owning whole batch rows and walking all of H and P itself, is checkable but puts one SM per 16
-rows on the whole 20 MiB weight stream every step (1 busy SM at batch 1). Two launches per step spread every
-step over (B/BB)·(H/BH) programs. At T=20 that is 40 launches forward and 40 backward (a few µs each, and
-CUDA-graph friendly). The weights-on-chip persistent kernel for small batches (performance.md) belongs in
-the CUDA backend, where cluster barriers exist.
+Backward walks the steps in reverse with the mirror image:
 
-*Input projection* of all steps is one matmul (``x · w_in``) before the time loop (cuBLAS). The bias and the
-forget bias are added in the kernel in fp32.
+1. ``_bwd_cell_kernel``, grid (B/BB, H/BH): ``dm = dh_pre · w_projᵀ``, then the gate/cell chain rule with
+   the cell-clip mask; writes ``dz_t`` (zero for inactive rows) and the cell-gradient carry.
+2. ``_splitk_kernel`` again, grid (B/BB, P/BP, S): split-K ``dz_t · w_recᵀ`` over K = 4H = 16384.
+3. ``_bwd_reduce_kernel``, grid (B/BB, P/BP): sums the partials in split order into the carry
+   ``dL/dh_{t-1}`` of the rows that ran step t, then (already the next step's prologue) adds ``dy`` of the
+   next step, applies its projection-clip mask and writes ``dh_pre`` in the operand dtype: the A operand of
+   the next ``_bwd_cell_kernel`` and of the dW_proj GEMM. One extra launch before the loop does that
+   prologue for the first step; after the loop the carry is dh0.
 
-*Padding and direction.* At step ``s`` row ``b`` is active iff ``s < len_b``. Its time position is ``s``
-(forward) or ``len_b - 1 - s`` (reverse, each row reversed within its own length). An inactive row at step
-``s`` sits on a padded position (``s >= len_b``), so writing zeros there writes each padded position exactly
-once. The loop runs all T steps (not max(len): knowing that on the host would cost a sync every call), so
-every element of ``y`` and of the zero-padded work buffers is written by a kernel. Inactive rows keep their
-state, so empty rows return h0/c0.
+Three launches per step (two forward without a projection), all with shapes fixed by (B, T): the time loop
+allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph
+(after one warm-up call: the first call per (device, dtype, forget bias, clips) uploads those constants).
 
-*No host sync.* Nothing on the host reads a device value: the step count is T, and the constants (forget
-bias, clips) live in a small device tensor uploaded once per (values, dtype, device) and reused, so the
-time loop can be captured in a CUDA graph.
+*Input projection* of all steps is one matmul (``x · w_in``) before the time loop (cuBLAS); the weight
+gradients are matmuls over all B·T tokens after it: ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``,
+``db = Σ dz``, ``dW_proj = mᵀ dh_pre``, ``dx = dz · W_inᵀ`` (+ dy for the residual).
 
-*What forward saves for backward.* In fp32 (fp64 for fp64 inputs), per token: the four gate activations
-(σ(i), tanh(j), σ(f+fb), σ(o)), the **pre-clip** cell ``c_t``, the pre-clip projection ``h_t`` and the
-state ``h_{t-1}`` that fed the step, plus ``m_t`` (in the operand dtype; forward has to write it anyway for
-the projection exchange). Pre-clip values make the clip masks exact (torch.clamp's convention: gradient 1
-on [-clip, clip] inclusive, 0 outside), which clipped values cannot give at the boundary. Saving the
-activations instead of recomputing them avoids a second recurrent product over all steps in backward
-(16.8 MFLOP/token at ELMo size, ~30% of backward's math), at 6H+2P floats per token (~0.75 GB per chain at
-384x20 tokens, H=4096): affordable on an 80 GB GPU, and the recompute would also need that memory for
-``z``. In inference (no grad needed) the caches are not written at all.
+*Padding and direction.* All T steps run; at step ``s`` row ``b`` is active iff ``s < len_b`` (rows mask
+themselves, so the host never reads the lengths). Its time position is ``s`` (forward) or
+``len_b - 1 - s`` (reverse, each row reversed within its own length). An inactive row at step ``s`` sits on
+the padded position ``s``, so writing zeros there writes every padded position exactly once: every element
+of y and of the work buffers the weight-gradient GEMMs read is written by a kernel. Inactive rows keep
+their state, so empty rows return h0/c0. A program whose rows are all inactive masks its weight loads
+(no memory traffic) and still writes its zeros.
 
-*Backward* mirrors forward, two kernels per step, walking the steps in reverse:
+*State.* ``h`` lives twice: an operand-dtype copy ``hop`` (B, P) that the next cell kernel reads (bf16 at
+bf16: half the bytes of the fp32 state it read before, times the H/BH programs that read it), and the fp32
+``h_n`` written only at each row's last step. The fp32 cell state ``c`` (B, H) is read and written every
+step in inference; in training the cell kernel reads ``c_{t-1}`` from the pre-clip cache of the previous
+step instead (clipping it again) and writes ``c`` only at each row's last step, which saves one (B, H)
+fp32 stream per step.
 
-1. ``_bwd_cell_kernel``, grid (B/BB, H/BH): ``dh_t = dy_t + dh_carry`` masked by the projection-clip mask,
-   ``dm = dh · w_projᵀ``, then the gate/cell chain rule with the cell-clip mask; writes ``dz_t`` (zeros for
-   inactive rows) and updates the cell-gradient carry in place.
-2. ``_bwd_rec_kernel``, grid (B/BB, P/BP): ``dh_{t-1} = dz_t · w_recᵀ`` for active rows (inactive rows pass
-   the carry through unchanged).
+*What forward saves for backward* (training only). Per token: the four gate pre-activations ``z`` (with
+the forget bias added), written over the step's ``gx`` once the cell kernel has read it (no extra buffer);
+backward recomputes σ / tanh from them in fp32 (storing the activations in bf16 would lose ``1 - σ`` where σ
+is near 1). Then the **pre-clip** cell ``c_t`` (fp32: the cell state stays fp32), the pre-clip projection
+``h_t`` (fp32), ``h_{t-1}`` (a GEMM operand only) and ``m_t``. ``z``, ``h_{t-1}`` and ``m_t`` are in the
+operand dtype: half the bytes at bf16 (the reference run in bf16 keeps everything there), exact at fp32.
+Pre-clip values make the clip masks exact (torch.clamp's convention: gradient 1 on [-clip, clip] inclusive,
+0 outside). Saving instead of recomputing avoids a second recurrent product over all steps in backward.
 
-Weight gradients are large matmuls after the loop over all B·T tokens:
-``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``, ``db = Σ dz``, ``dW_proj = mᵀ dh_pre``, ``dx = dz · W_inᵀ`` (+ dy
-for the residual).
+*Precision.* GEMM operands are in the weights' dtype (bf16/fp16: tensor cores; fp32: ``input_precision=
+"ieee"``, plain FMA, no TF32, so fp32 matches the reference to rounding; fp64 for near-exact tests).
+Accumulation, gates, cell state, partial sums and carries are fp32 (fp64 for fp64 inputs). ``dz`` is
+stored in the operand dtype: it is a GEMM operand only (db sums it in fp32).
 
-*Specialisation.* H and P are ``constexpr``: they bound the K loops, and the model's sizes never change
-between calls, so compiling per (H, P) is free. (It is also required under the interpreter: it keeps scalar
-arguments as 1-element numpy arrays, which recent numpy refuses as ``range`` bounds.) B, T and the step index
-are runtime arguments (``do_not_specialize`` on the step) so a new batch shape never recompiles.
+*Configuration.* One pure function decides every launch:
 
-*Precision.* The operands of every product are in the weights' dtype (bf16/fp16/fp32/fp64). Accumulation,
-gates, the cell state and the h state are fp32 (fp64 for fp64 inputs). fp32 products use
-``input_precision="ieee"`` (no TF32), so fp32 results match the reference to rounding.
+    launch_plan(B, T, H, P, dtype, *, training, target=H100, has_proj=True, cell_clip=True,
+                proj_clip=True, reverse=False, residual=False, tiles=None) -> dict[str, Launch]
+
+It returns ``fwd_cell``, ``fwd_proj`` (absent without a projection), ``fwd_reduce`` and, when ``training``,
+``bwd_cell``, ``bwd_rec``, ``bwd_reduce``. A ``Launch`` holds the kernel, its grid, every constexpr (tiles,
+split counts, pipeline depth, dtype and behaviour flags), ``num_warps``/``num_stages``, the runtime
+arguments in order as ``(name, torch dtype)`` for tensors and ``(name, value)`` for ints (``s``, the step,
+is an example), ``count`` (launches per chain call), and the roofline terms: ``bytes`` (every operand read
+once, every result written once), ``scratch_bytes`` (the split-K partials) and ``flops``. ``target`` is a
+``Target(interpret, sms)``; ``device_target(device)`` gives the launchers' one. The launchers
+(``fwd_setup``/``bwd_setup`` build the plan and the buffers) launch nothing else and check once per call
+that every tensor has the dtype the plan names, so a compile report that calls ``launch_plan`` compiles
+exactly what runs. ``tiles`` overrides the per-kernel ``Tile`` (the tuning tool's hook). Tiles come from
+``TUNED``, one entry per (kernel, operand class, batch size), chosen with ``bench/lstmp_compile.py
+--search`` (compile for sm_90a, drop candidates that spill, miss the tensor cores or async copies, or
+launch fewer than ``sms`` programs at B >= 128; rank the rest by the roofline estimate, then L2 traffic);
+the interpreter uses fixed tiles. Split counts follow from the tiles and the SM count: the fewest splits
+that give every SM a program.
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from elmo_fast._backend import triton_interpret
 from elmo_fast.kernels._common import acc_dtype, tl_acc_dtype
 from elmo_fast.reference.lstmp import lstmp_reference
 
-__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction"]
+__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction", "launch_plan", "Launch", "Tile", "Target",
+           "device_target", "fwd_setup", "bwd_setup", "H100", "TUNED"]
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -96,12 +119,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _mma(a, b, acc, prec: tl.constexpr, ACC: tl.constexpr, EMU: tl.constexpr):
+def _mma(a, b, acc, IEEE: tl.constexpr, ACC: tl.constexpr, EMU: tl.constexpr):
     """acc + a·b. EMU: the CPU interpreter multiplies bf16 tiles as raw uint16 bits, so there we widen the
     bf16 operands to fp32 first, which is the same math (bf16 products are exact in fp32, fp32 accumulate)."""
     if EMU:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=ACC)
-    return tl.dot(a, b, acc, input_precision=prec, out_dtype=ACC)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=ACC)
+    return tl.dot(a, b, acc, out_dtype=ACC)
 
 
 @triton.jit
@@ -116,20 +141,13 @@ def _in_clip(x, clip):
 
 
 @triton.jit
-def _gate_input(gx_ptr, bias_ptr, tok, rh, g: tl.constexpr, vm, hmask, H: tl.constexpr, ACC: tl.constexpr):
-    """Hoisted input projection of gate block g (i|j|f|o) at this step, plus its bias, in ACC."""
-    col = g * H + rh
-    gx = tl.load(gx_ptr + tok[:, None] * (4 * H) + col[None, :], mask=vm, other=0.0).to(ACC)
-    return gx + tl.load(bias_ptr + col, mask=hmask, other=0.0).to(ACC)[None, :]
-
-
-@triton.jit
 def _rows(len_ptr, s, B, T, BB: tl.constexpr, REVERSE: tl.constexpr):
-    """Rows of this program, their activity at step s, and the flat token index (b*T + pos) they touch."""
+    """Rows of this program, their activity at step s (False for s < 0), whether s is their last step, and
+    the flat token index (b*T + pos) of step s and of the step before it."""
     rb = tl.program_id(0) * BB + tl.arange(0, BB)
     rmask = rb < B
     L = tl.load(len_ptr + rb, mask=rmask, other=0).to(tl.int32)
-    valid = (s < L) & rmask
+    valid = (s < L) & (s >= 0) & rmask
     if REVERSE:
         pos = tl.where(valid, L - 1 - s, s)
         prev = pos + 1
@@ -138,171 +156,209 @@ def _rows(len_ptr, s, B, T, BB: tl.constexpr, REVERSE: tl.constexpr):
         prev = pos - 1
     tok = rb.to(tl.int64) * T + pos
     ptok = rb.to(tl.int64) * T + prev
-    return rb, rmask, valid, tok, ptok
+    return rb, rmask, valid, valid & (s == L - 1), tok, ptok
+
+
+@triton.jit
+def _any(valid):
+    """True when at least one row of the block is active: weight loads of idle blocks are masked off."""
+    return tl.max(valid.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _gate_input(gx_ptr, bias_ptr, tok, rh, g: tl.constexpr, vm, hmask, H: tl.constexpr, ACC: tl.constexpr):
+    """Hoisted input projection of gate block g (i|j|f|o) at this step, plus its bias, in ACC."""
+    col = g * H + rh
+    gx = tl.load(gx_ptr + tok[:, None] * (4 * H) + col[None, :], mask=vm, other=0.0).to(ACC)
+    return gx + tl.load(bias_ptr + col, mask=hmask, other=0.0).to(ACC)[None, :]
 
 
 @triton.jit(do_not_specialize=["s"])
 def _fwd_cell_kernel(
-    gx_ptr, bias_ptr, w_rec_ptr, h_ptr, c_ptr, len_ptr,
-    m_ptr, gates_ptr, cpre_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr, consts_ptr,
+    gx_ptr, bias_ptr, w_rec_ptr, hop_ptr, c_ptr, len_ptr, m_ptr, z_ptr, cpre_ptr, consts_ptr,
+    s, B, T, H: tl.constexpr, P: tl.constexpr,
     HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr, SAVE: tl.constexpr,
-    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Gates, cell and m for one (row block, H slice) at step s. State buffers h (B,P), c (B,H) are ACC."""
+    """Gates, cell and m for one (row block, H slice) at step s. hop (B,P) is h in the operand dtype; c (B,H)
+    is the ACC cell state (inference: read and written every step; training: c0 at s == 0, c_{t-1} comes
+    from the pre-clip cache, and c is written only at a row's last step)."""
     forget_bias = tl.load(consts_ptr)
     cell_clip = tl.load(consts_ptr + 1)
-    rb, rmask, valid, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
     G = 4 * H
-    wdt = w_rec_ptr.dtype.element_ty
-    prec: tl.constexpr = "ieee" if IEEE else None
+    live = _any(valid)
 
     acc_i = tl.zeros([BB, BH], ACC)
     acc_j = tl.zeros([BB, BH], ACC)
     acc_f = tl.zeros([BB, BH], ACC)
     acc_o = tl.zeros([BB, BH], ACC)
-    # Rows that are inactive still run the product (masked to zero); their results are discarded.
-    for k0 in range(0, P, BK):
+    for k0 in tl.range(0, P, BK, num_stages=STAGES):
         rk = k0 + tl.arange(0, BK)
         kmask = rk < P
-        hp = tl.load(h_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        hp = hp.to(wdt)
+        hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
         wp = w_rec_ptr + rk[:, None].to(tl.int64) * G + rh[None, :]
-        wm = kmask[:, None] & hmask[None, :]
-        acc_i = _mma(hp, tl.load(wp, mask=wm, other=0.0), acc_i, prec, ACC, EMU)
-        acc_j = _mma(hp, tl.load(wp + H, mask=wm, other=0.0), acc_j, prec, ACC, EMU)
-        acc_f = _mma(hp, tl.load(wp + 2 * H, mask=wm, other=0.0), acc_f, prec, ACC, EMU)
-        acc_o = _mma(hp, tl.load(wp + 3 * H, mask=wm, other=0.0), acc_o, prec, ACC, EMU)
+        wm = kmask[:, None] & hmask[None, :] & live
+        acc_i = _mma(hp, tl.load(wp, mask=wm, other=0.0), acc_i, IEEE, ACC, EMU)
+        acc_j = _mma(hp, tl.load(wp + H, mask=wm, other=0.0), acc_j, IEEE, ACC, EMU)
+        acc_f = _mma(hp, tl.load(wp + 2 * H, mask=wm, other=0.0), acc_f, IEEE, ACC, EMU)
+        acc_o = _mma(hp, tl.load(wp + 3 * H, mask=wm, other=0.0), acc_o, IEEE, ACC, EMU)
 
     vm = valid[:, None] & hmask[None, :]
     zi = acc_i + _gate_input(gx_ptr, bias_ptr, tok, rh, 0, vm, hmask, H, ACC)
     zj = acc_j + _gate_input(gx_ptr, bias_ptr, tok, rh, 1, vm, hmask, H, ACC)
-    zf = acc_f + _gate_input(gx_ptr, bias_ptr, tok, rh, 2, vm, hmask, H, ACC)
+    zf = acc_f + _gate_input(gx_ptr, bias_ptr, tok, rh, 2, vm, hmask, H, ACC) + forget_bias
     zo = acc_o + _gate_input(gx_ptr, bias_ptr, tok, rh, 3, vm, hmask, H, ACC)
-    gi = _sigmoid(zi)
-    gj = _tanh(zj)
-    gf = _sigmoid(zf + forget_bias)
-    go = _sigmoid(zo)
-
     cptr = c_ptr + rb[:, None] * H + rh[None, :]
-    c_prev = tl.load(cptr, mask=vm, other=0.0)
-    c_new = gf * c_prev + gi * gj
+    if SAVE:
+        sp = z_ptr + tok[:, None] * G + rh[None, :]
+        zdt = z_ptr.dtype.element_ty
+        tl.store(sp, zi.to(zdt), mask=vm)
+        tl.store(sp + H, zj.to(zdt), mask=vm)
+        tl.store(sp + 2 * H, zf.to(zdt), mask=vm)
+        tl.store(sp + 3 * H, zo.to(zdt), mask=vm)
+        # c_{t-1}: the clipped pre-clip cache of the row's previous step, or c (= c0) at its first step.
+        cp = tl.load(cpre_ptr + ptok[:, None] * H + rh[None, :], mask=vm & (s > 0), other=0.0)
+        if HAS_CELL_CLIP:
+            cp = _clamp(cp, cell_clip)
+        c_prev = tl.where(s > 0, cp, tl.load(cptr, mask=vm & (s == 0), other=0.0))
+    else:
+        c_prev = tl.load(cptr, mask=vm, other=0.0)
+    c_new = _sigmoid(zf) * c_prev + _sigmoid(zi) * _tanh(zj)
     cc = c_new
     if HAS_CELL_CLIP:
         cc = _clamp(c_new, cell_clip)
-    tl.store(cptr, cc, mask=vm)
-    m = go * _tanh(cc)
+    if SAVE:
+        tl.store(cpre_ptr + tok[:, None] * H + rh[None, :], c_new, mask=vm)
+        tl.store(cptr, cc, mask=last[:, None] & hmask[None, :])
+    else:
+        tl.store(cptr, cc, mask=vm)
+    m = _sigmoid(zo) * _tanh(cc)
     # m is zero at inactive rows: that fills the padded positions of the m buffer.
     am = rmask[:, None] & hmask[None, :]
     tl.store(m_ptr + tok[:, None] * H + rh[None, :], tl.where(vm, m, 0.0).to(m_ptr.dtype.element_ty), mask=am)
-    if SAVE:
-        sp = gates_ptr + tok[:, None] * G + rh[None, :]
-        tl.store(sp, gi, mask=vm)
-        tl.store(sp + H, gj, mask=vm)
-        tl.store(sp + 2 * H, gf, mask=vm)
-        tl.store(sp + 3 * H, go, mask=vm)
-        tl.store(cpre_ptr + tok[:, None] * H + rh[None, :], c_new, mask=vm)
+
+
+@triton.jit
+def _sum_partials(part_ptr, rb, mask, rn, B, N: tl.constexpr, SPLITS: tl.constexpr, ACC: tl.constexpr,
+                  BB: tl.constexpr, BN: tl.constexpr):
+    """Σ_k part[k, rb, rn] in split order: the same bits on every run."""
+    acc = tl.zeros([BB, BN], ACC)
+    for k in range(SPLITS):
+        acc += tl.load(part_ptr + (k * B + rb)[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
+    return acc
 
 
 @triton.jit(do_not_specialize=["s"])
-def _fwd_proj_kernel(
-    m_ptr, w_proj_ptr, x_ptr, h_ptr, len_ptr,
-    y_ptr, hpre_ptr, hprev_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr, consts_ptr,
-    HAS_PROJ: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr,
-    SAVE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
-    BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+def _splitk_kernel(
+    a_ptr, b_ptr, part_ptr, len_ptr,
+    s, B, T, K: tl.constexpr, P: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+    REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
+    BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """h_t = clip(m_t · w_proj) for one (row block, P slice); updates the h state and writes y at step s."""
-    proj_clip = tl.load(consts_ptr + 2)
-    rb, rmask, valid, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    """Split k = program_id(2) of a_t · b at step s for one (row block, P slice): the sum over K-rows
+    [k·KS, (k+1)·KS), into part (S, B, P). a (B, T, K) per token: m_t (K = H, the forward projection, b =
+    w_proj (K, P) row-major) or dz_t (K = 4H, the recurrent backward, b = w_recᵀ: element [k, p] = w_rec[p, k])."""
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
-    prec: tl.constexpr = "ieee" if IEEE else None
+    live = _any(valid)
+    kb = tl.program_id(2) * KS
+    acc = tl.zeros([BB, BP], ACC)
+    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
+        rk = kb + k0 + tl.arange(0, BK)
+        kmask = rk < K
+        a = tl.load(a_ptr + tok[:, None] * K + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        if B_ROW_MAJOR:
+            bp = b_ptr + rk[:, None].to(tl.int64) * P + rp[None, :]
+        else:
+            bp = b_ptr + rp[None, :].to(tl.int64) * K + rk[:, None]
+        b = tl.load(bp, mask=kmask[:, None] & pmask[None, :] & live, other=0.0)
+        acc = _mma(a, b, acc, IEEE, ACC, EMU)
+    tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc,
+             mask=rmask[:, None] & pmask[None, :])
+
+
+@triton.jit(do_not_specialize=["s"])
+def _fwd_reduce_kernel(
+    part_ptr, m_ptr, x_ptr, hop_ptr, hn_ptr, len_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr,
+    s, B, T, H: tl.constexpr, P: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_PROJ: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr,
+    SAVE: tl.constexpr, ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
+):
+    """h_t = clip(Σ partials) (or m_t without a projection) for one (row block, P slice): updates hop and, at a
+    row's last step, h_n; writes y (zeros at padded positions) and, in training, the h_pre / h_prev caches."""
+    proj_clip = tl.load(consts_ptr + 2)
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    rp = tl.program_id(1) * BP + tl.arange(0, BP)
+    pmask = rp < P
     vm = valid[:, None] & pmask[None, :]
     am = rmask[:, None] & pmask[None, :]
-
     if HAS_PROJ:
-        acc = tl.zeros([BB, BP], ACC)
-        for k0 in range(0, H, BK):
-            rk = k0 + tl.arange(0, BK)
-            kmask = rk < H
-            mt = tl.load(m_ptr + tok[:, None] * H + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-            wt = tl.load(w_proj_ptr + rk[:, None].to(tl.int64) * P + rp[None, :],
-                         mask=kmask[:, None] & pmask[None, :], other=0.0)
-            acc = _mma(mt.to(wt.dtype), wt, acc, prec, ACC, EMU)
+        acc = _sum_partials(part_ptr, rb, vm, rp, B, P, SPLITS, ACC, BB, BP)
     else:  # P == H: the state is m itself
         acc = tl.load(m_ptr + tok[:, None] * H + rp[None, :], mask=vm, other=0.0).to(ACC)
-
-    hptr = h_ptr + rb[:, None] * P + rp[None, :]
-    h_old = tl.load(hptr, mask=am, other=0.0)
     h_new = acc
     if HAS_PROJ_CLIP:
         h_new = _clamp(acc, proj_clip)
-    tl.store(hptr, h_new, mask=vm)
+    hptr = hop_ptr + rb[:, None] * P + rp[None, :]
+    tok_p = tok[:, None] * P + rp[None, :]
+    if SAVE:
+        tl.store(hpre_ptr + tok_p, acc, mask=vm)
+        # zeros at padded positions: this buffer feeds dW_rec as a matmul over all tokens.
+        tl.store(hprev_ptr + tok_p, tl.where(vm, tl.load(hptr, mask=vm, other=0.0), 0.0), mask=am)
+    tl.store(hptr, h_new.to(hop_ptr.dtype.element_ty), mask=vm)
+    tl.store(hn_ptr + rb[:, None] * P + rp[None, :], h_new, mask=last[:, None] & pmask[None, :])
     out = h_new
     if RESIDUAL:  # D == P
-        out = out + tl.load(x_ptr + tok[:, None] * P + rp[None, :], mask=vm, other=0.0).to(ACC)
-    tl.store(y_ptr + tok[:, None] * P + rp[None, :], tl.where(vm, out, 0.0).to(y_ptr.dtype.element_ty), mask=am)
-    if SAVE:
-        tl.store(hpre_ptr + tok[:, None] * P + rp[None, :], acc, mask=vm)
-        # zeros at padded positions: this buffer feeds dW_rec as a matmul over all tokens.
-        tl.store(hprev_ptr + tok[:, None] * P + rp[None, :], tl.where(vm, h_old, 0.0), mask=am)
+        out = out + tl.load(x_ptr + tok_p, mask=vm, other=0.0).to(ACC)
+    tl.store(y_ptr + tok_p, tl.where(vm, out, 0.0).to(y_ptr.dtype.element_ty), mask=am)
 
 
 @triton.jit(do_not_specialize=["s"])
 def _bwd_cell_kernel(
-    dy_ptr, dh_ptr, dc_ptr, w_proj_ptr, hpre_ptr, gates_ptr, cpre_ptr, c0_ptr, len_ptr,
-    dz_ptr, dhpre_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr, consts_ptr,
-    HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, REVERSE: tl.constexpr,
-    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+    dhpre_ptr, w_proj_ptr, z_ptr, cpre_ptr, c0_ptr, dc_ptr, len_ptr, dz_ptr, consts_ptr,
+    s, B, T, H: tl.constexpr, P: tl.constexpr,
+    HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr,
+    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Backward of gates and cell for one (row block, H slice) at step s.
 
-    dh (B,P) holds dL/dh_t (state, from later steps and h_n); dc (B,H) holds dL/dc_t (post-clip) and is
-    updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows, and (H slice 0 only)
-    the masked dL/dh_pre_t (B,T,P) for dW_proj.
+    dhpre (B,T,P) holds dL/dh_pre_t (written by the reduce kernel); dc (B,H) holds dL/dc_t (post-clip) and
+    is updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows.
     """
     cell_clip = tl.load(consts_ptr + 1)
-    proj_clip = tl.load(consts_ptr + 2)
-    rb, rmask, valid, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
     G = 4 * H
-    prec: tl.constexpr = "ieee" if IEEE else None
     vm = valid[:, None] & hmask[None, :]
     am = rmask[:, None] & hmask[None, :]
 
     if HAS_PROJ:
+        live = _any(valid)
         dm = tl.zeros([BB, BH], ACC)
-        first_slice = tl.program_id(1) == 0
-        for k0 in range(0, P, BK):
+        for k0 in tl.range(0, P, BK, num_stages=STAGES):
             rk = k0 + tl.arange(0, BK)
             kmask = rk < P
-            vk = valid[:, None] & kmask[None, :]
-            dht = tl.load(dh_ptr + rb[:, None] * P + rk[None, :], mask=vk, other=0.0)
-            dht += tl.load(dy_ptr + tok[:, None] * P + rk[None, :], mask=vk, other=0.0).to(ACC)
-            if HAS_PROJ_CLIP:
-                hp = tl.load(hpre_ptr + tok[:, None] * P + rk[None, :], mask=vk, other=0.0)
-                dht = tl.where(_in_clip(hp, proj_clip), dht, 0.0)
-            tl.store(dhpre_ptr + tok[:, None] * P + rk[None, :], dht,
-                     mask=rmask[:, None] & kmask[None, :] & first_slice)
+            dht = tl.load(dhpre_ptr + tok[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :],
+                          other=0.0)
             # (w_proj)ᵀ tile: element [k, h] = w_proj[h, k]
             wt = tl.load(w_proj_ptr + rh[None, :].to(tl.int64) * P + rk[:, None],
-                         mask=kmask[:, None] & hmask[None, :], other=0.0)
-            dm = _mma(dht.to(wt.dtype), wt, dm, prec, ACC, EMU)
-    else:  # h_t = m_t (P == H)
-        dm = tl.load(dh_ptr + rb[:, None] * P + rh[None, :], mask=vm, other=0.0)
-        dm += tl.load(dy_ptr + tok[:, None] * P + rh[None, :], mask=vm, other=0.0).to(ACC)
+                         mask=kmask[:, None] & hmask[None, :] & live, other=0.0)
+            dm = _mma(dht, wt, dm, IEEE, ACC, EMU)
+    else:  # h_t = m_t (P == H); dhpre is ACC here
+        dm = tl.load(dhpre_ptr + tok[:, None] * P + rh[None, :], mask=vm, other=0.0)
 
-    gp = gates_ptr + tok[:, None] * G + rh[None, :]
-    gi = tl.load(gp, mask=vm, other=0.0)
-    gj = tl.load(gp + H, mask=vm, other=0.0)
-    gf = tl.load(gp + 2 * H, mask=vm, other=0.0)
-    go = tl.load(gp + 3 * H, mask=vm, other=0.0)
+    zp = z_ptr + tok[:, None] * G + rh[None, :]
+    gi = _sigmoid(tl.load(zp, mask=vm, other=0.0).to(ACC))
+    gj = _tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
+    gf = _sigmoid(tl.load(zp + 2 * H, mask=vm, other=0.0).to(ACC))
+    go = _sigmoid(tl.load(zp + 3 * H, mask=vm, other=0.0).to(ACC))
     cpre = tl.load(cpre_ptr + tok[:, None] * H + rh[None, :], mask=vm, other=0.0)
     # c_{t-1}: the (clipped) cell of the previous step of this row, or c0 at the row's first step.
     cp = tl.load(cpre_ptr + ptok[:, None] * H + rh[None, :], mask=vm & (s > 0), other=0.0)
@@ -318,125 +374,395 @@ def _bwd_cell_kernel(
     dc = tl.load(dcptr, mask=vm, other=0.0) + dm * go * (1.0 - tc * tc)
     if HAS_CELL_CLIP:
         dc = tl.where(_in_clip(cpre, cell_clip), dc, 0.0)
-    d_i = dc * gj * gi * (1.0 - gi)
-    d_j = dc * gi * (1.0 - gj * gj)
-    d_f = dc * c_prev * gf * (1.0 - gf)
-    d_o = dm * tc * go * (1.0 - go)
     tl.store(dcptr, dc * gf, mask=vm)
-    zp = dz_ptr + tok[:, None] * G + rh[None, :]
-    tl.store(zp, tl.where(vm, d_i, 0.0), mask=am)
-    tl.store(zp + H, tl.where(vm, d_j, 0.0), mask=am)
-    tl.store(zp + 2 * H, tl.where(vm, d_f, 0.0), mask=am)
-    tl.store(zp + 3 * H, tl.where(vm, d_o, 0.0), mask=am)
+    dzp = dz_ptr + tok[:, None] * G + rh[None, :]
+    ddt = dz_ptr.dtype.element_ty
+    tl.store(dzp, tl.where(vm, dc * gj * gi * (1.0 - gi), 0.0).to(ddt), mask=am)
+    tl.store(dzp + H, tl.where(vm, dc * gi * (1.0 - gj * gj), 0.0).to(ddt), mask=am)
+    tl.store(dzp + 2 * H, tl.where(vm, dc * c_prev * gf * (1.0 - gf), 0.0).to(ddt), mask=am)
+    tl.store(dzp + 3 * H, tl.where(vm, dm * tc * go * (1.0 - go), 0.0).to(ddt), mask=am)
 
 
 @triton.jit(do_not_specialize=["s"])
-def _bwd_rec_kernel(
-    dz_ptr, w_rec_ptr, dh_ptr, len_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr,
-    REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
-    BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr,
+def _bwd_reduce_kernel(
+    part_ptr, dh_ptr, dy_ptr, hpre_ptr, dhpre_ptr, len_ptr, consts_ptr,
+    s, B, T, P: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_PART: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, REVERSE: tl.constexpr,
+    ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
 ):
-    """dL/dh_{t-1} = dz_t · w_recᵀ for active rows (in place into dh (B,P)); inactive rows keep the carry."""
-    rb, rmask, valid, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    """Between the steps s+1 and s of backward, for one (row block, P slice).
+
+    HAS_PART: rows that ran step s+1 get the carry dL/dh = Σ partials of the split-K GEMM (in split order);
+    the other rows keep theirs (dh_n, or what an earlier step left). Then, for the rows active at step s:
+    dh_pre_s = (carry + dy_s) masked by the projection clip, written (zeros for inactive rows) into dhpre,
+    which the cell kernel of step s and the dW_proj GEMM read. s = -1 only finishes the carry (dh0).
+    """
+    proj_clip = tl.load(consts_ptr + 2)
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
+    dptr = dh_ptr + rb[:, None] * P + rp[None, :]
+    am = rmask[:, None] & pmask[None, :]
+    carry = tl.load(dptr, mask=am, other=0.0)
+    if HAS_PART:
+        L = tl.load(len_ptr + rb, mask=rmask, other=0).to(tl.int32)
+        ran = (s + 1 < L)[:, None] & am
+        carry = tl.where(ran, _sum_partials(part_ptr, rb, ran, rp, B, P, SPLITS, ACC, BB, BP), carry)
+        tl.store(dptr, carry, mask=ran)
+    vm = valid[:, None] & pmask[None, :]
+    tok_p = tok[:, None] * P + rp[None, :]
+    dht = carry + tl.load(dy_ptr + tok_p, mask=vm, other=0.0).to(ACC)
+    if HAS_PROJ_CLIP:
+        dht = tl.where(_in_clip(tl.load(hpre_ptr + tok_p, mask=vm, other=0.0), proj_clip), dht, 0.0)
+    tl.store(dhpre_ptr + tok_p, tl.where(vm, dht, 0.0).to(dhpre_ptr.dtype.element_ty), mask=am & (s >= 0))
+
+
+# ------------------------------------------------------------------------------------- launch planning
+@dataclass(frozen=True)
+class Target:
+    """What the plan needs to know of the device: interpreter or compiled, and the number of SMs."""
+
+    interpret: bool
+    sms: int
+
+
+H100 = Target(interpret=False, sms=132)
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Tiling of one kernel: BM rows x BN columns per program, K steps of BK, ``warps``, pipeline ``stages``."""
+
+    BM: int
+    BN: int
+    BK: int = 0
+    warps: int = 4
+    stages: int = 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of the chain, fully decided (see the module docstring)."""
+
+    kernel: object
+    grid: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+    args: tuple  # ((name, torch.dtype of a tensor | the value of an int (s: an example)), ...) in order
+    count: int  # launches per chain call
+    bytes: int  # every operand read once and every result written once, the split-K partials aside
+    scratch_bytes: int  # the split-K partials written (GEMM) or read (reduce); re-used every step
+    flops: int
+    tile: Tile
+
+
+KERNELS = ("fwd_cell", "fwd_proj", "fwd_reduce", "bwd_cell", "bwd_rec", "bwd_reduce")
+BATCHES = (1, 16, 64, 128, 384)  # the listed sizes; TUNED has one entry per (kernel, class, size)
+
+# (kernel, "16bit" | "fp32", batch) -> Tile. Chosen by `bench/lstmp_compile.py --search` for sm_90a at
+# H=4096, P=512 (results and rules: bench/results/lstmp_compile.md). A batch uses the entry of the
+# smallest listed size >= B (the largest beyond 384). Inference sizes also carry training entries (and the
+# other way round) so any B works in both modes.
+TUNED: dict[tuple[str, str, int], Tile] = {
+    ("fwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
+    ("fwd_proj", "16bit", 1): Tile(16, 32, 32, 4, 4),
+    ("fwd_reduce", "16bit", 1): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
+    ("bwd_rec", "16bit", 1): Tile(16, 64, 32, 4, 4),
+    ("bwd_reduce", "16bit", 1): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "16bit", 16): Tile(16, 32, 32, 4, 4),
+    ("fwd_proj", "16bit", 16): Tile(16, 32, 32, 4, 4),
+    ("fwd_reduce", "16bit", 16): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "16bit", 16): Tile(16, 32, 32, 4, 4),
+    ("bwd_rec", "16bit", 16): Tile(16, 64, 32, 4, 4),
+    ("bwd_reduce", "16bit", 16): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "16bit", 64): Tile(64, 16, 32, 4, 4),
+    ("fwd_proj", "16bit", 64): Tile(64, 32, 32, 4, 4),
+    ("fwd_reduce", "16bit", 64): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "16bit", 64): Tile(64, 16, 32, 4, 4),
+    ("bwd_rec", "16bit", 64): Tile(64, 64, 32, 4, 4),
+    ("bwd_reduce", "16bit", 64): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "16bit", 128): Tile(128, 16, 32, 4, 4),
+    ("fwd_proj", "16bit", 128): Tile(64, 64, 32, 4, 4),
+    ("fwd_reduce", "16bit", 128): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "16bit", 128): Tile(128, 16, 32, 4, 4),
+    ("bwd_rec", "16bit", 128): Tile(64, 128, 32, 4, 4),
+    ("bwd_reduce", "16bit", 128): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4),
+    ("fwd_proj", "16bit", 384): Tile(128, 128, 32, 4, 4),
+    ("fwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "16bit", 384): Tile(128, 32, 64, 8, 4),
+    ("bwd_rec", "16bit", 384): Tile(128, 256, 32, 8, 4),
+    ("bwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "fp32", 1): Tile(16, 16, 16, 4, 4),
+    ("fwd_proj", "fp32", 1): Tile(16, 32, 32, 4, 4),
+    ("fwd_reduce", "fp32", 1): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "fp32", 1): Tile(16, 16, 32, 4, 4),
+    ("bwd_rec", "fp32", 1): Tile(16, 64, 16, 4, 4),
+    ("bwd_reduce", "fp32", 1): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "fp32", 16): Tile(16, 16, 16, 4, 4),
+    ("fwd_proj", "fp32", 16): Tile(16, 32, 32, 4, 4),
+    ("fwd_reduce", "fp32", 16): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "fp32", 16): Tile(16, 16, 32, 4, 4),
+    ("bwd_rec", "fp32", 16): Tile(16, 64, 16, 4, 4),
+    ("bwd_reduce", "fp32", 16): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "fp32", 64): Tile(64, 16, 16, 4, 4),
+    ("fwd_proj", "fp32", 64): Tile(64, 32, 16, 4, 4),
+    ("fwd_reduce", "fp32", 64): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "fp32", 64): Tile(64, 16, 32, 4, 4),
+    ("bwd_rec", "fp32", 64): Tile(64, 64, 16, 4, 4),
+    ("bwd_reduce", "fp32", 64): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "fp32", 128): Tile(64, 32, 16, 4, 4),
+    ("fwd_proj", "fp32", 128): Tile(64, 64, 16, 4, 4),
+    ("fwd_reduce", "fp32", 128): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "fp32", 128): Tile(64, 32, 16, 8, 4),
+    ("bwd_rec", "fp32", 128): Tile(64, 128, 32, 4, 4),
+    ("bwd_reduce", "fp32", 128): Tile(16, 16, 0, 4, 1),
+    ("fwd_cell", "fp32", 384): Tile(128, 32, 32, 8, 4),
+    ("fwd_proj", "fp32", 384): Tile(128, 128, 32, 8, 4),
+    ("fwd_reduce", "fp32", 384): Tile(16, 16, 0, 4, 1),
+    ("bwd_cell", "fp32", 384): Tile(128, 32, 16, 8, 4),
+    ("bwd_rec", "fp32", 384): Tile(128, 128, 16, 8, 4),
+    ("bwd_reduce", "fp32", 384): Tile(16, 16, 0, 4, 1),
+}
+# Under the interpreter: fixed tiles (its cost grows with the number of programs) and splits of 64 K rows, so
+# that the tests' small shapes cross tile boundaries and get several splits.
+_INTERPRET_TILE = {k: Tile(32, 32, 32) for k in KERNELS}
+_INTERPRET_KS = 64
+
+
+def _low(dtype: torch.dtype) -> bool:
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
+    if target.interpret:
+        return _INTERPRET_TILE[kernel]
+    size = next((b for b in BATCHES if b >= B), BATCHES[-1])
+    return TUNED[(kernel, "16bit" if _low(dtype) else "fp32", size)]
+
+
+def _splits(K: int, BK: int, tiles: int, sms: int) -> tuple[int, int]:
+    """(S, KS): the fewest K splits (of KS rows, a multiple of BK) that give ``sms`` programs."""
+    steps = triton.cdiv(K, BK)
+    want = max(1, min(steps, triton.cdiv(sms, tiles)))
+    ks = triton.cdiv(steps, want) * BK
+    return triton.cdiv(K, ks), ks
+
+
+def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training: bool, target: Target = H100,
+                has_proj: bool = True, cell_clip: bool = True, proj_clip: bool = True, reverse: bool = False,
+                residual: bool = False, tiles: dict | None = None) -> dict[str, Launch]:
+    """Every launch of one chain call (see the module docstring). Pure: no device is touched."""
+    cdiv = triton.cdiv
+    op = dtype
+    acc = acc_dtype(dtype)
+    dhpre = op if has_proj else acc
+    lo = _low(dtype)
+    isz, asz = op.itemsize, acc.itemsize
+    flags = dict(ACC=tl_acc_dtype(acc), IEEE=not lo, EMU=dtype == torch.bfloat16 and target.interpret)
     G = 4 * H
-    prec: tl.constexpr = "ieee" if IEEE else None
-    wdt = w_rec_ptr.dtype.element_ty
-    acc = tl.zeros([BB, BP], ACC)
-    for g in tl.static_range(4):
-        for k0 in range(0, H, BK):
-            rk = k0 + tl.arange(0, BK)
-            kmask = rk < H
-            dzt = tl.load(dz_ptr + tok[:, None] * G + g * H + rk[None, :],
-                          mask=valid[:, None] & kmask[None, :], other=0.0)
-            # (w_rec)ᵀ tile: element [k, p] = w_rec[p, g*H + k]
-            wt = tl.load(w_rec_ptr + rp[None, :].to(tl.int64) * G + g * H + rk[:, None],
-                         mask=kmask[:, None] & pmask[None, :], other=0.0)
-            acc = _mma(dzt.to(wdt), wt, acc, prec, ACC, EMU)
-    tl.store(dh_ptr + rb[:, None] * P + rp[None, :], acc, mask=valid[:, None] & pmask[None, :])
+    proj_clip = has_proj and proj_clip
+    ints = (("s", 1), ("B", B), ("T", T))
+    i64 = torch.int64
+
+    def tile(name):
+        return (tiles or {}).get(name) or _tile(name, B, dtype, target)
+
+    def split(K, t):  # (S, KS) of a split-K GEMM with P-wide output
+        if target.interpret:
+            return cdiv(K, _INTERPRET_KS), _INTERPRET_KS
+        return _splits(K, t.BK, cdiv(B, t.BM) * cdiv(P, t.BN), target.sms)
+
+    def launch(kernel, grid, consts, args, count, nbytes, flops, t, scratch=0, stages=True):
+        ce = dict(consts, BB=t.BM)
+        if stages:
+            ce["STAGES"] = t.stages
+        return Launch(kernel, tuple(grid), ce, t.warps, t.stages, tuple(args) + ints, count, int(nbytes),
+                      int(scratch), int(flops), t)
+
+    plan = {}
+    # Bytes: every operand read once, every output written once (the roofline's memory term); a per-row
+    # buffer touched only at some steps (h_n, c_n) is not counted.
+    t = tile("fwd_cell")
+    plan["fwd_cell"] = launch(
+        _fwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
+        dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, **flags),
+        (("gx", op), ("bias", op), ("w_rec", op), ("hop", op), ("c", acc), ("lengths", i64), ("m", op),
+         ("z", op), ("cpre", acc), ("consts", acc)),
+        # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
+        T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * isz if training else 0),
+        2 * B * P * G, t)
+    if has_proj:
+        t = tile("fwd_proj")
+        S, KS = split(H, t)
+        plan["fwd_proj"] = launch(
+            _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+            dict(K=H, P=P, B_ROW_MAJOR=True, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+            (("m", op), ("w_proj", op), ("part", acc), ("lengths", i64)),
+            T, B * H * isz + H * P * isz, 2 * B * H * P, t, S * B * P * asz)
+    else:
+        S = 0
+    t = tile("fwd_reduce")
+    plan["fwd_reduce"] = launch(
+        _fwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),
+        dict(H=H, P=P, SPLITS=S, HAS_PROJ=has_proj, HAS_PROJ_CLIP=proj_clip, RESIDUAL=residual, REVERSE=reverse,
+             SAVE=training, ACC=flags["ACC"], BP=t.BN),
+        (("part", acc), ("m", op), ("x", op), ("hop", op), ("hn", acc), ("lengths", i64), ("y", op),
+         ("hpre", acc), ("hprev", op), ("consts", acc)),
+        T, B * P * (2 * isz + (isz if residual else 0) + (asz + 2 * isz if training else 0)), 0, t,
+        S * B * P * asz, stages=False)
+    if not training:
+        return plan
+
+    t = tile("bwd_cell")
+    plan["bwd_cell"] = launch(
+        _bwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
+        dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK, **flags),
+        (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", op), ("dc", acc),
+         ("lengths", i64), ("dz", op), ("consts", acc)),
+        T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz
+            + 2 * B * H * asz + B * G * isz), 2 * B * P * H if has_proj else 0, t)
+    t = tile("bwd_rec")
+    S, KS = split(G, t)
+    plan["bwd_rec"] = launch(
+        _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+        dict(K=G, P=P, B_ROW_MAJOR=False, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+        (("dz", op), ("w_rec", op), ("part", acc), ("lengths", i64)),
+        T, B * G * isz + P * G * isz, 2 * B * G * P, t, S * B * P * asz)
+    t = tile("bwd_reduce")
+    plan["bwd_reduce"] = launch(
+        _bwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),
+        dict(P=P, SPLITS=S, HAS_PART=True, HAS_PROJ_CLIP=proj_clip, REVERSE=reverse, ACC=flags["ACC"], BP=t.BN),
+        (("part", acc), ("dh", acc), ("dy", op), ("hpre", acc), ("dhpre", dhpre), ("lengths", i64),
+         ("consts", acc)),
+        T + 1, B * P * (2 * asz + isz + (asz if proj_clip else 0) + dhpre.itemsize), 0, t, S * B * P * asz,
+        stages=False)
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> Target:
+    return Target(interpret=False, sms=torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def device_target(device: torch.device) -> Target:
+    """The launchers' target: the interpreter on CPU tensors, else the GPU's SM count (read once per GPU)."""
+    if device.type != "cuda":
+        return Target(interpret=True, sms=H100.sms)
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:
+    """Launch with the tensors named in ``launch.args``; ``constexprs`` override (bwd_reduce's HAS_PART)."""
+    args = [s if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
+    launch.kernel[launch.grid](*args, **{**launch.constexprs, **constexprs}, num_warps=launch.num_warps,
+                               num_stages=launch.num_stages)
+
+
+def _check_dtypes(plan: dict, bufs: dict, prefix: str) -> None:
+    # Once per call, not per step: the tensors are those the plan (and so a compile report) describes.
+    for launch in (v for k, v in plan.items() if k.startswith(prefix)):
+        for name, want in launch.args:
+            if isinstance(want, torch.dtype) and bufs[name].dtype != want:
+                raise AssertionError(f"lstmp: buffer {name} is {bufs[name].dtype}, the launch plan says {want}")
 
 
 # ------------------------------------------------------------------------------------------ host side
-def _pow2(n: int, lo: int = 16, hi: int = 64) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
-
-
 _CONSTS: dict = {}
 
 
 def _consts(forget_bias, cell_clip, proj_clip, acc, dev) -> torch.Tensor:
-    # Scalars go through memory in the accumulation dtype: a float kernel argument is fp32, which would
-    # round e.g. a clip of 0.3 and break fp64 agreement. One upload per distinct set of values, then reused
-    # (a cached tensor is never written, so reuse across calls and streams is safe).
+    """(forget bias, cell clip, projection clip) as a device tensor in the accumulation dtype (a float kernel
+    argument is fp32, which would round e.g. a clip of 0.3 and break fp64 agreement), uploaded once per
+    (device, dtype, values) and then reused: no host-to-device copy per call."""
     vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
                                     0.0 if proj_clip is None else proj_clip))
-    key = (vals, acc, torch.device(dev))
+    key = (dev, acc, vals)
     t = _CONSTS.get(key)
     if t is None:
-        host = torch.tensor(vals, dtype=acc)
-        t = _CONSTS[key] = host if host.device == key[2] else host.pin_memory().to(dev)
+        t = _CONSTS[key] = torch.tensor(vals, dtype=acc, device=dev)
     return t
 
 
-def _blocks(B: int, H: int, P: int) -> tuple[int, int, int]:
-    # tl.dot needs every block dim >= 16. BB covers small batches in one block; H/P slices of 64.
-    return _pow2(B), _pow2(H), _pow2(P)
+def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
+    return lengths.to(device=dev, dtype=torch.int64).contiguous()
+
+
+def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual) -> dict:
+    return launch_plan(B, T, H, P, dtype, training=training, target=device_target(dev), has_proj=w_proj is not None,
+                       cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
+                       residual=bool(residual))
+
+
+def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
+              residual, save: bool) -> tuple[dict, dict]:
+    """(plan, buffers) of a forward call: the input projection done, the state initialised, every buffer the
+    launches name allocated (``bench/bench_lstmp.py`` times single launches with these)."""
+    B, T, D = x.shape
+    G = w_in.shape[1]
+    H, P = G // 4, h0.shape[1]
+    dev, op = x.device, w_rec.dtype
+    acc = acc_dtype(op)
+    plan = _plan_for(B, T, H, P, op, dev, save, w_proj, cell_clip, proj_clip, reverse, residual)
+    xo = x.to(op)
+    # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside). In
+    # training the cell kernel overwrites each step's gx with that step's z, which backward reads.
+    gx = torch.matmul(xo.reshape(-1, D), w_in.to(op)).reshape(B, T, G)
+    hn = h0.to(acc).contiguous().clone()
+    c = c0.to(acc).contiguous().clone()
+    hop = h0.to(op).contiguous().clone()
+    bufs = dict(
+        gx=gx, z=gx, bias=bias.to(op).contiguous(), w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, x=xo,
+        hop=hop, hn=hn, c=c, lengths=_lengths(lengths, dev),
+        consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev),
+        y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
+        # Buffers a variant never touches (no projection: HAS_PROJ=False; inference: SAVE=False) alias others.
+        part=torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev) if "fwd_proj" in plan else hn,
+        cpre=torch.empty(B, T, H, dtype=acc, device=dev) if save else c,
+        hpre=torch.empty(B, T, P, dtype=acc, device=dev) if save else hn,
+        hprev=torch.empty(B, T, P, dtype=op, device=dev) if save else hop,
+    )
+    _check_dtypes(plan, bufs, "fwd")
+    return plan, bufs
 
 
 def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
               residual, save: bool):
-    """Host launcher of the forward pass. Returns (y, h_n, c_n, cache) where cache is None unless ``save``."""
-    B, T, D = x.shape
-    G = w_in.shape[1]
-    H = G // 4
-    P = h0.shape[1]
-    dev = x.device
-    acc = acc_dtype(x.dtype)
-    len_i = lengths.to(device=dev, dtype=torch.int32).contiguous()
-    T_run = T  # all steps run (see "No host sync" above); rows past their length are masked in the kernels
+    """Host launcher of the forward pass. Returns (y, h_n, c_n, cache) where cache is None unless ``save``.
 
-    # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside).
-    gx = torch.matmul(x.reshape(-1, D), w_in).reshape(B, T, G).contiguous()
+    No host sync: all T steps run (rows mask themselves); every tensor's shape follows from the arguments'.
+    """
+    plan, bufs = fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
+                           proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
+                           save=save)
+    steps = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
+    for s in range(x.shape[1]):
+        for launch in steps:
+            _run(launch, bufs, s)
+    cache = (bufs["z"], bufs["cpre"], bufs["hpre"], bufs["hprev"], bufs["m"], bufs["lengths"]) if save else None
+    return bufs["y"].to(x.dtype), bufs["hn"].to(h0.dtype), bufs["c"].to(c0.dtype), cache
 
-    h = h0.to(acc).contiguous().clone()
-    c = c0.to(acc).contiguous().clone()
-    y = torch.empty(B, T, P, dtype=x.dtype, device=dev)
-    m = torch.empty(B, T, H, dtype=w_rec.dtype, device=dev)
-    if save:
-        gates = torch.empty(B, T, G, dtype=acc, device=dev)
-        cpre = torch.empty(B, T, H, dtype=acc, device=dev)
-        hpre = torch.empty(B, T, P, dtype=acc, device=dev)
-        hprev = torch.empty(B, T, P, dtype=acc, device=dev)
-    else:
-        gates = cpre = hpre = hprev = m  # never touched (SAVE=False)
 
-    BB, BH, BP = _blocks(B, H, P)
-    BKP, BKH = _pow2(P), _pow2(H)
-    ACC = tl_acc_dtype(acc)
-    ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
-    has_proj = w_proj is not None
-    wp = w_proj if has_proj else w_rec  # dummy pointer when there is no projection
-    grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
-    grid_p = (triton.cdiv(B, BB), triton.cdiv(P, BP))
-    consts = _consts(forget_bias, cell_clip, proj_clip, acc, dev)
-    for s in range(T_run):
-        _fwd_cell_kernel[grid_c](
-            gx, bias, w_rec, h, c, len_i, m, gates, cpre,
-            s, B, T, H, P, consts,
-            HAS_CELL_CLIP=cell_clip is not None, REVERSE=bool(reverse), SAVE=save,
-            ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BH=BH, BK=BKP,
-        )
-        _fwd_proj_kernel[grid_p](
-            m, wp, x, h, len_i, y, hpre, hprev,
-            s, B, T, H, P, consts,
-            HAS_PROJ=has_proj, HAS_PROJ_CLIP=has_proj and proj_clip is not None, RESIDUAL=bool(residual),
-            REVERSE=bool(reverse), SAVE=save, ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BP=BP, BK=BKH,
-        )
-    cache = (gates, cpre, hpre, hprev, m, len_i, T_run) if save else None
-    return y, h.to(h0.dtype), c.to(c0.dtype), cache
+def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual
+              ) -> tuple[dict, dict]:
+    """(plan, buffers) of a backward call (see ``fwd_setup``)."""
+    z, cpre, hpre, hprev, m, lengths = cache
+    B, T, _ = x.shape
+    H, P = cpre.shape[2], hprev.shape[2]
+    dev, op, acc = x.device, w_rec.dtype, cpre.dtype
+    plan = _plan_for(B, T, H, P, op, dev, True, w_proj, cell_clip, proj_clip, reverse, residual)
+    bufs = dict(
+        dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
+        w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, z=z, cpre=cpre, hpre=hpre,
+        c0=c0.to(op).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
+        part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
+        dz=torch.empty(B, T, 4 * H, dtype=op, device=dev),
+        dhpre=torch.empty(B, T, P, dtype=plan["bwd_cell"].args[0][1], device=dev),
+    )
+    _check_dtypes(plan, bufs, "bwd")
+    return plan, bufs
 
 
 def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual,
@@ -446,75 +772,40 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
     ``needs`` flags (x, w_in, w_rec, bias, w_proj): the after-loop GEMM of a gradient nobody needs is skipped
     (None returned); the time loop itself always runs, every gradient depends on it.
     """
-    gates, cpre, hpre, hprev, m, len_i, T_run = cache
+    plan, bufs = bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, cell_clip=cell_clip, proj_clip=proj_clip,
+                           reverse=reverse, residual=residual)
     B, T, D = x.shape
-    G = w_in.shape[1]
-    H = G // 4
-    P = hprev.shape[2]
-    dev = x.device
-    acc = gates.dtype
-    has_proj = w_proj is not None
+    op, acc = w_rec.dtype, bufs["dc"].dtype
+    cell, rec, red = plan["bwd_cell"], plan["bwd_rec"], plan["bwd_reduce"]
+    _run(red, bufs, T - 1, HAS_PART=False)  # dh_pre of the first step from dh_n
+    for s in range(T - 1, -1, -1):
+        _run(cell, bufs, s)
+        _run(rec, bufs, s)
+        _run(red, bufs, s - 1)
 
-    dy = dy.contiguous()
-    dh = dh_n.to(acc).contiguous().clone()
-    dc = dc_n.to(acc).contiguous().clone()
-    # Work buffers share the caches' (b, t) indexing (row stride T); only t < T_run is ever written or read.
-    dz = torch.empty(B, T, G, dtype=acc, device=dev)
-    dhpre = torch.empty(B, T, P, dtype=acc, device=dev) if has_proj else dz
-    c0 = c0.contiguous()
-
-    BB, BH, BP = _blocks(B, H, P)
-    BKP, BKH = _pow2(P), _pow2(H)
-    ACC = tl_acc_dtype(acc)
-    ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
-    wp = w_proj if has_proj else w_rec
-    grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
-    grid_p = (triton.cdiv(B, BB), triton.cdiv(P, BP))
-    consts = _consts(0.0, cell_clip, proj_clip, acc, dev)
-    for s in range(T_run - 1, -1, -1):
-        _bwd_cell_kernel[grid_c](
-            dy, dh, dc, wp, hpre, gates, cpre, c0, len_i, dz, dhpre,
-            s, B, T, H, P, consts,
-            HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip is not None,
-            HAS_PROJ_CLIP=has_proj and proj_clip is not None, REVERSE=bool(reverse),
-            ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BH=BH, BK=BKP,
-        )
-        _bwd_rec_kernel[grid_p](
-            dz, w_rec, dh, len_i, s, B, T, H, P,
-            REVERSE=bool(reverse), ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BP=BP, BK=BKH,
-        )
-    dz = dz[:, :T_run]
-    dhpre = dhpre[:, :T_run] if has_proj else None
-
-    # Weight gradients: one GEMM each over all B*T_run tokens, operands in the weights' dtype.
-    cdt = w_rec.dtype
-    dz2 = dz.reshape(-1, G)
-    dz2c = dz2.to(cdt)
+    # Weight gradients: one GEMM each over all B*T tokens, operands in the weights' dtype (zeros at padding).
+    _, _, _, hprev, m, lengths = cache
+    dz2 = bufs["dz"].reshape(B * T, -1)
     dx = dw_in = dw_rec = dbias = dw_proj = None
     if needs[1]:
-        dw_in = torch.matmul(x[:, :T_run].reshape(-1, D).to(cdt).t(), dz2c)
+        dw_in = torch.matmul(x.reshape(-1, D).to(op).t(), dz2)
     if needs[2]:
-        dw_rec = torch.matmul(hprev[:, :T_run].reshape(-1, P).to(cdt).t(), dz2c)
+        dw_rec = torch.matmul(hprev.reshape(B * T, -1).t(), dz2)
     if needs[3]:
-        dbias = dz2.sum(0)
-    if has_proj and needs[4]:
-        dw_proj = torch.matmul(m[:, :T_run].reshape(-1, H).t(), dhpre.reshape(-1, P).to(cdt))
+        dbias = dz2.sum(0, dtype=acc)
+    if w_proj is not None and needs[4]:
+        dw_proj = torch.matmul(m.reshape(B * T, -1).t(), bufs["dhpre"].reshape(B * T, -1))
     if needs[0]:
-        dx = torch.zeros(B, T, D, dtype=x.dtype, device=dev)
-        if T_run:
-            dxr = torch.matmul(dz2c, w_in.t()).reshape(B, T_run, D)
-            if residual:
-                steps = torch.arange(T_run, device=dev)
-                valid = (steps[None, :] < len_i[:, None].long()).unsqueeze(-1)
-                dxr = dxr + torch.where(valid, dy[:, :T_run], torch.zeros((), dtype=dy.dtype, device=dev))
-            dx[:, :T_run] = dxr
-    return dx, dw_in, dw_rec, dbias, dw_proj, dh, dc
+        dx = torch.matmul(dz2, w_in.to(op).t()).reshape(B, T, D)
+        if residual:
+            valid = (torch.arange(T, device=x.device)[None, :] < lengths[:, None]).unsqueeze(-1)
+            dx = dx + torch.where(valid, bufs["dy"], torch.zeros((), dtype=op, device=x.device))
+    return dx, dw_in, dw_rec, dbias, dw_proj, bufs["dh"], bufs["dc"]
 
 
 # -------------------------------------------------------------------------------------- autograd glue
 class LSTMPFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves the fp32 step caches (see the module docstring), backward runs BPTT."""
+    """Autograd wrapper: forward saves the step caches (see the module docstring), backward runs BPTT."""
 
     @staticmethod
     def forward(ctx, x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse,
@@ -523,9 +814,7 @@ class LSTMPFunction(torch.autograd.Function):
             x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip, proj_clip=proj_clip,
             forget_bias=forget_bias, reverse=reverse, residual=residual, save=True,
         )
-        gates, cpre, hpre, hprev, m, len_i, T_run = cache
-        ctx.save_for_backward(x, w_in, w_rec, w_proj, h0, c0, gates, cpre, hpre, hprev, m, len_i)
-        ctx.T_run = T_run
+        ctx.save_for_backward(x, w_in, w_rec, w_proj, h0, c0, *cache)
         ctx.flags = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual)
         ctx.bias_dtype = bias.dtype
         return y, h_n, c_n
@@ -533,16 +822,15 @@ class LSTMPFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # backward is not itself differentiable: double backward raises instead of lying
     def backward(ctx, dy, dh_n, dc_n):
-        x, w_in, w_rec, w_proj, h0, c0, gates, cpre, hpre, hprev, m, len_i = ctx.saved_tensors
+        x, w_in, w_rec, w_proj, h0, c0, *cache = ctx.saved_tensors
         if dy is None:
             dy = torch.zeros(x.shape[0], x.shape[1], h0.shape[1], dtype=x.dtype, device=x.device)
         if dh_n is None:
             dh_n = torch.zeros_like(h0)
         if dc_n is None:
             dc_n = torch.zeros_like(c0)
-        cache = (gates, cpre, hpre, hprev, m, len_i, ctx.T_run)
         dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0 = lstmp_bwd(
-            dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, needs=ctx.needs_input_grad[:5], **ctx.flags,
+            dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, tuple(cache), needs=ctx.needs_input_grad[:5], **ctx.flags,
         )
 
         def cast(i, g, dtype):
@@ -578,9 +866,8 @@ def lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=Non
     tensors = [t for t in (x, w_in, w_rec, bias, w_proj, h0, c0) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return LSTMPFunction.apply(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip,
-                                 forget_bias, reverse, residual)
+                                   forget_bias, reverse, residual)
     y, h_n, c_n, _ = lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
                                proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
                                save=False)
     return y, h_n, c_n
-
