@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import acc_dtype, dot_flags, tl_acc_dtype, while_loops
+from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype
 
 
 @triton.jit
@@ -183,22 +183,41 @@ def _mm_kernel(
 # --------------------------------------------------------------------------------------------- host side
 
 
-def _config(device: torch.device) -> dict:
-    if device.type != "cuda":  # interpreter: few, mid-sized numpy ops
+def _tiles(target: Target) -> dict:
+    if target.interpret:  # interpreter: few, mid-sized numpy ops
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1)
     return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def _flags(dtype: torch.dtype, device: torch.device) -> dict:
-    return dict(**dot_flags(dtype, device), ACC=tl_acc_dtype(dtype), WHILE_LOOPS=while_loops(device))
+def _flags(dtype: torch.dtype, target: Target) -> dict:
+    return dict(**dot_flags(dtype, target), ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret)
+
+
+def fused_launch(M: int, F: int, dtype: torch.dtype, target: Target, *, backward: bool) -> Launch:
+    """``_highway_fused_kernel`` over M rows of width F: MODE 0 (forward) or MODE 1 (recompute + dz)."""
+    t = _tiles(target)
+    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]),)
+    return Launch(_highway_fused_kernel, grid, dict(MODE=int(backward), **t, **_flags(dtype, target)))
+
+
+def dx_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> Launch:
+    """``_mm_kernel`` for dx = dxd + dzc·W_carryᵀ + dzt·W_transformᵀ (M, F)."""
+    t = _tiles(target)
+    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 1)
+    return Launch(_mm_kernel, grid, dict(DUAL=True, HAS_ADD=True, COLSUM=False, **t, **_flags(dtype, target)))
+
+
+def dw_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> Launch:
+    """``_mm_kernel`` for dW = xᵀ·dz of both weights (F, F) and the bias grads, K = M rows."""
+    t = _tiles(target)
+    grid = (triton.cdiv(F, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 2)
+    return Launch(_mm_kernel, grid, dict(DUAL=False, HAS_ADD=False, COLSUM=True, **t, **_flags(dtype, target)))
 
 
 def highway_fwd(x, wc, bc, wt, bt):
     M, F = x.shape
-    cfg = _config(x.device)
     y = torch.empty_like(x)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(F, cfg["BLOCK_N"]),)
-    _highway_fused_kernel[grid](x, wc, bc, wt, bt, x, y, y, y, M, F, MODE=0, **cfg, **_flags(x.dtype, x.device))
+    fused_launch(M, F, x.dtype, target_of(x.device), backward=False)(x, wc, bc, wt, bt, x, y, y, y, M, F)
     return y
 
 
@@ -209,34 +228,25 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     """
     M, F = x.shape
     dev = x.device
-    cfg = _config(dev)
-    flags = _flags(x.dtype, dev)
+    target = target_of(dev)
     acc = acc_dtype(x.dtype)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
     dxd = torch.empty((M, F), device=dev, dtype=acc)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(F, bn),)
-    _highway_fused_kernel[grid](x, wc, bc, wt, bt, dy, x, dz, dxd, M, F, MODE=1, **cfg, **flags)
+    fused_launch(M, F, x.dtype, target, backward=True)(x, wc, bc, wt, bt, dy, x, dz, dxd, M, F)
     dx = None
     if need_x:
         dx = torch.empty_like(x)
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
-        _mm_kernel[(triton.cdiv(M, bm) * triton.cdiv(F, bn), 1)](
-            dz, wc, dz[:, F:], wt, dx, dxd, dx,
-            M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0,
-            DUAL=True, HAS_ADD=True, COLSUM=False, **cfg, **flags,
-        )
+        dx_launch(M, F, x.dtype, target)(dz, wc, dz[:, F:], wt, dx, dxd, dx,
+                                         M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
     dwc = dbc = dwt = dbt = None
     if need_w:
         gdt = w_grad_dtype or x.dtype
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
         db = torch.empty((2, F), device=dev, dtype=gdt)
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
-        _mm_kernel[(triton.cdiv(F, bm) * triton.cdiv(F, bn), 2)](
-            x, dz, x, dz, dw, dw, db,
-            F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F,
-            DUAL=False, HAS_ADD=False, COLSUM=True, **cfg, **flags,
-        )
+        dw_launch(M, F, x.dtype, target)(x, dz, x, dz, dw, dw, db,
+                                         F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
         dwc, dwt = dw[0], dw[1]
         dbc, dbt = db[0], db[1]
     return dx, dwc, dbc, dwt, dbt

@@ -70,8 +70,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from elmo_fast._backend import triton_interpret
-from elmo_fast.kernels._common import acc_dtype, tl_acc_dtype
+from elmo_fast.kernels._common import Launch, Target, acc_dtype, target_of, tl_acc_dtype
 from elmo_fast.reference.lstmp import lstmp_reference
 
 __all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction"]
@@ -371,6 +370,34 @@ def _blocks(B: int, H: int, P: int) -> tuple[int, int, int]:
     return _pow2(B), _pow2(H), _pow2(P)
 
 
+def fwd_launches(B: int, H: int, P: int, dtype: torch.dtype, acc: torch.dtype, target: Target, *,
+                 has_cell_clip: bool, has_proj: bool, has_proj_clip: bool, reverse: bool, residual: bool,
+                 save: bool) -> tuple[Launch, Launch]:
+    """The two launches of one forward step (cell, projection); weights in ``dtype``, state in ``acc``."""
+    BB, BH, BP = _blocks(B, H, P)
+    common = dict(REVERSE=bool(reverse), SAVE=save, ACC=tl_acc_dtype(acc),
+                  IEEE=dtype in (torch.float32, torch.float64), EMU=dtype == torch.bfloat16 and target.interpret, BB=BB)
+    cell = Launch(_fwd_cell_kernel, (triton.cdiv(B, BB), triton.cdiv(H, BH)),
+                  dict(HAS_CELL_CLIP=has_cell_clip, **common, BH=BH, BK=_pow2(P)))
+    proj = Launch(_fwd_proj_kernel, (triton.cdiv(B, BB), triton.cdiv(P, BP)),
+                  dict(HAS_PROJ=has_proj, HAS_PROJ_CLIP=has_proj_clip, RESIDUAL=bool(residual), **common, BP=BP,
+                       BK=_pow2(H)))
+    return cell, proj
+
+
+def bwd_launches(B: int, H: int, P: int, dtype: torch.dtype, acc: torch.dtype, target: Target, *,
+                 has_cell_clip: bool, has_proj: bool, has_proj_clip: bool, reverse: bool) -> tuple[Launch, Launch]:
+    """The two launches of one backward step (cell, recurrent product)."""
+    BB, BH, BP = _blocks(B, H, P)
+    common = dict(REVERSE=bool(reverse), ACC=tl_acc_dtype(acc), IEEE=dtype in (torch.float32, torch.float64),
+                  EMU=dtype == torch.bfloat16 and target.interpret, BB=BB)
+    cell = Launch(_bwd_cell_kernel, (triton.cdiv(B, BB), triton.cdiv(H, BH)),
+                  dict(HAS_PROJ=has_proj, HAS_CELL_CLIP=has_cell_clip, HAS_PROJ_CLIP=has_proj_clip, **common,
+                       BH=BH, BK=_pow2(P)))
+    rec = Launch(_bwd_rec_kernel, (triton.cdiv(B, BB), triton.cdiv(P, BP)), dict(**common, BP=BP, BK=_pow2(H)))
+    return cell, rec
+
+
 def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
               residual, save: bool):
     """Host launcher of the forward pass. Returns (y, h_n, c_n, cache) where cache is None unless ``save``."""
@@ -404,29 +431,15 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         y[:, T_run:].zero_()
         m[:, T_run:].zero_()
 
-    BB, BH, BP = _blocks(B, H, P)
-    BKP, BKH = _pow2(P), _pow2(H)
-    ACC = tl_acc_dtype(acc)
-    ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
     has_proj = w_proj is not None
     wp = w_proj if has_proj else w_rec  # dummy pointer when there is no projection
-    grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
-    grid_p = (triton.cdiv(B, BB), triton.cdiv(P, BP))
+    cell, proj = fwd_launches(B, H, P, w_rec.dtype, acc, target_of(dev), has_cell_clip=cell_clip is not None,
+                              has_proj=has_proj, has_proj_clip=has_proj and proj_clip is not None, reverse=reverse,
+                              residual=residual, save=save)
     consts = _consts(forget_bias, cell_clip, proj_clip, acc, dev)
     for s in range(T_run):
-        _fwd_cell_kernel[grid_c](
-            gx, bias, w_rec, h, c, len_i, m, gates, cpre,
-            s, B, T, H, P, consts,
-            HAS_CELL_CLIP=cell_clip is not None, REVERSE=bool(reverse), SAVE=save,
-            ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BH=BH, BK=BKP,
-        )
-        _fwd_proj_kernel[grid_p](
-            m, wp, x, h, len_i, y, hpre, hprev,
-            s, B, T, H, P, consts,
-            HAS_PROJ=has_proj, HAS_PROJ_CLIP=has_proj and proj_clip is not None, RESIDUAL=bool(residual),
-            REVERSE=bool(reverse), SAVE=save, ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BP=BP, BK=BKH,
-        )
+        cell(gx, bias, w_rec, h, c, len_i, m, gates, cpre, s, B, T, H, P, consts)
+        proj(m, wp, x, h, len_i, y, hpre, hprev, s, B, T, H, P, consts)
     cache = (gates, cpre, hpre, hprev, m, len_i, T_run) if save else None
     return y, h.to(h0.dtype), c.to(c0.dtype), cache
 
@@ -455,27 +468,13 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
     dhpre = torch.empty(B, T, P, dtype=acc, device=dev) if has_proj else dz
     c0 = c0.contiguous()
 
-    BB, BH, BP = _blocks(B, H, P)
-    BKP, BKH = _pow2(P), _pow2(H)
-    ACC = tl_acc_dtype(acc)
-    ieee = w_rec.dtype in (torch.float32, torch.float64)
-    emu = w_rec.dtype == torch.bfloat16 and triton_interpret()
     wp = w_proj if has_proj else w_rec
-    grid_c = (triton.cdiv(B, BB), triton.cdiv(H, BH))
-    grid_p = (triton.cdiv(B, BB), triton.cdiv(P, BP))
+    cell, rec = bwd_launches(B, H, P, w_rec.dtype, acc, target_of(dev), has_cell_clip=cell_clip is not None,
+                             has_proj=has_proj, has_proj_clip=has_proj and proj_clip is not None, reverse=reverse)
     consts = _consts(0.0, cell_clip, proj_clip, acc, dev)
     for s in range(T_run - 1, -1, -1):
-        _bwd_cell_kernel[grid_c](
-            dy, dh, dc, wp, hpre, gates, cpre, c0, len_i, dz, dhpre,
-            s, B, T, H, P, consts,
-            HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip is not None,
-            HAS_PROJ_CLIP=has_proj and proj_clip is not None, REVERSE=bool(reverse),
-            ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BH=BH, BK=BKP,
-        )
-        _bwd_rec_kernel[grid_p](
-            dz, w_rec, dh, len_i, s, B, T, H, P,
-            REVERSE=bool(reverse), ACC=ACC, IEEE=ieee, EMU=emu, BB=BB, BP=BP, BK=BKH,
-        )
+        cell(dy, dh, dc, wp, hpre, gates, cpre, c0, len_i, dz, dhpre, s, B, T, H, P, consts)
+        rec(dz, w_rec, dh, len_i, s, B, T, H, P)
     dz = dz[:, :T_run]
     dhpre = dhpre[:, :T_run] if has_proj else None
 

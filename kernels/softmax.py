@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of
 from elmo_fast.kernels._common import dot as _dot
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -165,38 +166,35 @@ def _softmax_grad_kernel(
 # host side
 # ------------------------------------------------------------------------------------------------------------
 
-def _pow2_at_least_16(x: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(max(int(x), 1))))
+def _tiles(N: int, C: int, P: int, target: Target) -> dict:
+    if target.interpret:  # small tiles keep the numpy emulation fast and exercise the masks
+        return dict(BLOCK_N=pow2_between(N, 16, 16), BLOCK_C=pow2_between(C, 16, 32),
+                    BLOCK_K=pow2_between(P, 16, 16), num_warps=4, num_stages=1)
+    return dict(BLOCK_N=pow2_between(N, 16, 64), BLOCK_C=pow2_between(C, 16, 128),
+                BLOCK_K=pow2_between(P, 16, 64), num_warps=8, num_stages=3)
 
 
-def _config(N: int, C: int, P: int, device: torch.device) -> dict:
-    if device.type == "cuda":
-        return dict(BLOCK_N=_pow2_at_least_16(N, 64), BLOCK_C=_pow2_at_least_16(C, 128),
-                    BLOCK_K=_pow2_at_least_16(P, 64), num_warps=8, num_stages=3)
-    # interpreter: small tiles keep the numpy emulation fast and exercise the masks
-    return dict(BLOCK_N=_pow2_at_least_16(N, 16), BLOCK_C=_pow2_at_least_16(C, 32),
-                BLOCK_K=_pow2_at_least_16(P, 16), num_warps=4, num_stages=1)
-
-
-def _num_splits(N: int, C: int, cfg: dict, device: torch.device, requested: int | None) -> tuple[int, int]:
-    """Column splits for the forward (split-K over columns, so few row blocks still fill the GPU)."""
-    col_tiles = triton.cdiv(C, cfg["BLOCK_C"])
-    if requested is None:
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            requested = triton.cdiv(2 * sms, triton.cdiv(N, cfg["BLOCK_N"]))
-        else:
-            requested = 2
-    splits = max(1, min(int(requested), col_tiles))
+def lse_fwd_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+                   num_splits: int | None = None) -> tuple[Launch, int]:
+    """``_softmax_lse_fwd_kernel`` over N rows and C columns, and its columns per split: the columns are split
+    (split-K over columns, partial log-sum-exps combined on the host) so few row blocks still fill the GPU."""
+    t = _tiles(N, C, P, target)
+    col_tiles = triton.cdiv(C, t["BLOCK_C"])
+    if num_splits is None:
+        num_splits = 2 if target.interpret else triton.cdiv(2 * target.sms, triton.cdiv(N, t["BLOCK_N"]))
+    splits = max(1, min(int(num_splits), col_tiles))
     tiles_per_split = triton.cdiv(col_tiles, splits)
     splits = triton.cdiv(col_tiles, tiles_per_split)  # no empty split
-    return splits, tiles_per_split * cfg["BLOCK_C"]
+    return Launch(_softmax_lse_fwd_kernel, (triton.cdiv(N, t["BLOCK_N"]), splits), dict(
+        GATHER=gather, MASK_HITS=mask_hits, **dot_flags(dtype, target), **t)), tiles_per_split * t["BLOCK_C"]
 
 
-def _dot_flags(x: torch.Tensor) -> dict:
-    # Off CUDA (the interpreter) every low-precision dtype, fp16 too, is widened for the dot: wider than
-    # _common.dot_flags, which widens bf16 only.
-    return dict(UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, IEEE=x.dtype == torch.float32)
+def grad_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+                sub_target: bool) -> Launch:
+    """``_softmax_grad_kernel``: one program per (row block, column block) logit tile."""
+    t = _tiles(N, C, P, target)
+    return Launch(_softmax_grad_kernel, (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(C, t["BLOCK_C"])), dict(
+        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
 
 
 def _check_inputs(hidden, weight, bias):
@@ -215,18 +213,15 @@ def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_
     """Returns (lse over the columns (N,) fp32, target logit (N,) fp32). ``col_ids`` None = all V rows."""
     N, P = hidden.shape
     C = col_off.numel()
-    cfg = _config(N, C, P, hidden.device)
-    splits, cols_per_split = _num_splits(N, C, cfg, hidden.device, num_splits)
+    gather = col_ids is not None
+    launch, cols_per_split = lse_fwd_launch(N, C, P, hidden.dtype, target_of(hidden.device), gather=gather,
+                                            mask_hits=mask_hits, num_splits=num_splits)
+    splits = launch.grid[1]
     out_m = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
     out_l = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
     out_t = torch.empty((N,), dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), splits)
-    gather = col_ids is not None
-    _softmax_lse_fwd_kernel[grid](
-        hidden, weight, col_ids if gather else col_off, col_off, targets, tgt_off,
-        out_m, out_l, out_t, N, P, C, cols_per_split,
-        GATHER=gather, MASK_HITS=mask_hits, **_dot_flags(hidden), **cfg,
-    )
+    launch(hidden, weight, col_ids if gather else col_off, col_off, targets, tgt_off,
+           out_m, out_l, out_t, N, P, C, cols_per_split)
     # log l may be −inf for a split holding only accidental hits; the max term keeps the sum finite
     lse = torch.logsumexp(out_m + torch.log(out_l), dim=0)
     return lse, out_t
@@ -236,17 +231,13 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
     """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns."""
     N, P = hidden.shape
     C = col_off.numel()
-    cfg = _config(N, C, P, hidden.device)
     dh = torch.zeros((N, P), dtype=torch.float32, device=hidden.device)
     dwc = torch.zeros((C, P), dtype=torch.float32, device=hidden.device)
     doff = torch.zeros((C,), dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(C, cfg["BLOCK_C"]))
     gather = col_ids is not None
-    _softmax_grad_kernel[grid](
-        hidden, weight, col_ids if gather else col_off, col_off, targets, lse, g,
-        dh, dwc, doff, N, P, C,
-        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **_dot_flags(hidden), **cfg,
-    )
+    grad_launch(N, C, P, hidden.dtype, target_of(hidden.device), gather=gather, mask_hits=mask_hits,
+                sub_target=sub_target)(hidden, weight, col_ids if gather else col_off, col_off, targets, lse, g,
+                                       dh, dwc, doff, N, P, C)
     return dh, dwc, doff
 
 
