@@ -36,6 +36,18 @@ def dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # acc + a·b with acc's dtype (fp32, or fp64 for fp64 tests); UPCAST and IEEE as in ``dot``.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
+
+
 @dataclass(frozen=True)
 class Target:
     """What a launch configuration depends on besides the problem: the CPU interpreter, or compiled CUDA code
@@ -73,6 +85,28 @@ class Launch:
 
     def __call__(self, *args):
         return self.kernel[self.grid](*args, **self.meta)
+
+
+CHOSEN: dict[tuple, dict] = {}  # (kernel, shape key) -> the configuration ``tuned`` picked on this GPU
+
+
+def tuned(candidates: list[Launch], key: tuple, *args) -> None:
+    """Launch the best of ``candidates`` (a launch-configuration function's autotune space; the kernel report
+    compiles every member and holds it to its rules) with ``args``. With one candidate (always so under the
+    interpreter) that one; on a GPU each candidate is timed once per ``key`` on these arguments
+    (``triton.testing.do_bench``) and the fastest is kept and recorded in ``CHOSEN``. Only kernels that write
+    (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind."""
+    choice = 0
+    if len(candidates) > 1:
+        k = (candidates[0].kernel.__name__, *key)
+        if k not in CHOSEN:
+            from triton.testing import do_bench
+
+            times = [do_bench(lambda c=c: c(*args), warmup=3, rep=15) for c in candidates]
+            best = min(range(len(times)), key=times.__getitem__)
+            CHOSEN[k] = dict(candidates[best].meta, index=best, grid=candidates[best].grid, ms=times[best])
+        choice = CHOSEN[k]["index"]
+    candidates[choice](*args)
 
 
 def dot_flags(dtype: torch.dtype, target: Target) -> dict:

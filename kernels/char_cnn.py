@@ -221,14 +221,27 @@ def _char_cnn_bwd_kernel(
 
 
 @triton.jit
+def _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC: tl.constexpr, BLOCK_R: tl.constexpr,
+                     ACC: tl.constexpr):
+    rr = r0 + tl.arange(0, BLOCK_R)
+    rmask = rr < stop
+    cid = tl.load(ids_ptr + rr, mask=rmask, other=-1)
+    onehot = tl.where(cid[None, :] == rv[:, None], 1.0, 0.0).to(ACC)
+    d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :], mask=rmask[:, None] & (c < DC)[None, :],
+                other=0.0)
+    return acc + tl.dot(onehot, d, input_precision="ieee")
+
+
+@triton.jit
 def _embed_grad_kernel(
     ids_ptr, gwin_ptr, gemb_ptr, R, V, rows_per_prog,
     DC: tl.constexpr, DCP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):
     """gemb (V, DC) fp32 += sum over character slots r with ids[r] == v of gwin[r, :] (R = N·L slots).
 
     Each program owns ``rows_per_prog`` slots and ``BLOCK_V`` table rows; it reduces with one-hot products
-    in registers and adds to the table once.
+    in registers (exact fp32 products: the one-hot factor is 0 or 1) and adds to the table once.
     """
     pid_r = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -237,26 +250,27 @@ def _embed_grad_kernel(
     acc = tl.zeros((BLOCK_V, DCP), ACC)
     start = pid_r * rows_per_prog
     stop = tl.minimum(start + rows_per_prog, R)
-    r0 = start
-    while r0 < stop:
-        rr = r0 + tl.arange(0, BLOCK_R)
-        rmask = rr < stop
-        cid = tl.load(ids_ptr + rr, mask=rmask, other=-1)
-        onehot = tl.where(cid[None, :] == rv[:, None], 1.0, 0.0).to(ACC)
-        d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :],
-                    mask=rmask[:, None] & (c < DC)[None, :], other=0.0)
-        acc += tl.dot(onehot, d, input_precision="ieee")
-        r0 += BLOCK_R  # while: the interpreter takes no runtime range() bounds
+    if WHILE_LOOPS:  # the interpreter takes no runtime range() bounds
+        r0 = start
+        while r0 < stop:
+            acc = _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC, BLOCK_R, ACC)
+            r0 += BLOCK_R
+    else:  # an scf.for: software-pipelined loads
+        for r0 in range(start, stop, BLOCK_R):
+            acc = _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC, BLOCK_R, ACC)
     tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
 
 
 # --------------------------------------------------------------------------------------------- host side
 
 
-def _tiles(target: Target) -> dict:
+def _tiles(dtype: torch.dtype, target: Target, backward: bool) -> dict:
+    """Token and filter tiles. The backward holds more live tiles (weights, their gradient, the window
+    gradient) than the forward: twice the warps. fp32 takes half the filters per program (its operands are
+    twice as wide). BLOCK_T is the same in both: backward reuses the forward's per-block loop bounds."""
     if target.interpret:  # interpreter: small tiles, few numpy ops
         return dict(BLOCK_T=16, BLOCK_F=32, num_warps=1)
-    return dict(BLOCK_T=64, BLOCK_F=64, num_warps=4)
+    return dict(BLOCK_T=64, BLOCK_F=32 if dtype == torch.float32 else 64, num_warps=8 if backward else 4)
 
 
 def _kwc(kwd: int) -> int:
@@ -266,7 +280,7 @@ def _kwc(kwd: int) -> int:
 def fwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
                activation: str, has_pad: bool, save_arg: bool) -> Launch:
     """Launch of ``_char_cnn_fwd_kernel`` for N tokens of L characters, F filters, packed weights (kwd, F)."""
-    t = _tiles(target)
+    t = _tiles(dtype, target, backward=False)
     return Launch(_char_cnn_fwd_kernel, (triton.cdiv(N, t["BLOCK_T"]), triton.cdiv(F, t["BLOCK_F"])), dict(
         DC=dc, KWD=kwd, KWC=_kwc(kwd), **t, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
         ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
@@ -275,7 +289,7 @@ def fwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, ta
 def bwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
                activation: str, need_w: bool, need_emb: bool) -> Launch:
     """Launch of ``_char_cnn_bwd_kernel`` (same tiling as the forward: its token order and ``bound``)."""
-    t = _tiles(target)
+    t = _tiles(dtype, target, backward=True)
     return Launch(_char_cnn_bwd_kernel, (triton.cdiv(N, t["BLOCK_T"]), triton.cdiv(F, t["BLOCK_F"])), dict(
         DC=dc, KWD=kwd, KWC=_kwc(kwd), **t, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
         ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
@@ -290,7 +304,7 @@ def embed_grad_launch(R: int, V: int, dc: int, dtype: torch.dtype, target: Targe
     rows_per_prog = triton.cdiv(triton.cdiv(R, n_r), block_r) * block_r
     return Launch(_embed_grad_kernel, (triton.cdiv(R, rows_per_prog), triton.cdiv(V, block_v)), dict(
         DC=dc, DCP=max(16, triton.next_power_of_2(dc)), BLOCK_R=block_r, BLOCK_V=block_v,
-        ACC=tl_acc_dtype(dtype))), rows_per_prog
+        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret)), rows_per_prog
 
 
 def _pack_weights(conv_weights: list[torch.Tensor], kw: int, dc: int) -> torch.Tensor:

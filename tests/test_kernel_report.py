@@ -53,7 +53,7 @@ def _norm(kernel, grid, meta, args):
 def _check(spied, built):
     got = list(dict.fromkeys(_norm(*c) for c in spied))  # distinct, in launch order
     want = list(dict.fromkeys(_norm(launch.kernel, launch.grid, launch.meta, args)
-                              for _, launch, args, _, _ in built))
+                              for entry in built for _, launch, args, _, _ in entry))
     assert got == want
 
 
@@ -143,11 +143,40 @@ def test_report_subset_compiles_for_sm90(tmp_path):
     """One variant of every kernel function compiled for sm_90a without a GPU (about a minute on 2 cores)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report.py"), "--subset", "--out",
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report.py"), "--subset", "--check", "--out",
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "kernel_report.csv") as fh:
         rows = list(csv.DictReader(fh))
     kernels = {r["kernel"] for r in rows}
-    assert {"_char_cnn_fwd_kernel", "_highway_fused_kernel", "_softmax_grad_kernel", "_fwd_cell_kernel"} <= kernels
+    assert {"_char_cnn_fwd_kernel", "_highway_fused_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel"} <= kernels
     assert all(r["regs"] and int(r["regs"]) > 0 for r in rows)
+
+
+def test_tuned_times_each_candidate_once_per_key_and_keeps_the_fastest(monkeypatch):
+    """The GPU autotune path of ``_common.tuned`` (timings faked: no GPU here)."""
+    import triton.testing
+
+    from elmo_fast.kernels import _common
+
+    class Kernel:
+        __name__ = "_fake_kernel"
+        runs: list = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: self.runs.append((grid, meta["X"], args))
+
+    k = Kernel()
+    cands = [_common.Launch(k, (1,), {"X": 0}), _common.Launch(k, (2,), {"X": 1}), _common.Launch(k, (3,), {"X": 2})]
+    times = iter([2.0, 1.0, 3.0])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), next(times))[1])
+    monkeypatch.setattr(_common, "CHOSEN", {})
+    _common.tuned(cands, (7, "bf16"), "a")
+    assert [r[1] for r in k.runs] == [0, 1, 2, 1]  # each timed once, then the fastest runs for real
+    assert _common.CHOSEN[("_fake_kernel", 7, "bf16")]["index"] == 1
+    k.runs.clear()
+    _common.tuned(cands, (7, "bf16"), "b")
+    assert k.runs == [((2,), 1, ("b",))]  # recorded per key: no second timing
+    k.runs.clear()
+    _common.tuned(cands[:1], (8, "bf16"), "c")
+    assert k.runs == [((1,), 0, ("c",))] and len(_common.CHOSEN) == 1  # one candidate: launched, never timed
