@@ -209,7 +209,7 @@ def dw_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch
 def highway_fwd(x, wc, bc, wt, bt):
     M, F = x.shape
     y = torch.empty_like(x)
-    tuned(fused_launch(M, F, x.dtype, target_of(x.device), backward=False), (M, F, x.dtype),
+    tuned(fused_launch(M, F, x.dtype, target_of(x.device), backward=False), ("fwd", M, F, x.dtype),
           x, wc, bc, wt, bt, x, y, y, y, M, F)
     return y
 
@@ -225,12 +225,13 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     acc = acc_dtype(x.dtype)
     dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
     dxd = torch.empty((M, F), device=dev, dtype=acc)
-    tuned(fused_launch(M, F, x.dtype, target, backward=True), (M, F, x.dtype), x, wc, bc, wt, bt, dy, x, dz, dxd, M, F)
+    tuned(fused_launch(M, F, x.dtype, target, backward=True), ("bwd", M, F, x.dtype),
+          x, wc, bc, wt, bt, dy, x, dz, dxd, M, F)
     dx = None
     if need_x:
         dx = torch.empty_like(x)
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
-        tuned(dx_launch(M, F, x.dtype, target), (M, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
+        tuned(dx_launch(M, F, x.dtype, target), ("dx", M, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
               M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
     dwc = dbc = dwt = dbt = None
     if need_w:
@@ -238,7 +239,7 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
         db = torch.empty((2, F), device=dev, dtype=gdt)
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
-        tuned(dw_launch(M, F, x.dtype, target), (M, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
+        tuned(dw_launch(M, F, x.dtype, target), ("dw", M, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
               F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
         dwc, dwt = dw[0], dw[1]
         dbc, dbt = db[0], db[1]

@@ -76,6 +76,15 @@ def _cols_of(COL_IDS, cols, col_ok, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C: tl.constexpr, GATHER: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK_C of the column split that starts at c_begin: indices, mask, weight rows."""
+    offs = c0 + tl.arange(0, BLOCK_C)
+    cols = c_begin + offs
+    col_ok = (offs < cols_per_split) & (cols < C)
+    return cols, col_ok, _cols_of(COL_IDS, cols, col_ok, GATHER)
+
+
+@triton.jit
 def _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P: tl.constexpr,
                  MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -110,10 +119,7 @@ def _softmax_dh_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     c0 = 0
     while c0 < cols_per_split:  # runtime bound: a while loop (the interpreter takes no runtime range bounds)
-        offs = c0 + tl.arange(0, BLOCK_C)
-        cols = c_begin + offs
-        col_ok = (offs < cols_per_split) & (cols < C)
-        cid = _cols_of(COL_IDS, cols, col_ok, GATHER)
+        cols, col_ok, cid = _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C, GATHER)
         d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P, MASK_HITS, SUB_TARGET,
                          BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
         w = tl.load(W + cid[:, None] * P + pc[None, :], mask=col_ok[:, None] & p_ok[None, :], other=0.0)
@@ -175,10 +181,7 @@ def _softmax_lse_fwd_kernel(
     c_begin = pid_s * cols_per_split
     c0 = 0
     while c0 < cols_per_split:  # runtime bound: a while loop (the interpreter takes no runtime range bounds)
-        offs = c0 + tl.arange(0, BLOCK_C)
-        cols = c_begin + offs
-        col_ok = (offs < cols_per_split) & (cols < C)
-        cid = _cols_of(COL_IDS, cols, col_ok, GATHER)
+        cols, col_ok, cid = _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C, GATHER)
         logit = _logit_tile(H, W, rows64, cid, row_ok, col_ok, P, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
         logit += tl.load(COL_OFF + cols, mask=col_ok, other=0.0)[None, :]
         keep = col_ok[None, :]
@@ -229,10 +232,10 @@ def _bwd_tiles(P: int, dtype: torch.dtype, target: Target) -> list[dict]:
         return [dict(BLOCK_N=16, BLOCK_C=16, BLOCK_K=16, BLOCK_P=pow2_between(P, 16, 16), num_warps=4,
                      num_stages=1)]
     if dtype == torch.float32:
-        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 128), num_warps=8,
+        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 256), num_warps=8,
                      num_stages=3)]
     return [dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8, num_stages=3),
-            dict(BLOCK_N=64, BLOCK_C=128, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 128), num_warps=8, num_stages=3)]
+            dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8, num_stages=4)]
 
 
 def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
