@@ -223,19 +223,20 @@ def _fwd_tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> di
                 BLOCK_K=pow2_between(P, 16, 32 if dtype == torch.float32 else 64), num_warps=8, num_stages=3)
 
 
-def _bwd_tiles(P: int, dtype: torch.dtype, target: Target) -> list[dict]:
-    """Backward tiles, the autotune space of ``_softmax_dw_kernel`` (``_softmax_dh_kernel`` takes the first: its
-    partial buffers depend on the grid). A program holds a logit tile (BLOCK_N, BLOCK_C) and a P chunk of
-    BLOCK_P columns of dH or dW; the logits are recomputed once per chunk (P / BLOCK_P times). fp32 (IEEE
-    products on the FMA units, operands in registers) takes narrower tiles."""
+def _bwd_tiles(P: int, dtype: torch.dtype, target: Target, dw: bool) -> list[dict]:
+    """Backward tiles (the autotune space of ``_softmax_dw_kernel``; ``_softmax_dh_kernel`` has one: its partial
+    buffers depend on the grid). A program holds a logit tile (BLOCK_N, BLOCK_C) and a P chunk of BLOCK_P
+    columns of dH or dW; the logits are recomputed once per chunk (P / BLOCK_P times). fp32 (IEEE products on
+    the FMA units, operands in registers) takes narrow column tiles; its dW kernel holds all of P=512 with 16
+    warps, which its dH kernel cannot without spilling (kernel report)."""
     if target.interpret:
         return [dict(BLOCK_N=16, BLOCK_C=16, BLOCK_K=16, BLOCK_P=pow2_between(P, 16, 16), num_warps=4,
                      num_stages=1)]
     if dtype == torch.float32:
-        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 256), num_warps=8,
-                     num_stages=3)]
-    return [dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8, num_stages=3),
-            dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8, num_stages=4)]
+        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 512 if dw else 256),
+                     num_warps=16 if dw else 8, num_stages=3)]
+    t = dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8)
+    return [dict(t, num_stages=3), dict(t, num_stages=4)] if dw else [dict(t, num_stages=3)]
 
 
 def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
@@ -261,7 +262,7 @@ def lse_fwd_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *
 def dh_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
               sub_target: bool, num_splits: int | None = None) -> tuple[Launch, int]:
     """``_softmax_dh_kernel`` (grid: row blocks x P chunks x column splits) and its columns per split."""
-    t = _bwd_tiles(P, dtype, target)[0]
+    t = _bwd_tiles(P, dtype, target, dw=False)[0]
     grid01 = (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(P, t["BLOCK_P"]))
     splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), grid01[0] * grid01[1], target, num_splits)
     return Launch(_softmax_dh_kernel, (*grid01, splits), dict(
@@ -274,7 +275,7 @@ def dw_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gat
     """``_softmax_dw_kernel`` (grid: column blocks x P chunks), one launch per autotune candidate."""
     return [Launch(_softmax_dw_kernel, (triton.cdiv(C, t["BLOCK_C"]), triton.cdiv(P, t["BLOCK_P"])), dict(
         GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
-        for t in _bwd_tiles(P, dtype, target)]
+        for t in _bwd_tiles(P, dtype, target, dw=True)]
 
 
 def _check_inputs(hidden, weight, bias):
