@@ -8,7 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-parity demo bench lint gpu-check gpu-check-smoke clean cuda-compile-check
+.PHONY: setup test test-parity demo bench lint gpu-check gpu-check-smoke clean cuda-compile-check kernel-report \
+	kernel-report-subset
 
 setup: $(STAMP)
 
@@ -50,6 +51,15 @@ bench: setup
 lint: setup
 	$(PY) -m pip install -q ruff >/dev/null 2>&1 || true
 	$(VENV)/bin/ruff check elmo_fast kernels tests bench
+
+# Every Triton kernel variant of the original model compiled for sm_90a without a GPU (registers, spills, tensor
+# cores, async copies, roofline sums) -> bench/results/kernel_report.{md,csv}. A few minutes on 2 cores.
+kernel-report: setup
+	$(PY) bench/kernel_report.py
+
+# The CI subset (also run by `make test` via tests/test_kernel_report.py): one variant per kernel, rules enforced.
+kernel-report-subset: setup
+	$(PY) bench/kernel_report.py --subset --check --out build/kernel_report
 
 # Every .cu file compiles for sm_90a with warnings as errors (no GPU needed).
 cuda-compile-check:

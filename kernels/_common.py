@@ -1,10 +1,20 @@
 """Pieces the Triton kernel files share (installed as ``elmo_fast.kernels._common``): a dot with the CPU
-interpreter's bf16 workaround, and the host-side flags and accumulation dtypes the launchers pass in.
+interpreter's bf16 workaround, the host-side flags and accumulation dtypes the launchers pass in, and the
+launch descriptions (``Target``, ``Launch``) that the launchers and ``bench/kernel_report.py`` both use.
 
 Kernels run compiled on CUDA tensors or under ``TRITON_INTERPRET=1`` on CPU tensors; the workarounds here
 are for the interpreter and change no value there (bf16 products are exact in fp32).
+
+Every launcher computes its launch configuration (constexprs, ``num_warps``, ``num_stages``, grid) with a
+pure function of the problem shape, the dtype and a ``Target``, and launches exactly what that function
+returns. The kernel report calls the same functions for ``H100`` (no GPU needed), so the compiled variants
+it measures are the ones the runtime launches (``tests/test_kernel_report.py`` checks it).
 """
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -26,16 +36,82 @@ def dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
         return tl.dot(a, b)
 
 
-def dot_flags(dtype: torch.dtype, device: torch.device) -> dict:
-    """``UPCAST``: bf16 under the interpreter (its numpy dot mishandles bf16); ``IEEE``: fp32 inputs."""
-    return dict(UPCAST=dtype == torch.bfloat16 and device.type != "cuda" and triton_interpret(),
-                IEEE=dtype == torch.float32)
+@triton.jit
+def dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    # acc + a·b with acc's dtype (fp32, or fp64 for fp64 tests); UPCAST and IEEE as in ``dot``.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
+    else:
+        return tl.dot(a, b, acc, out_dtype=acc.dtype)
 
 
-def while_loops(device: torch.device) -> bool:
-    """The interpreter (with numpy >= 2.4) cannot use runtime ints as range() bounds, so kernels take a
-    ``while`` loop there; compiled code keeps ``for`` loops, which Triton can software-pipeline."""
-    return device.type != "cuda"
+@dataclass(frozen=True)
+class Target:
+    """What a launch configuration depends on besides the problem: the CPU interpreter, or compiled CUDA code
+    on a GPU with ``sms`` multiprocessors."""
+
+    interpret: bool
+    sms: int = 1
+
+
+INTERPRETER = Target(interpret=True)
+H100 = Target(interpret=False, sms=132)  # H100 SXM (and H200): the report's target
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def target_of(device: torch.device) -> Target:
+    """The target kernels on ``device``'s tensors run on (the interpreter for CPU tensors)."""
+    if device.type != "cuda" or triton_interpret():
+        return INTERPRETER
+    return Target(interpret=False, sms=_sm_count(device.index if device.index is not None
+                                                  else torch.cuda.current_device()))
+
+
+@dataclass
+class Launch:
+    """One kernel launch: the kernel, its grid and its keyword arguments (constexprs, ``num_warps``,
+    ``num_stages``). Calling it with the runtime arguments launches it."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    meta: dict = field(default_factory=dict)
+
+    def __call__(self, *args):
+        return self.kernel[self.grid](*args, **self.meta)
+
+
+CHOSEN: dict[tuple, dict] = {}  # (kernel, shape key) -> the configuration ``tuned`` picked on this GPU
+
+
+def tuned(candidates: list[Launch], key: tuple, *args) -> None:
+    """Launch the best of ``candidates`` (a launch-configuration function's autotune space; the kernel report
+    compiles every member and holds it to its rules) with ``args``. With one candidate (always so under the
+    interpreter) that one; on a GPU each candidate is timed once per ``key`` on these arguments
+    (``triton.testing.do_bench``) and the fastest is kept and recorded in ``CHOSEN``. Only kernels that write
+    (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind."""
+    choice = 0
+    if len(candidates) > 1:
+        k = (candidates[0].kernel.__name__, *key)
+        if k not in CHOSEN:
+            from triton.testing import do_bench
+
+            times = [do_bench(lambda c=c: c(*args), warmup=3, rep=15) for c in candidates]
+            best = min(range(len(times)), key=times.__getitem__)
+            CHOSEN[k] = dict(candidates[best].meta, index=best, grid=candidates[best].grid, ms=times[best])
+        choice = CHOSEN[k]["index"]
+    candidates[choice](*args)
+
+
+def dot_flags(dtype: torch.dtype, target: Target) -> dict:
+    """``UPCAST``: bf16/fp16 under the interpreter (its numpy dot mishandles bf16); ``IEEE``: fp32 inputs."""
+    return dict(UPCAST=target.interpret and dtype in (torch.bfloat16, torch.float16), IEEE=dtype == torch.float32)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,3 +122,8 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def tl_acc_dtype(dtype: torch.dtype):
     """``acc_dtype`` as a Triton dtype, for the kernels' ``ACC`` argument."""
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def pow2_between(n: int, lo: int, hi: int) -> int:
+    """The power of two >= n, clamped to [lo, hi] (tile sizes: ``tl.dot`` needs every dim >= 16)."""
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import acc_dtype, dot_flags, tl_acc_dtype, while_loops
+from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype
 from elmo_fast.kernels._common import dot as _dot
 from elmo_fast.reference.char_cnn import _activation
 
@@ -221,14 +221,27 @@ def _char_cnn_bwd_kernel(
 
 
 @triton.jit
+def _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC: tl.constexpr, BLOCK_R: tl.constexpr,
+                     ACC: tl.constexpr):
+    rr = r0 + tl.arange(0, BLOCK_R)
+    rmask = rr < stop
+    cid = tl.load(ids_ptr + rr, mask=rmask, other=-1)
+    onehot = tl.where(cid[None, :] == rv[:, None], 1.0, 0.0).to(ACC)
+    d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :], mask=rmask[:, None] & (c < DC)[None, :],
+                other=0.0)
+    return acc + tl.dot(onehot, d, input_precision="ieee")
+
+
+@triton.jit
 def _embed_grad_kernel(
     ids_ptr, gwin_ptr, gemb_ptr, R, V, rows_per_prog,
     DC: tl.constexpr, DCP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
 ):
     """gemb (V, DC) fp32 += sum over character slots r with ids[r] == v of gwin[r, :] (R = N·L slots).
 
     Each program owns ``rows_per_prog`` slots and ``BLOCK_V`` table rows; it reduces with one-hot products
-    in registers and adds to the table once.
+    in registers (exact fp32 products: the one-hot factor is 0 or 1) and adds to the table once.
     """
     pid_r = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -237,26 +250,61 @@ def _embed_grad_kernel(
     acc = tl.zeros((BLOCK_V, DCP), ACC)
     start = pid_r * rows_per_prog
     stop = tl.minimum(start + rows_per_prog, R)
-    r0 = start
-    while r0 < stop:
-        rr = r0 + tl.arange(0, BLOCK_R)
-        rmask = rr < stop
-        cid = tl.load(ids_ptr + rr, mask=rmask, other=-1)
-        onehot = tl.where(cid[None, :] == rv[:, None], 1.0, 0.0).to(ACC)
-        d = tl.load(gwin_ptr + rr[:, None].to(tl.int64) * DC + c[None, :],
-                    mask=rmask[:, None] & (c < DC)[None, :], other=0.0)
-        acc += tl.dot(onehot, d, input_precision="ieee")
-        r0 += BLOCK_R  # (while: see _common.while_loops)
+    if WHILE_LOOPS:  # the interpreter takes no runtime range() bounds
+        r0 = start
+        while r0 < stop:
+            acc = _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC, BLOCK_R, ACC)
+            r0 += BLOCK_R
+    else:  # an scf.for: software-pipelined loads
+        for r0 in range(start, stop, BLOCK_R):
+            acc = _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC, BLOCK_R, ACC)
     tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
 
 
 # --------------------------------------------------------------------------------------------- host side
 
 
-def _config(device: torch.device) -> dict:
-    if device.type != "cuda":  # interpreter: small tiles, few numpy ops
+def _tiles(dtype: torch.dtype, target: Target, backward: bool) -> dict:
+    """Token and filter tiles. The backward holds more live tiles (weights, their gradient, the window
+    gradient) than the forward: twice the warps. fp32 takes half the filters per program (its operands are
+    twice as wide). BLOCK_T is the same in both: backward reuses the forward's per-block loop bounds."""
+    if target.interpret:  # interpreter: small tiles, few numpy ops
         return dict(BLOCK_T=16, BLOCK_F=32, num_warps=1)
-    return dict(BLOCK_T=64, BLOCK_F=64, num_warps=4)
+    return dict(BLOCK_T=64, BLOCK_F=32 if dtype == torch.float32 else 64, num_warps=8 if backward else 4)
+
+
+def _kwc(kwd: int) -> int:
+    return max(16, triton.next_power_of_2(kwd))
+
+
+def fwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
+               activation: str, has_pad: bool, save_arg: bool) -> Launch:
+    """Launch of ``_char_cnn_fwd_kernel`` for N tokens of L characters, F filters, packed weights (kwd, F)."""
+    t = _tiles(dtype, target, backward=False)
+    return Launch(_char_cnn_fwd_kernel, (triton.cdiv(N, t["BLOCK_T"]), triton.cdiv(F, t["BLOCK_F"])), dict(
+        DC=dc, KWD=kwd, KWC=_kwc(kwd), **t, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
+        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
+
+
+def bwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
+               activation: str, need_w: bool, need_emb: bool) -> Launch:
+    """Launch of ``_char_cnn_bwd_kernel`` (same tiling as the forward: its token order and ``bound``)."""
+    t = _tiles(dtype, target, backward=True)
+    return Launch(_char_cnn_bwd_kernel, (triton.cdiv(N, t["BLOCK_T"]), triton.cdiv(F, t["BLOCK_F"])), dict(
+        DC=dc, KWD=kwd, KWC=_kwc(kwd), **t, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
+        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
+
+
+def embed_grad_launch(R: int, V: int, dc: int, dtype: torch.dtype, target: Target) -> tuple[Launch, int]:
+    """Launch of ``_embed_grad_kernel`` over R = N·L character slots and V table rows, and its rows per program."""
+    if target.interpret:  # few, large numpy ops
+        block_r, block_v, n_r = 256, max(16, triton.next_power_of_2(V)), 1
+    else:
+        block_r, block_v, n_r = 64, 64, min(triton.cdiv(R, 64), 128)
+    rows_per_prog = triton.cdiv(triton.cdiv(R, n_r), block_r) * block_r
+    return Launch(_embed_grad_kernel, (triton.cdiv(R, rows_per_prog), triton.cdiv(V, block_v)), dict(
+        DC=dc, DCP=max(16, triton.next_power_of_2(dc)), BLOCK_R=block_r, BLOCK_V=block_v,
+        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret)), rows_per_prog
 
 
 def _pack_weights(conv_weights: list[torch.Tensor], kw: int, dc: int) -> torch.Tensor:
@@ -288,24 +336,16 @@ def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg
     dc = char_embed.shape[1]
     kwd = w_packed.shape[0]
     has_pad = char_embed.shape[0] > PAD_CHAR_ID
-    cfg = _config(ids.device)
-    bt, bf = cfg["BLOCK_T"], cfg["BLOCK_F"]
+    launch = fwd_launch(N, F, L, dc, kwd, char_embed.dtype, target_of(ids.device), activation=activation,
+                        has_pad=has_pad, save_arg=save_arg)
+    bt = launch.meta["BLOCK_T"]
     klen = _token_lengths(ids, has_pad)
     perm = torch.argsort(klen, descending=True, stable=True).to(torch.int32)
-    n_tb = triton.cdiv(N, bt)
     bound = klen[perm.long()[::bt]].clamp_min(0).to(torch.int32).contiguous()
     out = torch.empty((N, F), device=ids.device, dtype=char_embed.dtype)
     arg_dtype = torch.int8 if L < 128 else torch.int32
     arg = torch.empty((N, F), device=ids.device, dtype=arg_dtype) if save_arg else out
-    grid = (n_tb, triton.cdiv(F, bf))
-    _char_cnn_fwd_kernel[grid](
-        ids, char_embed, w_packed, bias, wid, klen, perm, bound, out, arg,
-        N, F, L, PAD_CHAR_ID,
-        DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
-        BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], HAS_PAD=has_pad, SAVE_ARG=save_arg,
-        ACC=tl_acc_dtype(char_embed.dtype), WHILE_LOOPS=while_loops(ids.device), num_warps=cfg["num_warps"],
-        **dot_flags(char_embed.dtype, ids.device),
-    )
+    launch(ids, char_embed, w_packed, bias, wid, klen, perm, bound, out, arg, N, F, L, PAD_CHAR_ID)
     return out, (arg if save_arg else None), perm, bound
 
 
@@ -320,33 +360,20 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
     V, dc = char_embed.shape
     kwd = w_packed.shape[0]
     dev = ids.device
-    cfg = _config(dev)
-    bt, bf = cfg["BLOCK_T"], cfg["BLOCK_F"]
-    tl_acc, acc = tl_acc_dtype(char_embed.dtype), acc_dtype(char_embed.dtype)
+    target = target_of(dev)
+    acc = acc_dtype(char_embed.dtype)
     gw = torch.zeros((kwd, F), device=dev, dtype=acc)
     gb = torch.zeros((F,), device=dev, dtype=acc)
     gwin = torch.zeros((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
-    grid = (triton.cdiv(N, bt), triton.cdiv(F, bf))
-    _char_cnn_bwd_kernel[grid](
-        ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin,
-        N, F, L,
-        DC=dc, KWD=kwd, KWC=max(16, triton.next_power_of_2(kwd)),
-        BLOCK_T=bt, BLOCK_F=bf, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
-        ACC=tl_acc, WHILE_LOOPS=while_loops(dev), num_warps=cfg["num_warps"], **dot_flags(char_embed.dtype, dev),
-    )
+    bwd_launch(N, F, L, dc, kwd, char_embed.dtype, target, activation=activation, need_w=need_w,
+               need_emb=need_emb)(ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin,
+                                  N, F, L)
     gemb = None
     if need_emb:
         gemb = torch.zeros((V, dc), device=dev, dtype=acc)
         R = N * L
-        if dev.type == "cuda":
-            block_r, block_v, n_r = 64, 64, min(triton.cdiv(R, 64), 128)
-        else:  # interpreter: few, large numpy ops
-            block_r, block_v, n_r = 256, max(16, triton.next_power_of_2(V)), 1
-        rows_per_prog = triton.cdiv(triton.cdiv(R, n_r), block_r) * block_r
-        _embed_grad_kernel[(triton.cdiv(R, rows_per_prog), triton.cdiv(V, block_v))](
-            ids, gwin, gemb, R, V, rows_per_prog,
-            DC=dc, DCP=max(16, triton.next_power_of_2(dc)), BLOCK_R=block_r, BLOCK_V=block_v, ACC=tl_acc,
-        )
+        launch, rows_per_prog = embed_grad_launch(R, V, dc, char_embed.dtype, target)
+        launch(ids, gwin, gemb, R, V, rows_per_prog)
     return gemb, (gw if need_w else None), gb
 
 

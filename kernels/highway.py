@@ -23,19 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import acc_dtype, dot_flags, tl_acc_dtype, while_loops
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # UPCAST: the interpreter's numpy dot mishandles bf16, so there both operands go to fp32 (exact for bf16).
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=acc.dtype)
-    else:
-        return tl.dot(a, b, acc, out_dtype=acc.dtype)
+from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_acc, dot_flags, target_of, tl_acc_dtype, tuned
 
 
 @triton.jit
@@ -62,8 +50,8 @@ def _pair_step(x_ptr, wc_ptr, wt_ptr, rm64, rn, mmask, nmask, k0, F, acc_c, acc_
     bmask = kmask[:, None] & nmask[None, :]
     bc_t = tl.load(wc_ptr + rk[:, None] * F + rn[None, :], mask=bmask, other=0.0)
     bt_t = tl.load(wt_ptr + rk[:, None] * F + rn[None, :], mask=bmask, other=0.0)
-    acc_c = _dot(a, bc_t, acc_c, UPCAST, IEEE)
-    acc_t = _dot(a, bt_t, acc_t, UPCAST, IEEE)
+    acc_c = dot_acc(a, bc_t, acc_c, UPCAST, IEEE)
+    acc_t = dot_acc(a, bt_t, acc_t, UPCAST, IEEE)
     return acc_c, acc_t
 
 
@@ -79,13 +67,13 @@ def _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, 
     b_offs = rk[:, None].to(tl.int64) * s_bk + rn[None, :] * s_bn
     a = tl.load(a_ptr + a_offs, mask=amask, other=0.0)
     b = tl.load(b_ptr + b_offs, mask=bmask, other=0.0)
-    acc = _dot(a, b, acc, UPCAST, IEEE)
+    acc = dot_acc(a, b, acc, UPCAST, IEEE)
     if COLSUM:
         cs += tl.sum(b.to(ACC), axis=0)
     if DUAL:
         a2 = tl.load(a2_ptr + a_offs, mask=amask, other=0.0)
         b2 = tl.load(b2_ptr + b_offs, mask=bmask, other=0.0)
-        acc = _dot(a2, b2, acc, UPCAST, IEEE)
+        acc = dot_acc(a2, b2, acc, UPCAST, IEEE)
     return acc, cs
 
 
@@ -183,22 +171,46 @@ def _mm_kernel(
 # --------------------------------------------------------------------------------------------- host side
 
 
-def _config(device: torch.device) -> dict:
-    if device.type != "cuda":  # interpreter: few, mid-sized numpy ops
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1)
-    return dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+def _tiles(dtype: torch.dtype, target: Target) -> list[dict]:
+    """The autotune space (first = default). fp32 takes smaller tiles: its IEEE products run on the FMA units
+    with both operands in registers."""
+    if target.interpret:  # interpreter: few, mid-sized numpy ops
+        return [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=1, num_stages=1)]
+    if dtype == torch.float32:
+        return [dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=3)]
+    return [dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+            dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)]
 
 
-def _flags(dtype: torch.dtype, device: torch.device) -> dict:
-    return dict(**dot_flags(dtype, device), ACC=tl_acc_dtype(dtype), WHILE_LOOPS=while_loops(device))
+def _flags(dtype: torch.dtype, target: Target) -> dict:
+    return dict(**dot_flags(dtype, target), ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret)
+
+
+def fused_launch(M: int, F: int, dtype: torch.dtype, target: Target, *, backward: bool) -> list[Launch]:
+    """``_highway_fused_kernel`` over M rows of width F: MODE 0 (forward) or MODE 1 (recompute + dz)."""
+    return [Launch(_highway_fused_kernel, (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]),),
+                   dict(MODE=int(backward), **t, **_flags(dtype, target))) for t in _tiles(dtype, target)]
+
+
+def dx_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch]:
+    """``_mm_kernel`` for dx = dxd + dzc·W_carryᵀ + dzt·W_transformᵀ (M, F)."""
+    return [Launch(_mm_kernel, (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 1),
+                   dict(DUAL=True, HAS_ADD=True, COLSUM=False, **t, **_flags(dtype, target)))
+            for t in _tiles(dtype, target)]
+
+
+def dw_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch]:
+    """``_mm_kernel`` for dW = xᵀ·dz of both weights (F, F) and the bias grads, K = M rows."""
+    return [Launch(_mm_kernel, (triton.cdiv(F, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 2),
+                   dict(DUAL=False, HAS_ADD=False, COLSUM=True, **t, **_flags(dtype, target)))
+            for t in _tiles(dtype, target)]
 
 
 def highway_fwd(x, wc, bc, wt, bt):
     M, F = x.shape
-    cfg = _config(x.device)
     y = torch.empty_like(x)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(F, cfg["BLOCK_N"]),)
-    _highway_fused_kernel[grid](x, wc, bc, wt, bt, x, y, y, y, M, F, MODE=0, **cfg, **_flags(x.dtype, x.device))
+    tuned(fused_launch(M, F, x.dtype, target_of(x.device), backward=False), ("fwd", M, F, x.dtype),
+          x, wc, bc, wt, bt, x, y, y, y, M, F)
     return y
 
 
@@ -209,34 +221,26 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     """
     M, F = x.shape
     dev = x.device
-    cfg = _config(dev)
-    flags = _flags(x.dtype, dev)
+    target = target_of(dev)
     acc = acc_dtype(x.dtype)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
     dxd = torch.empty((M, F), device=dev, dtype=acc)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(F, bn),)
-    _highway_fused_kernel[grid](x, wc, bc, wt, bt, dy, x, dz, dxd, M, F, MODE=1, **cfg, **flags)
+    tuned(fused_launch(M, F, x.dtype, target, backward=True), ("bwd", M, F, x.dtype),
+          x, wc, bc, wt, bt, dy, x, dz, dxd, M, F)
     dx = None
     if need_x:
         dx = torch.empty_like(x)
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
-        _mm_kernel[(triton.cdiv(M, bm) * triton.cdiv(F, bn), 1)](
-            dz, wc, dz[:, F:], wt, dx, dxd, dx,
-            M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0,
-            DUAL=True, HAS_ADD=True, COLSUM=False, **cfg, **flags,
-        )
+        tuned(dx_launch(M, F, x.dtype, target), ("dx", M, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
+              M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
     dwc = dbc = dwt = dbt = None
     if need_w:
         gdt = w_grad_dtype or x.dtype
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
         db = torch.empty((2, F), device=dev, dtype=gdt)
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
-        _mm_kernel[(triton.cdiv(F, bm) * triton.cdiv(F, bn), 2)](
-            x, dz, x, dz, dw, dw, db,
-            F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F,
-            DUAL=False, HAS_ADD=False, COLSUM=True, **cfg, **flags,
-        )
+        tuned(dw_launch(M, F, x.dtype, target), ("dw", M, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
+              F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
         dwc, dwt = dw[0], dw[1]
         dbc, dbt = db[0], db[1]
     return dx, dwc, dbc, dwt, dbt

@@ -97,7 +97,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from elmo_fast.kernels._common import acc_dtype, tl_acc_dtype
+from elmo_fast.kernels._common import H100, Target, acc_dtype, tl_acc_dtype
 from elmo_fast.reference.lstmp import lstmp_reference
 
 __all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction", "launch_plan", "Launch", "Tile", "Target",
@@ -245,9 +245,10 @@ def _fwd_cell_kernel(
 @triton.jit
 def _sum_partials(part_ptr, rb, mask, rn, B, N: tl.constexpr, SPLITS: tl.constexpr, ACC: tl.constexpr,
                   BB: tl.constexpr, BN: tl.constexpr):
-    """Σ_k part[k, rb, rn] in split order: the same bits on every run."""
+    """Σ_k part[k, rb, rn] in split order: the same bits on every run. Unrolled: no K loop to pipeline, every
+    partial's load can issue before the first add (the adds keep their order)."""
     acc = tl.zeros([BB, BN], ACC)
-    for k in range(SPLITS):
+    for k in tl.static_range(SPLITS):
         acc += tl.load(part_ptr + (k * B + rb)[:, None].to(tl.int64) * N + rn[None, :], mask=mask, other=0.0)
     return acc
 
@@ -418,17 +419,6 @@ def _bwd_reduce_kernel(
 
 
 # ------------------------------------------------------------------------------------- launch planning
-@dataclass(frozen=True)
-class Target:
-    """What the plan needs to know of the device: interpreter or compiled, and the number of SMs."""
-
-    interpret: bool
-    sms: int
-
-
-H100 = Target(interpret=False, sms=132)
-
-
 @dataclass(frozen=True)
 class Tile:
     """Tiling of one kernel: BM rows x BN columns per program, K steps of BK, ``warps``, pipeline ``stages``."""

@@ -1,6 +1,6 @@
 """Fused sampled softmax (TF semantics, spec §6.5) and full-softmax NLL (spec §6.7) in Triton.
 
-One pair of kernels serves both ops. A "column" is a candidate class: for the sampled loss the S sampled ids
+The same kernels serve both ops. A "column" is a candidate class: for the sampled loss the S sampled ids
 (rows of ``weight`` gathered through ``sampled_ids``), for the full softmax every vocabulary row.
 
 * ``_softmax_lse_fwd_kernel`` — grid (row blocks, column splits). Each program computes logit tiles
@@ -8,10 +8,18 @@ One pair of kernels serves both ops. A "column" is a candidate class: for the sa
   P, masks accidental hits, and keeps an online log-sum-exp (running max m, running sum l_sum, fp32) over its
   column range. Split 0 also computes the target logit ``h · w_y + off_y`` by a gathered dot. The (N × S) or
   (N × V) logits never leave registers; the host combines the per-split (m, l_sum) (a few numbers per row).
-* ``_softmax_grad_kernel`` — grid (row blocks, column blocks), for backward. It recomputes one logit tile,
-  forms ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for the full softmax) in registers, and
-  accumulates ``dH += dlogit · W_c``, ``dW_c += dlogitᵀ · H`` and ``db_c += Σ_n dlogit`` into fp32 buffers with
-  atomic adds (the Cut-Cross-Entropy pattern). Summation order on a GPU is therefore not deterministic.
+* Backward recomputes logit tiles and forms ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for
+  the full softmax) in registers, in two kernels that each own their outputs (no atomics; deterministic):
+  ``_softmax_dh_kernel`` — grid (row blocks, P chunks, column splits) — accumulates ``dH = dlogit · W_c`` over
+  its split's columns in registers and writes one partial dH per split, which the host adds in split order;
+  ``_softmax_dw_kernel`` — grid (column blocks, P chunks) — accumulates ``dW_c = dlogitᵀ · H`` and
+  ``db_c = Σ_n dlogit`` over all rows. Each program recomputes the logits of its tiles, once per P chunk
+  (P / BLOCK_P times): about twice the FLOPs of the atomic-add design (the Cut-Cross-Entropy pattern), which
+  has every row block add into the same dW rows (thousands of same-address atomics for the full softmax).
+
+The P loop of every logit tile is a ``range`` over the constexpr P: an scf.for that the compiler
+software-pipelines (``num_stages``), and a plain Python loop under ``TRITON_INTERPRET=1``; loops with a runtime
+bound (columns of a split, rows) stay ``while`` loops, which the interpreter needs.
 
 For the sampled loss the true-class column is not a tile column: its gradient ``g_n (p_true − 1)`` is an O(N·P)
 gather/scatter done on the host side in torch. The weight gradient is naturally sparse — rows
@@ -28,61 +36,153 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import dot as _dot
+from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of, tuned
+from elmo_fast.kernels._common import dot_acc
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _logit_tile(H, W, rows, cols_w, row_ok, col_ok, P, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+def _logit_tile(H, W, rows, cols_w, row_ok, col_ok, P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """(BLOCK_N, BLOCK_C) fp32 tile of H[rows] · W[cols_w]ᵀ, K loop over P."""
+    """(BLOCK_N, BLOCK_C) fp32 tile of H[rows] · W[cols_w]ᵀ. The K loop over the constexpr P is an scf.for that
+    the compiler software-pipelines (``num_stages``); under the interpreter it is a plain Python range."""
     acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
-    k0 = 0
-    while k0 < P:  # while, not range(): runtime bounds must stay scalars under the interpreter
+    for k0 in range(0, P, BLOCK_K):
         k = k0 + ks
         k_ok = k < P
         h = tl.load(H + rows[:, None] * P + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + cols_w[:, None] * P + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += _dot(h, tl.trans(w), UPCAST, IEEE)
-        k0 += BLOCK_K
+        acc = dot_acc(h, tl.trans(w), acc, UPCAST, IEEE)
     return acc
 
 
 @triton.jit
-def _row_block(TGT, N, BLOCK_N: tl.constexpr):
-    """This program's block of rows (axis 0 of the grid): int64 indices, in-range mask, targets (-1 outside)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _rows_of(TGT, LSE, G, rows, N):
+    """int64 row indices, in-range mask, targets (-1 outside), row LSE and upstream gradient."""
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
-    return rows64, row_ok, tl.load(TGT + rows64, mask=row_ok, other=-1)
+    tgt = tl.load(TGT + rows64, mask=row_ok, other=-1)
+    return rows64, row_ok, tgt, tl.load(LSE + rows64, mask=row_ok, other=0.0), tl.load(G + rows64, mask=row_ok,
+                                                                                        other=0.0)
+
+
+@triton.jit
+def _cols_of(COL_IDS, cols, col_ok, GATHER: tl.constexpr):
+    """Weight rows of the tile columns: the sampled ids (GATHER) or the columns themselves."""
+    if GATHER:
+        return tl.load(COL_IDS + cols, mask=col_ok, other=0).to(tl.int64)
+    return cols.to(tl.int64)
+
+
+@triton.jit
+def _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C: tl.constexpr, GATHER: tl.constexpr):
+    """Columns c0 .. c0 + BLOCK_C of the column split that starts at c_begin: indices, mask, weight rows."""
+    offs = c0 + tl.arange(0, BLOCK_C)
+    cols = c_begin + offs
+    col_ok = (offs < cols_per_split) & (cols < C)
+    return cols, col_ok, _cols_of(COL_IDS, cols, col_ok, GATHER)
+
+
+@triton.jit
+def _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P: tl.constexpr,
+                 MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """(BLOCK_N, BLOCK_C) fp32 gradient of the loss w.r.t. the logit tile: g·softmax (− g at the target)."""
+    logit = _logit_tile(H, W, rows64, cid, row_ok, col_ok, P, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
+    logit += tl.load(COL_OFF + cols, mask=col_ok, other=0.0)[None, :]
+    keep = row_ok[:, None] & col_ok[None, :]
+    if MASK_HITS:
+        keep = keep & (cid[None, :] != tgt[:, None])
+    d = tl.where(keep, tl.exp(logit - lse[:, None]), 0.0) * g[:, None]
+    if SUB_TARGET:
+        d -= tl.where(keep & (cid[None, :] == tgt[:, None]), g[:, None], 0.0)
+    return d
+
+
+@triton.jit
+def _softmax_dh_kernel(
+    H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
+    DH,  # output: (SPLITS, N, P) fp32, one partial sum per column split
+    N, P: tl.constexpr, C, cols_per_split,
+    GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid (row blocks, P chunks, column splits): DH[split, rows, chunk] = Σ_{split's columns} dlogit · W[c, chunk].
+
+    Every element is written by exactly one program, in a fixed column order: deterministic, no atomics."""
+    rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N)
+    pc = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = pc < P
+    c_begin = tl.program_id(2) * cols_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    c0 = 0
+    while c0 < cols_per_split:  # runtime bound: a while loop (the interpreter takes no runtime range bounds)
+        cols, col_ok, cid = _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C, GATHER)
+        d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P, MASK_HITS, SUB_TARGET,
+                         BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
+        w = tl.load(W + cid[:, None] * P + pc[None, :], mask=col_ok[:, None] & p_ok[None, :], other=0.0)
+        acc = dot_acc(d.to(W.dtype.element_ty), w, acc, UPCAST, IEEE)
+        c0 += BLOCK_C
+    out = DH + tl.program_id(2).to(tl.int64) * N * P + rows64[:, None] * P + pc[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & p_ok[None, :])
+
+
+@triton.jit
+def _softmax_dw_kernel(
+    H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
+    DWC, DOFF,  # outputs: (C, P) fp32 by column position, (C,) fp32
+    N, P: tl.constexpr, C,
+    GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Grid (column blocks, P chunks): DWC[cols, chunk] = Σ_n dlogitᵀ · H[n, chunk] over all rows, in row order;
+    the programs of chunk 0 also write DOFF[cols] = Σ_n dlogit. Deterministic, no atomics."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    cols64 = cols.to(tl.int64)
+    cid = _cols_of(COL_IDS, cols64, col_ok, GATHER)
+    pc = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = pc < P
+    acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
+    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    r0 = 0
+    while r0 < N:
+        rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, r0 + tl.arange(0, BLOCK_N), N)
+        d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols64, cid, col_ok, P, MASK_HITS,
+                         SUB_TARGET, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
+        h = tl.load(H + rows64[:, None] * P + pc[None, :], mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+        acc = dot_acc(tl.trans(d.to(H.dtype.element_ty)), h, acc, UPCAST, IEEE)
+        db += tl.sum(d, axis=0)
+        r0 += BLOCK_N
+    tl.store(DWC + cols64[:, None] * P + pc[None, :], acc, mask=col_ok[:, None] & p_ok[None, :])
+    tl.store(DOFF + cols64, db, mask=col_ok & (tl.program_id(1) == 0))
 
 
 @triton.jit
 def _softmax_lse_fwd_kernel(
     H, W, COL_IDS, COL_OFF, TGT, TGT_OFF,  # inputs
     OUT_M, OUT_L, OUT_TGT,  # outputs: (SPLITS, N) fp32 ×2, (N,) fp32
-    N, P, C, cols_per_split,
+    N, P: tl.constexpr, C, cols_per_split,
     GATHER: tl.constexpr, MASK_HITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid_s = tl.program_id(1)
-    rows64, row_ok, tgt = _row_block(TGT, N, BLOCK_N)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    tgt = tl.load(TGT + rows64, mask=row_ok, other=-1)
 
     m = tl.full((BLOCK_N,), -_FLT_MAX, dtype=tl.float32)
     l_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     c_begin = pid_s * cols_per_split
     c0 = 0
-    while c0 < cols_per_split:
-        offs = c0 + tl.arange(0, BLOCK_C)
-        cols = c_begin + offs
-        col_ok = (offs < cols_per_split) & (cols < C)
-        if GATHER:
-            cid = tl.load(COL_IDS + cols, mask=col_ok, other=0).to(tl.int64)
-        else:
-            cid = cols.to(tl.int64)
+    while c0 < cols_per_split:  # runtime bound: a while loop (the interpreter takes no runtime range bounds)
+        cols, col_ok, cid = _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C, GATHER)
         logit = _logit_tile(H, W, rows64, cid, row_ok, col_ok, P, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
         logit += tl.load(COL_OFF + cols, mask=col_ok, other=0.0)[None, :]
         keep = col_ok[None, :]
@@ -102,102 +202,81 @@ def _softmax_lse_fwd_kernel(
         t64 = tl.where(row_ok, tgt, 0).to(tl.int64)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         ks = tl.arange(0, BLOCK_K)
-        k0 = 0
-        while k0 < P:
+        for k0 in range(0, P, BLOCK_K):
             k = k0 + ks
             msk = row_ok[:, None] & (k < P)[None, :]
             h = tl.load(H + rows64[:, None] * P + k[None, :], mask=msk, other=0.0).to(tl.float32)
             w = tl.load(W + t64[:, None] * P + k[None, :], mask=msk, other=0.0).to(tl.float32)
             acc += tl.sum(h * w, axis=1)
-            k0 += BLOCK_K
         acc += tl.load(TGT_OFF + rows64, mask=row_ok, other=0.0)
         tl.store(OUT_TGT + rows64, acc, mask=row_ok)
-
-
-@triton.jit
-def _softmax_grad_kernel(
-    H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
-    DH, DWC, DOFF,  # fp32 accumulators: (N, P), (C, P) by column position, (C,)
-    N, P, C,
-    GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    pid_c = tl.program_id(1)
-    rows64, row_ok, tgt = _row_block(TGT, N, BLOCK_N)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    cols64 = cols.to(tl.int64)
-    if GATHER:
-        cid = tl.load(COL_IDS + cols64, mask=col_ok, other=0).to(tl.int64)
-    else:
-        cid = cols64
-    lse = tl.load(LSE + rows64, mask=row_ok, other=0.0)
-    g = tl.load(G + rows64, mask=row_ok, other=0.0)
-
-    logit = _logit_tile(H, W, rows64, cid, row_ok, col_ok, P, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
-    logit += tl.load(COL_OFF + cols64, mask=col_ok, other=0.0)[None, :]
-    keep = row_ok[:, None] & col_ok[None, :]
-    if MASK_HITS:
-        keep = keep & (cid[None, :] != tgt[:, None])
-    dlogit = tl.where(keep, tl.exp(logit - lse[:, None]), 0.0) * g[:, None]
-    if SUB_TARGET:
-        dlogit -= tl.where(keep & (cid[None, :] == tgt[:, None]), g[:, None], 0.0)
-
-    tl.atomic_add(DOFF + cols64, tl.sum(dlogit, axis=0), mask=col_ok)
-    d = dlogit.to(W.dtype.element_ty)
-    ks = tl.arange(0, BLOCK_K)
-    k0 = 0
-    while k0 < P:
-        k = k0 + ks
-        k_ok = k < P
-        h_msk = row_ok[:, None] & k_ok[None, :]
-        w_msk = col_ok[:, None] & k_ok[None, :]
-        h = tl.load(H + rows64[:, None] * P + k[None, :], mask=h_msk, other=0.0)
-        w = tl.load(W + cid[:, None] * P + k[None, :], mask=w_msk, other=0.0)
-        dh = _dot(d, w, UPCAST, IEEE)
-        tl.atomic_add(DH + rows64[:, None] * P + k[None, :], dh, mask=h_msk)
-        dw = _dot(tl.trans(d), h, UPCAST, IEEE)
-        tl.atomic_add(DWC + cols64[:, None] * P + k[None, :], dw, mask=w_msk)
-        k0 += BLOCK_K
 
 
 # ------------------------------------------------------------------------------------------------------------
 # host side
 # ------------------------------------------------------------------------------------------------------------
 
-def _pow2_at_least_16(x: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(max(int(x), 1))))
+def _fwd_tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
+    if target.interpret:  # small tiles keep the numpy emulation fast and exercise the masks
+        return dict(BLOCK_N=pow2_between(N, 16, 16), BLOCK_C=pow2_between(C, 16, 32),
+                    BLOCK_K=pow2_between(P, 16, 16), num_warps=4, num_stages=1)
+    return dict(BLOCK_N=pow2_between(N, 16, 64), BLOCK_C=pow2_between(C, 16, 128),
+                BLOCK_K=pow2_between(P, 16, 32 if dtype == torch.float32 else 64), num_warps=8, num_stages=3)
 
 
-def _config(N: int, C: int, P: int, device: torch.device) -> dict:
-    if device.type == "cuda":
-        return dict(BLOCK_N=_pow2_at_least_16(N, 64), BLOCK_C=_pow2_at_least_16(C, 128),
-                    BLOCK_K=_pow2_at_least_16(P, 64), num_warps=8, num_stages=3)
-    # interpreter: small tiles keep the numpy emulation fast and exercise the masks
-    return dict(BLOCK_N=_pow2_at_least_16(N, 16), BLOCK_C=_pow2_at_least_16(C, 32),
-                BLOCK_K=_pow2_at_least_16(P, 16), num_warps=4, num_stages=1)
+def _bwd_tiles(P: int, dtype: torch.dtype, target: Target, dw: bool) -> list[dict]:
+    """Backward tiles (the autotune space of ``_softmax_dw_kernel``; ``_softmax_dh_kernel`` has one: its partial
+    buffers depend on the grid). A program holds a logit tile (BLOCK_N, BLOCK_C) and a P chunk of BLOCK_P
+    columns of dH or dW; the logits are recomputed once per chunk (P / BLOCK_P times). fp32 (IEEE products on
+    the FMA units, operands in registers) takes narrow column tiles; its dW kernel holds all of P=512 with 16
+    warps, which its dH kernel cannot without spilling (kernel report)."""
+    if target.interpret:
+        return [dict(BLOCK_N=16, BLOCK_C=16, BLOCK_K=16, BLOCK_P=pow2_between(P, 16, 16), num_warps=4,
+                     num_stages=1)]
+    if dtype == torch.float32:
+        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 512 if dw else 256),
+                     num_warps=16 if dw else 8, num_stages=3)]
+    t = dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8)
+    return [dict(t, num_stages=3), dict(t, num_stages=4)] if dw else [dict(t, num_stages=3)]
 
 
-def _num_splits(N: int, C: int, cfg: dict, device: torch.device, requested: int | None) -> tuple[int, int]:
-    """Column splits for the forward (split-K over columns, so few row blocks still fill the GPU)."""
-    col_tiles = triton.cdiv(C, cfg["BLOCK_C"])
+def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
+    """(splits, tiles per split) of ``n_tiles`` column tiles so that ``programs`` x splits fill the GPU."""
     if requested is None:
-        if device.type == "cuda":
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            requested = triton.cdiv(2 * sms, triton.cdiv(N, cfg["BLOCK_N"]))
-        else:
-            requested = 2
-    splits = max(1, min(int(requested), col_tiles))
-    tiles_per_split = triton.cdiv(col_tiles, splits)
-    splits = triton.cdiv(col_tiles, tiles_per_split)  # no empty split
-    return splits, tiles_per_split * cfg["BLOCK_C"]
+        requested = 2 if target.interpret else triton.cdiv(2 * target.sms, programs)
+    splits = max(1, min(int(requested), n_tiles))
+    per_split = triton.cdiv(n_tiles, splits)
+    return triton.cdiv(n_tiles, per_split), per_split  # no empty split
 
 
-def _dot_flags(x: torch.Tensor) -> dict:
-    # Off CUDA (the interpreter) every low-precision dtype, fp16 too, is widened for the dot: wider than
-    # _common.dot_flags, which widens bf16 only.
-    return dict(UPCAST=x.device.type != "cuda" and x.dtype != torch.float32, IEEE=x.dtype == torch.float32)
+def lse_fwd_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+                   num_splits: int | None = None) -> tuple[Launch, int]:
+    """``_softmax_lse_fwd_kernel`` over N rows and C columns, and its columns per split: the columns are split
+    (split-K over columns, partial log-sum-exps combined on the host) so few row blocks still fill the GPU."""
+    t = _fwd_tiles(N, C, P, dtype, target)
+    row_blocks = triton.cdiv(N, t["BLOCK_N"])
+    splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), row_blocks, target, num_splits)
+    return Launch(_softmax_lse_fwd_kernel, (row_blocks, splits), dict(
+        GATHER=gather, MASK_HITS=mask_hits, **dot_flags(dtype, target), **t)), per_split * t["BLOCK_C"]
+
+
+def dh_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+              sub_target: bool, num_splits: int | None = None) -> tuple[Launch, int]:
+    """``_softmax_dh_kernel`` (grid: row blocks x P chunks x column splits) and its columns per split."""
+    t = _bwd_tiles(P, dtype, target, dw=False)[0]
+    grid01 = (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(P, t["BLOCK_P"]))
+    splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), grid01[0] * grid01[1], target, num_splits)
+    return Launch(_softmax_dh_kernel, (*grid01, splits), dict(
+        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t)), \
+        per_split * t["BLOCK_C"]
+
+
+def dw_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+              sub_target: bool) -> list[Launch]:
+    """``_softmax_dw_kernel`` (grid: column blocks x P chunks), one launch per autotune candidate."""
+    return [Launch(_softmax_dw_kernel, (triton.cdiv(C, t["BLOCK_C"]), triton.cdiv(P, t["BLOCK_P"])), dict(
+        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
+        for t in _bwd_tiles(P, dtype, target, dw=True)]
 
 
 def _check_inputs(hidden, weight, bias):
@@ -216,38 +295,40 @@ def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_
     """Returns (lse over the columns (N,) fp32, target logit (N,) fp32). ``col_ids`` None = all V rows."""
     N, P = hidden.shape
     C = col_off.numel()
-    cfg = _config(N, C, P, hidden.device)
-    splits, cols_per_split = _num_splits(N, C, cfg, hidden.device, num_splits)
+    gather = col_ids is not None
+    launch, cols_per_split = lse_fwd_launch(N, C, P, hidden.dtype, target_of(hidden.device), gather=gather,
+                                            mask_hits=mask_hits, num_splits=num_splits)
+    splits = launch.grid[1]
     out_m = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
     out_l = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
     out_t = torch.empty((N,), dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), splits)
-    gather = col_ids is not None
-    _softmax_lse_fwd_kernel[grid](
-        hidden, weight, col_ids if gather else col_off, col_off, targets, tgt_off,
-        out_m, out_l, out_t, N, P, C, cols_per_split,
-        GATHER=gather, MASK_HITS=mask_hits, **_dot_flags(hidden), **cfg,
-    )
+    launch(hidden, weight, col_ids if gather else col_off, col_off, targets, tgt_off,
+           out_m, out_l, out_t, N, P, C, cols_per_split)
     # log l may be −inf for a split holding only accidental hits; the max term keeps the sum finite
     lse = torch.logsumexp(out_m + torch.log(out_l), dim=0)
     return lse, out_t
 
 
-def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits: bool, sub_target: bool):
-    """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns."""
+def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits: bool, sub_target: bool,
+                 num_splits: int | None = None):
+    """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns.
+
+    Deterministic: dW and d_off have one writer per element; dH is summed over ``num_splits`` column splits
+    (default: enough to fill the GPU) as partial buffers added in split order."""
     N, P = hidden.shape
     C = col_off.numel()
-    cfg = _config(N, C, P, hidden.device)
-    dh = torch.zeros((N, P), dtype=torch.float32, device=hidden.device)
-    dwc = torch.zeros((C, P), dtype=torch.float32, device=hidden.device)
-    doff = torch.zeros((C,), dtype=torch.float32, device=hidden.device)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(C, cfg["BLOCK_C"]))
+    target = target_of(hidden.device)
     gather = col_ids is not None
-    _softmax_grad_kernel[grid](
-        hidden, weight, col_ids if gather else col_off, col_off, targets, lse, g,
-        dh, dwc, doff, N, P, C,
-        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **_dot_flags(hidden), **cfg,
-    )
+    ids = col_ids if gather else col_off
+    flags = dict(gather=gather, mask_hits=mask_hits, sub_target=sub_target)
+    launch, cols_per_split = dh_launch(N, C, P, hidden.dtype, target, num_splits=num_splits, **flags)
+    dh = torch.empty((launch.grid[2], N, P), dtype=torch.float32, device=hidden.device)
+    launch(hidden, weight, ids, col_off, targets, lse, g, dh, N, P, C, cols_per_split)
+    dh = dh[0] if launch.grid[2] == 1 else dh.sum(0)
+    dwc = torch.empty((C, P), dtype=torch.float32, device=hidden.device)
+    doff = torch.empty((C,), dtype=torch.float32, device=hidden.device)
+    tuned(dw_launch(N, C, P, hidden.dtype, target, **flags), (N, C, P, hidden.dtype, *flags.values()),
+          hidden, weight, ids, col_off, targets, lse, g, dwc, doff, N, P, C)
     return dh, dwc, doff
 
 

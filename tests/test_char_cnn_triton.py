@@ -146,7 +146,7 @@ def test_char_cnn_fp16_and_small_blocks(monkeypatch):
     """fp16; tiles smaller than the sizes so several token and filter blocks (and their masks) are used."""
     import elmo_fast.kernels.char_cnn as kc
 
-    monkeypatch.setattr(kc, "_config", lambda device: dict(BLOCK_T=16, BLOCK_F=16, num_warps=1))
+    monkeypatch.setattr(kc, "_tiles", lambda dtype, target, backward: dict(BLOCK_T=16, BLOCK_F=16, num_warps=1))
     filters = [[1, 4], [2, 3], [3, 5], [5, 6], [4, 7]]  # F = 25: two filter blocks, widths mixed in one
     _check_cnn(make_ids(20, 10, seed=5), make_params(filters=filters, seed=6), "tanh", torch.float16, _device())
 

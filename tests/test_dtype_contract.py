@@ -59,10 +59,14 @@ def test_lstmp_autocast_runs_bf16_variant_with_fp32_state(device):
                                 backend="triton")
         (y.float().sum() + h_n.sum() + c_n.sum()).backward()
     assert y.dtype == BF16 and h_n.dtype == F32 and c_n.dtype == F32
-    _assert_bf16_variant(counts, "_fwd_cell_kernel", ["gx_ptr", "w_rec_ptr", "m_ptr"], fp32=["h_ptr", "c_ptr"])
-    _assert_bf16_variant(counts, "_fwd_proj_kernel", ["m_ptr", "w_proj_ptr"], fp32=["h_ptr", "hpre_ptr"])
-    _assert_bf16_variant(counts, "_bwd_cell_kernel", ["w_proj_ptr"], fp32=["dc_ptr", "gates_ptr", "cpre_ptr"])
-    _assert_bf16_variant(counts, "_bwd_rec_kernel", ["w_rec_ptr"])
+    _assert_bf16_variant(counts, "_fwd_cell_kernel", ["gx_ptr", "w_rec_ptr", "hop_ptr", "m_ptr", "z_ptr"],
+                         fp32=["c_ptr", "cpre_ptr"])
+    _assert_bf16_variant(counts, "_splitk_kernel", ["a_ptr", "b_ptr"], fp32=["part_ptr"])
+    _assert_bf16_variant(counts, "_bwd_cell_kernel", ["w_proj_ptr", "z_ptr", "dz_ptr"], fp32=["dc_ptr", "cpre_ptr"])
+    for la in _launched(counts, "_fwd_reduce_kernel"):  # no product: only the state dtypes matter
+        assert la.dtypes["hn_ptr"] == F32 and la.dtypes["hpre_ptr"] == F32 and la.dtypes["hop_ptr"] == BF16
+    for la in _launched(counts, "_bwd_reduce_kernel"):
+        assert la.dtypes["dh_ptr"] == F32 and la.dtypes["dhpre_ptr"] == BF16
     _grads_are_fp32(params)
 
 
@@ -100,7 +104,8 @@ def test_softmax_autocast_runs_bf16_variant(sampled, device):
             loss = ops.full_softmax_nll(hidden, targets, W, b, backend="triton")
         loss.backward()
     _assert_bf16_variant(counts, "_softmax_lse_fwd_kernel", ["H", "W"])
-    _assert_bf16_variant(counts, "_softmax_grad_kernel", ["H", "W"], fp32=["DH", "DWC"])
+    _assert_bf16_variant(counts, "_softmax_dh_kernel", ["H", "W"], fp32=["DH"])
+    _assert_bf16_variant(counts, "_softmax_dw_kernel", ["H", "W"], fp32=["DWC"])
     _grads_are_fp32([W, b])
 
 
@@ -167,7 +172,9 @@ def test_bf16_model_keeps_fp32_lstm_state(tiny_model):
     with torch.no_grad(), probe() as counts:
         out = model(ids)
     assert all(a.dtype == BF16 for a in out["activations"])
-    _assert_bf16_variant(counts, "_fwd_cell_kernel", ["w_rec_ptr"], fp32=["h_ptr", "c_ptr"])
+    _assert_bf16_variant(counts, "_fwd_cell_kernel", ["w_rec_ptr", "hop_ptr"], fp32=["c_ptr"])
+    for la in _launched(counts, "_fwd_reduce_kernel"):
+        assert la.dtypes["hn_ptr"] == F32
     assert all(s.dtype == F32 for s in model._bilm._states)
 
 

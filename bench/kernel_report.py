@@ -1,0 +1,662 @@
+"""Kernel report: what the Triton compiler makes of every elmo_fast kernel for an H100, without a GPU.
+
+    make kernel-report                       # the full report -> bench/results/kernel_report.{md,csv}
+    python bench/kernel_report.py --subset   # one variant per kernel (CI: fails on any compile error)
+
+Every kernel variant that the launchers would launch for the published original model (spec §0,
+../shared/docs/performance.md: H=4096, P=512, filters 1..7 (2048), 2 highway layers of 2048, char dim 16,
+L=50, V=793,471, S=8,192) is compiled for sm_90a (``GPUTarget("cuda", 90, 32)``; triton's own binder
+specialises the arguments as a real launch would, with ``MockTensor`` stand-ins): inference at B = 1, 16, 64
+sentences, training at B = 128 and 384 rows x 20 steps, bf16 and fp32, every op forward and backward.
+
+The launches come from the same launch-configuration functions the launchers call (``fwd_launch`` & co. in
+kernels/*.py, evaluated for ``_common.H100``), so report and runtime cannot drift apart;
+tests/test_kernel_report.py spies on real interpreter launches and compares them with the cases built here.
+
+Per variant: registers, spill bytes and stack (``ptxas -v``, the log of the very ptxas run that made the
+cubin), shared memory, warps and stages, programs against 132 SMs and programs per SM (occupancy from
+registers, shared memory and warps), tensor-core instructions (HGMMA = wgmma, HMMA = mma.sync, counted in the
+SASS), asynchronous copies (LDGSTS = cp.async, UTMALDG/UBLKCP = TMA) and local-memory instructions, and a
+roofline estimate per launch (``estimate_us``). The sums add the estimates per LSTM step, per biLM forward and
+per training step, with the torch (cuBLAS / elementwise) launches around the kernels modelled the same way.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels (JITFunction), not the interpreter's
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import csv  # noqa: E402
+import io  # noqa: E402
+import math  # noqa: E402
+import multiprocessing  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import MockTensor  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from elmo_fast.kernels import _common as KX  # noqa: E402
+from elmo_fast.kernels import char_cnn as KC  # noqa: E402
+from elmo_fast.kernels import highway as KH  # noqa: E402
+from elmo_fast.kernels import lstmp as KL  # noqa: E402
+from elmo_fast.kernels import softmax as KS  # noqa: E402
+
+BF16, FP32, I64, I32, I8 = torch.bfloat16, torch.float32, torch.int64, torch.int32, torch.int8
+
+# ------------------------------------------------------------------------------------------ the workload
+H, P = 4096, 512
+FILTERS = [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]
+NF = sum(n for _, n in FILTERS)
+DC, L, N_CHARS, N_HIGHWAY = 16, 50, 262, 2
+V, S = 793471, 8192
+N_PARAMS = 93_600_848  # spec §0, without the softmax
+MEAN_WINDOWS = 8  # assumed mean char-CNN position-loop length (sorted tokens: BOW + ~5 bytes + EOW + slack)
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    B: int  # sentences (inference) or rows (training)
+    T: int  # LSTM steps: tokens + 2 boundaries (inference) or unroll steps (training)
+    train: bool
+
+    @property
+    def tokens(self) -> int:
+        """Rows through the token encoder: every position (no deduplication assumed, an upper bound); the
+        trainer encodes the forward and the backward stream together."""
+        return self.B * self.T * (2 if self.train else 1)
+
+    @property
+    def softmax_rows(self) -> int:
+        return self.B * self.T
+
+
+SIZES = [Size("infer B=1", 1, 22, False), Size("infer B=16", 16, 27, False), Size("infer B=64", 64, 27, False),
+         Size("train B=128", 128, 20, True), Size("train B=384", 384, 20, True)]
+DTYPES = [BF16, FP32]
+
+# ------------------------------------------------------------------------------------------ H100 SXM model
+SMS = KX.H100.sms
+HBM = 3.35e12  # B/s
+PEAK_TC = 990e12  # dense bf16 with tensor cores
+PEAK_FMA = 67e12  # fp32 without tensor cores
+LAUNCH_US = 3.0  # per launch outside a CUDA graph
+REGS_PER_SM, SMEM_PER_SM, SMEM_PER_BLOCK, MAX_WARPS, MAX_BLOCKS = 65536, 228 * 1024, 227 * 1024, 64, 32
+
+
+def dt_name(dt: torch.dtype) -> str:
+    return {BF16: "bf16", FP32: "fp32", I64: "i64", I32: "i32", I8: "i8", torch.float16: "fp16",
+            torch.float64: "fp64"}[dt]
+
+
+def es(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+# ------------------------------------------------------------------------------------------ cases
+@dataclass
+class Case:
+    """One kernel launch of the workload: which op, where, the launch (from the launcher's own config
+    function), the runtime arguments as a real launch passes them, and the roofline inputs."""
+
+    op: str
+    phase: str  # fwd | bwd
+    size: str
+    dtype: torch.dtype
+    launch: KX.Launch
+    args: tuple
+    flops: float = 0.0
+    bytes: float = 0.0
+    variant: str = ""
+    slot: int = 0  # which launch of the op (its candidates share it)
+    choice: int = 0  # which autotune candidate of that launch
+    once: bool = False  # launched once per op call, not once per step (the sums' ``times`` does not apply)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def kernel(self) -> str:
+        return self.launch.kernel.__name__
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.launch.grid)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel}{' ' + self.variant if self.variant else ''}"
+
+
+def M(dt):  # a tensor argument of dtype dt
+    return MockTensor(dt)
+
+
+def describe(args) -> list:
+    """Runtime arguments as the report and the spy test compare them: tensors by dtype, scalars by value."""
+    return [("tensor", a.dtype) if isinstance(a, (torch.Tensor, MockTensor)) else a for a in args]
+
+
+def _entry(phase, launches, args, cost) -> list[tuple]:
+    """One logical launch: ``launches`` is a Launch or the autotune candidates of a launch-configuration
+    function; ``cost(launch)`` gives (FLOPs, bytes) for a candidate."""
+    return [(phase, lc, args, *cost(lc)) for lc in (launches if isinstance(launches, list) else [launches])]
+
+
+def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows=MEAN_WINDOWS, activation="relu"):
+    """The launches of ``char_cnn_triton`` (forward; with ``train`` the backward of every input too)."""
+    F = sum(n for _, n in filters)
+    kwd = max(w for w, _ in filters) * dc
+    acc = KX.acc_dtype(dtype)
+    fwd = KC.fwd_launch(N, F, L_, dc, kwd, dtype, target, activation=activation, has_pad=n_chars > KC.PAD_CHAR_ID,
+                        save_arg=train)
+    kwc, e = fwd.meta["KWC"], es(dtype)
+    arg = (I8 if L_ < 128 else I32) if train else dtype
+    flops = 2.0 * N * windows * kwc * F
+    io_bytes = N * L_ * 8 + kwd * F * e + N * F * e
+    out = [_entry("fwd", fwd, (M(I64), M(dtype), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(I32), M(dtype),
+                               M(arg), N, F, L_, KC.PAD_CHAR_ID),
+                  lambda lc: (flops, io_bytes + (N * F if train else 0)))]
+    if train:
+        bwd = KC.bwd_launch(N, F, L_, dc, kwd, dtype, target, activation=activation, need_w=True, need_emb=True)
+        # atomics: the weight tile once per token block, the window gradient once per filter block
+        out.append(_entry("bwd", bwd, (M(I64), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(dtype), M(arg),
+                                       M(dtype), M(acc), M(acc), M(acc), N, F, L_),
+                          lambda lc: (2 * flops, N * L_ * 8 + N * F * (2 * e + 1)
+                                      + (lc.grid[0] * kwd * F + lc.grid[1] * N * windows * kwc) * 4)))
+        R = N * L_
+        eg, rpp = KC.embed_grad_launch(R, n_chars, dc, dtype, target)
+        out.append(_entry("bwd", eg, (M(I64), M(acc), M(acc), R, n_chars, rpp),
+                          lambda lc: (2.0 * R * lc.meta["BLOCK_V"] * lc.grid[1] * lc.meta["DCP"], R * (8 + dc * 4))))
+    return out
+
+
+def highway_cases(M_, F, dtype, target, *, train):
+    """The launches of one ``highway_triton`` layer."""
+    acc, e = KX.acc_dtype(dtype), es(dtype)
+    gemm = 2.0 * M_ * F * F
+    out = [_entry("fwd", KH.fused_launch(M_, F, dtype, target, backward=False), (M(dtype),) * 9 + (M_, F),
+                  lambda lc: (2 * gemm, (2 * M_ * F + 2 * F * F) * e))]
+    if train:
+        out.append(_entry("bwd", KH.fused_launch(M_, F, dtype, target, backward=True),
+                          (M(dtype),) * 8 + (M(acc), M_, F),
+                          lambda lc: (2 * gemm, (3 * M_ * F + 2 * F * F + 2 * M_ * F) * e + M_ * F * 4)))
+        out.append(_entry("bwd", KH.dx_launch(M_, F, dtype, target),
+                          (M(dtype),) * 5 + (M(acc), M(dtype), M_, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0),
+                          lambda lc: (2 * gemm, (2 * M_ * F + 2 * F * F + M_ * F) * e + M_ * F * 4)))
+        out.append(_entry("bwd", KH.dw_launch(M_, F, dtype, target),
+                          (M(dtype),) * 7 + (F, F, M_, 1, F, 2 * F, 1, F, 0, F, F * F, F),
+                          lambda lc: (2 * gemm, (3 * M_ * F + 2 * F * F) * e)))
+    return out
+
+
+def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
+    """The launches of the sampled (C = S samples) or the full (C = V) softmax."""
+    e = es(dtype)
+    flags = dict(gather=sampled, mask_hits=sampled)
+    fw, cps = KS.lse_fwd_launch(N, C, P_, dtype, target, num_splits=num_splits, **flags)
+    ids = M(I64) if sampled else M(FP32)
+    gemm = 2.0 * N * C * P_
+    out = [_entry("fwd", fw, (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32), M(FP32), M(FP32),
+                              N, P_, C, cps), lambda lc: (gemm, (N * P_ + C * P_) * e + C * 12))]
+    if train:
+        flags["sub_target"] = not sampled
+        dh, cps = KS.dh_launch(N, C, P_, dtype, target, num_splits=num_splits, **flags)
+        inputs = (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32))
+
+        def cost(lc):  # the logits are recomputed once per P chunk; dH partials are added in a torch pass
+            chunks = lc.grid[1]
+            part = lc.grid[2] * N * P_ * 4 * (2 if lc.grid[2] > 1 else 1) if lc.kernel is dh.kernel else C * P_ * 4
+            return (chunks + 1) * gemm, (N * P_ + C * P_) * e + part
+
+        out.append(_entry("bwd", dh, inputs + (M(FP32), N, P_, C, cps), cost))
+        out.append(_entry("bwd", KS.dw_launch(N, C, P_, dtype, target, **flags),
+                          inputs + (M(FP32), M(FP32), N, P_, C), cost))
+    return out
+
+
+def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train):
+    """The launches of one step of an LSTMP chain (both clips, with projection), from ``launch_plan`` (the
+    launcher's own plan), in launch order. Backward starts with one extra ``bwd_reduce`` launch (the first
+    step's prologue, ``HAS_PART=False``) that runs once per call, not per step. Bytes count the split-K partials
+    as HBM traffic (an upper bound: at 8.7/17.3 MiB per step at B=384 they may well stay in L2)."""
+    plan = KL.launch_plan(B, T, H_, P_, dtype, training=train, target=target, reverse=reverse, residual=residual)
+    s = min(3, T - 1)  # the step index (never specialised)
+    out = []
+    for name, lc in plan.items():
+        if name == "bwd_cell":  # the prologue launches before the first bwd_cell
+            out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, dict(HAS_PART=False), once=True))
+        out.append(_lstmp_entry(name.split("_")[0], lc, s))
+    return out
+
+
+def _lstmp_entry(phase, lc, s, override=None, once=False) -> list[tuple]:
+    meta = dict(lc.constexprs, **(override or {}), num_warps=lc.num_warps, num_stages=lc.num_stages)
+    args = tuple(M(v) if isinstance(v, torch.dtype) else (s if n == "s" else v) for n, v in lc.args)
+    scratch = 0 if override else lc.scratch_bytes  # the prologue reads no partials
+    return [(phase, KX.Launch(lc.kernel, lc.grid, meta), args, float(lc.flops), float(lc.bytes + scratch), once)]
+
+
+def _cases(size: Size, op: str, dtype, built, variant="") -> list[Case]:
+    return [Case(op, phase, size.name, dtype, launch, args, flops, nbytes, variant, slot=slot, choice=choice,
+                 once=bool(rest and rest[0]))
+            for slot, entry in enumerate(built)
+            for choice, (phase, launch, args, flops, nbytes, *rest) in enumerate(entry)]
+
+
+def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
+    """Every launch variant of the workload, for the H100 target."""
+    tg = KX.H100
+    out: list[Case] = []
+    for size in sizes:
+        for dt in dtypes:
+            out += _cases(size, "char_cnn", dt, char_cnn_cases(size.tokens, L, FILTERS, DC, N_CHARS, dt, tg,
+                                                               train=size.train))
+            out += _cases(size, "highway", dt, highway_cases(size.tokens, NF, dt, tg, train=size.train))
+            for reverse in (False, True):
+                for residual in (False, True):
+                    v = ("rev" if reverse else "fwd") + (" resid" if residual else "")
+                    out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=reverse,
+                                                                 residual=residual, train=size.train), v)
+            if size.train:
+                out += _cases(size, "sampled_softmax", dt,
+                              softmax_cases(size.softmax_rows, S, P, dt, tg, sampled=True, train=True))
+            out += _cases(size, "full_softmax", dt,
+                          softmax_cases(size.softmax_rows, V, P, dt, tg, sampled=False, train=size.train))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ compiling
+def compile_key(case: Case):
+    """What triton's JITFunction.run computes before compiling: (options, signature, constexprs, attrs)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = case.launch.kernel
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    kwargs = dict(case.launch.meta, debug=False, instrumentation_mode="")
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, _ = binder(*case.args, **kwargs)
+    return fn._pack_args(backend, kwargs, bound, specialization, None)
+
+
+_PTXAS = {k: re.compile(rx) for k, rx in dict(regs=r"Used (\d+) registers", stack=r"(\d+) bytes stack frame",
+                                                spill_st=r"(\d+) bytes spill stores",
+                                                spill_ld=r"(\d+) bytes spill loads").items()}
+_SASS = {"hgmma": r"\bHGMMA\.", "hmma": r"\bHMMA\.", "ldgsts": r"\bLDGSTS\b", "tma": r"\b(?:UTMALDG|UBLKCP)\b",
+         "local": r"\b(?:LDL|STL)\b", "atom": r"\b(?:RED|ATOM|ATOMG)\b"}
+_PTX = {"ptx_wgmma": r"wgmma\.mma_async", "ptx_mma": r"\bmma\.sync", "ptx_cp_async": r"cp\.async\.(?:ca|cg)",
+        "ptx_tma": r"cp\.async\.bulk"}
+_JOBS: list = []  # (case, key) per distinct variant; forked workers read it
+
+
+def _compile_one(i: int) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    case, (options, signature, constexprs, attrs) = _JOBS[i]
+    t0 = time.time()
+    triton.knobs.nvidia.dump_ptxas_log = True
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            ck = triton.compile(ASTSource(case.launch.kernel, signature, constexprs, attrs),
+                                target=GPUTarget("cuda", 90, 32), options=options.__dict__)
+    except Exception as exc:  # noqa: BLE001 - a compile error is a result of the report
+        return dict(error=f"{type(exc).__name__}: {exc}".splitlines()[0][:300], compile_s=time.time() - t0)
+    st = {k: int(m.group(1)) if (m := rx.search(log.getvalue())) else 0 for k, rx in _PTXAS.items()}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True).stdout
+    st.update({k: len(re.findall(rx, sass)) for k, rx in _SASS.items()})
+    st.update({k: len(re.findall(rx, ck.asm["ptx"])) for k, rx in _PTX.items()})
+    md = ck.metadata
+    st.update(smem=md.shared, warps=md.num_warps, stages=md.num_stages, compile_s=time.time() - t0)
+    return st
+
+
+def compile_all(cases: list[Case], jobs: int) -> float:
+    """Compile every distinct variant once (in ``jobs`` processes) and attach the stats to every case."""
+    global _JOBS
+    keys: dict[str, int] = {}
+    index = []
+    _JOBS = []
+    for c in cases:
+        key = compile_key(c)
+        k = repr((c.kernel, key[1], sorted(key[2].items(), key=repr), sorted(key[3].items(), key=repr),
+                  sorted(key[0].__dict__.items(), key=repr)))
+        if k not in keys:
+            keys[k] = len(_JOBS)
+            _JOBS.append((c, key))
+        index.append(keys[k])
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="kreport_cache_") as cache:
+        triton.knobs.cache.dir = cache
+        if jobs > 1:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                results = pool.map(_compile_one, range(len(_JOBS)), chunksize=1)
+        else:
+            results = [_compile_one(i) for i in range(len(_JOBS))]
+    for c, i in zip(cases, index):
+        c.stats = dict(results[i], variant_id=i)
+    return time.time() - t0
+
+
+# ------------------------------------------------------------------------------------------ model and rules
+def occupancy(st: dict) -> int:
+    """Programs per SM from registers (allocated per warp in units of 256), shared memory and warps."""
+    warps = st["warps"]
+    per_warp = -(-max(st["regs"], 1) * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * warps)
+    by_smem = SMEM_PER_SM // (st["smem"] + 1024) if st["smem"] else MAX_BLOCKS  # 1 KiB reserved per block
+    return min(by_regs, by_smem, MAX_WARPS // warps, MAX_BLOCKS)
+
+
+def tensor_cores(st: dict) -> bool:
+    return st["hgmma"] + st["hmma"] > 0
+
+
+def estimate_us(case: Case) -> float:
+    """max(bytes / HBM, FLOPs / peak), slowed by the share of SMs the grid keeps busy (a grid of n < 132
+    programs uses n SMs; a last partial wave idles the rest), + the launch overhead (no CUDA graph).
+
+    The peak is the tensor-core one when the SASS has tensor-core instructions, else the fp32 FMA one."""
+    st = case.stats
+    peak = PEAK_TC if tensor_cores(st) else PEAK_FMA
+    n = case.programs
+    slots = SMS * max(occupancy(st), 1)
+    busy = min(1.0, n / SMS) if n <= slots else n / (math.ceil(n / slots) * slots)
+    return max(case.bytes / HBM, case.flops / peak) / busy * 1e6 + LAUNCH_US
+
+
+GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_highway_fused_kernel", "_mm_kernel",
+             "_softmax_lse_fwd_kernel", "_softmax_dh_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel",
+             "_bwd_cell_kernel", "_splitk_kernel"}
+# Kernels that may launch fewer than 132 programs at B >= 128, and why (none today).
+FEW_PROGRAMS_OK: dict[str, str] = {}
+NOTES = {
+    "_embed_grad_kernel": "not GEMM-like: a one-hot reduction of the fp32 window gradients into the 262-row "
+                          "character table, exact IEEE fp32 on purpose (its products are 0 or 1 times a value)",
+    "_char_cnn_bwd_kernel": "the window gradient is added with fp32 atomics, once per 64-filter block (32-way at "
+                            "F=2048): most of its estimated bytes",
+}
+# Kernels without a K loop, so with nothing to software-pipeline (the async-load rule does not apply), and why.
+NO_K_LOOP = {
+    "_fwd_reduce_kernel": "LSTMP split-K epilogue: an unrolled, ordered sum of the SPLITS partial tiles (every load "
+                          "issued up front), then clip, residual and state writes",
+    "_bwd_reduce_kernel": "LSTMP split-K epilogue of the recurrent backward: an unrolled, ordered sum of the "
+                          "partials into the carry, then the next step's projection-clip mask",
+}
+PENDING: dict[str, str] = {}  # op -> why its violations are not (yet) enforced
+
+
+def violations(case: Case) -> list[str]:
+    """The report's rules (performance.md, 'Without a GPU') that this variant breaks."""
+    st = case.stats
+    if "error" in st:
+        return [f"compile error: {st['error']}"]
+    out = []
+    spills = st["spill_st"] + st["spill_ld"]
+    big_fp32 = case.dtype == FP32 and case.size == "train B=384"
+    if spills and not big_fp32:
+        out.append(f"spills {st['spill_st']}/{st['spill_ld']} B")
+    if case.dtype == BF16 and case.kernel in GEMM_LIKE and not tensor_cores(st):
+        out.append("no tensor-core instruction")
+    if case.size.startswith("train") and case.programs < SMS and case.kernel not in FEW_PROGRAMS_OK:
+        out.append(f"{case.programs} programs < {SMS}")
+    if st["ldgsts"] + st["tma"] == 0 and case.kernel not in NO_K_LOOP:
+        out.append("no pipelined (async) loads")
+    if st["smem"] > SMEM_PER_BLOCK:
+        out.append(f"shared memory {st['smem']} B > {SMEM_PER_BLOCK}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ sums
+def chosen(cases: list[Case]) -> list[Case]:
+    """Per launch, the autotune candidate the model prefers: the fastest estimate among those that break no
+    rule (among all when every one breaks one)."""
+    groups: dict = {}
+    for c in cases:
+        groups.setdefault((c.size, c.dtype, c.op, c.variant, c.slot), []).append(c)
+    return [min(g, key=lambda c: (bool(violations(c)), estimate_us(c))) for g in groups.values()]
+
+
+@dataclass
+class TorchOp:
+    """A launch group outside the Triton kernels (cuBLAS GEMMs, torch elementwise/sort ops), modelled with the
+    same roofline; ``launches`` are counted from the host code (approximate for composite torch calls)."""
+
+    name: str
+    flops: float
+    bytes: float
+    launches: int
+    tensor_cores: bool
+
+    def estimate_us(self) -> float:
+        peak = PEAK_TC if self.tensor_cores else PEAK_FMA
+        return max(self.bytes / HBM, self.flops / peak) * 1e6 + LAUNCH_US * self.launches
+
+
+def gemm(name, m, n, k, dt, launches=1) -> TorchOp:
+    return TorchOp(name, 2.0 * m * n * k, (m * k + k * n + m * n) * es(dt), launches, dt == BF16)
+
+
+def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
+    """The torch launches of each op at this size, by op and phase ("op/phase")."""
+    N, nt = size.tokens, size.B * size.T
+    ops = {
+        "char_cnn/fwd": [TorchOp("token dedup (torch.unique rows) + gather", 0, 3 * N * L * 8, 8, False),
+                         TorchOp("char_cnn prep: packed weights, lengths, argsort", 0, 4 * N * L * 8, 16, False)],
+        "highway/fwd": [gemm("token projection 2048->512 (addmm)", N, P, NF, dt)],
+        "lstmp/fwd": [gemm("input projection x·W_in (all steps)", nt, 4 * H, P, dt),
+                      TorchOp("lstmp state copies, consts, zero fill", 0, size.B * (H + P) * 8, 6, False)],
+    }
+    if size.train:
+        ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False)]
+        ops["highway/bwd"] = [gemm("token projection dX, dW", N, NF, P, dt, 2)]
+        ops["lstmp/bwd"] = [gemm("dW_in, dW_rec, dW_proj, dx (4 GEMMs)", nt, 4 * H, P, dt, 1),
+                            gemm("", P, 4 * H, nt, dt, 1), gemm("", H, P, nt, dt, 1), gemm("", nt, P, 4 * H, dt, 1),
+                            TorchOp("dbias, casts, zero fills", 0, nt * 4 * H * 4, 6, False)]
+        ops["sampled_softmax/fwd"] = [TorchOp("sampler: log-uniform draws, first-occurrence dedup (V scratch)",
+                                              0, 3 * V * 8, 15, False),
+                                      TorchOp("offsets, split LSE merge, loss", 0, nt * 16 + S * 16, 10, False)]
+        ops["sampled_softmax/bwd"] = [TorchOp("true-class column, unique/index_add rows, sparse grads", 0,
+                                              4 * nt * P * 4, 15, False)]
+        ops["optimizer/step"] = [TorchOp("grad norm + dense Adagrad over 93.6M params (fp32 state)", 0,
+                                         6 * N_PARAMS * 4, 8 * 40, False),
+                                 TorchOp("sparse Adagrad on the touched softmax rows", 0, 6 * (S + nt) * P * 4, 12,
+                                         False)]
+    return ops
+
+
+def scenario_sums(cases: list[Case]) -> list[dict]:
+    """Estimated µs per LSTM step, per biLM forward and per training step, by dtype (no CUDA graphs)."""
+    by = {}
+    for c in chosen(cases):
+        by.setdefault((c.size, c.dtype, c.op, c.phase, c.variant), []).append(c)
+
+    def kern(size, dt, op, phase, variant="", times=1):
+        return sum(estimate_us(c) * (1 if c.once else times) for c in by.get((size.name, dt, op, phase, variant), []))
+
+    def torch_us(size, dt, keys):
+        ops = torch_ops(size, dt)
+        return sum(o.estimate_us() for k in keys for o in ops.get(k, []))
+
+    chains = ["fwd", "fwd resid", "rev", "rev resid"]
+    rows = []
+    for size in SIZES:
+        for dt in DTYPES:
+            step = kern(size, dt, "lstmp", "fwd", "fwd")
+            row = dict(size=size.name, dtype=dt_name(dt), lstm_step_fwd_us=step)
+            if size.train:
+                row["lstm_step_fwd_bwd_us"] = step + kern(size, dt, "lstmp", "bwd", "fwd")
+            enc = (kern(size, dt, "char_cnn", "fwd") + N_HIGHWAY * kern(size, dt, "highway", "fwd")
+                   + torch_us(size, dt, ["char_cnn/fwd", "highway/fwd"]))
+            lstm = sum(kern(size, dt, "lstmp", "fwd", v, size.T) for v in chains) + 4 * torch_us(size, dt,
+                                                                                               ["lstmp/fwd"])
+            row["bilm_forward_us"] = enc + lstm
+            if size.train:
+                enc_b = (kern(size, dt, "char_cnn", "bwd") + N_HIGHWAY * kern(size, dt, "highway", "bwd")
+                         + torch_us(size, dt, ["char_cnn/bwd", "highway/bwd"]))
+                lstm_b = sum(kern(size, dt, "lstmp", "bwd", v, size.T) for v in chains) + 4 * torch_us(
+                    size, dt, ["lstmp/bwd"])
+                soft = 2 * (kern(size, dt, "sampled_softmax", "fwd") + kern(size, dt, "sampled_softmax", "bwd")
+                            + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
+                opt = torch_us(size, dt, ["optimizer/step"])
+                total = enc + lstm + enc_b + lstm_b + soft + opt
+                row.update(encoder_fwd_bwd_us=enc + enc_b, lstm_fwd_bwd_us=lstm + lstm_b, softmax_us=soft,
+                           optimizer_us=opt, train_step_us=total,
+                           train_tokens_per_s=size.B * size.T / (total * 1e-6))
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ output
+COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice", "chosen", "config", "grid",
+           "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm", "hgmma",
+           "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "violations", "variant_id",
+           "compile_s"]
+_CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "num_")
+
+
+def row_of(c: Case, picked: bool) -> dict:
+    st = c.stats
+    cfg = " ".join(f"{k}={v}" for k, v in c.launch.meta.items() if k.startswith(_CONFIG_KEYS))
+    r = dict(op=c.op, phase=c.phase, size=c.size, dtype=dt_name(c.dtype), kernel=c.kernel, variant=c.variant,
+             label=c.label + ("" if picked else " (candidate)"), slot=c.slot, choice=c.choice,
+             chosen=int(picked), config=cfg, grid="x".join(map(str, c.launch.grid)), programs=c.programs,
+             gflop=round(c.flops / 1e9, 3), mbytes=round(c.bytes / 2**20, 2), variant_id=st.get("variant_id"),
+             violations="; ".join(violations(c)))
+    if "error" not in st:
+        r.update({k: st[k] for k in ("regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "hgmma",
+                                     "hmma", "ldgsts", "tma", "local", "atom")},
+                 blocks_per_sm=occupancy(st), est_us=round(estimate_us(c), 2), compile_s=round(st["compile_s"], 1))
+    return r
+
+
+def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, subset: bool) -> tuple[Path, Path]:
+    env = common.environment()
+    n_var = len({c.stats["variant_id"] for c in cases})
+    picked = {id(c) for c in chosen(cases)}
+    rows = [row_of(c, id(c) in picked) for c in cases]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / "kernel_report.csv"
+    with open(csv_path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=COLUMNS + ["triton", "torch", "commit", "command"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows({**r, **env} for r in rows)
+    md = [f"# Kernel report{' (CI subset)' if subset else ''}: elmo_fast Triton kernels compiled for an H100 "
+          "(sm_90a), no GPU",
+          "",
+          f"Commit `{env['commit']}`, triton {env['triton']}, torch {env['torch']}, {env['date']}. Command: "
+          f"`{env['command']}`. Compiled on {env['device']}: {n_var} distinct variants ({len(cases)} launches of "
+          f"the workload) in {seconds:.0f} s with {jobs} processes. Nothing here ran on a GPU: every time below "
+          "is an estimate.",
+          "",
+          "Model (bench/kernel_report.py): per launch `max(bytes / 3.35 TB/s, FLOPs / peak) / busy + 3 µs`, peak "
+          "990 TFLOP/s when the SASS has tensor-core instructions (HGMMA/HMMA) else 67 TFLOP/s, `busy` = share of "
+          "the 132 SMs the grid keeps busy; bytes = compulsory HBM traffic + atomic reduction traffic; FLOPs as "
+          f"executed (padded tiles included); char-CNN position loops of {MEAN_WINDOWS} windows. Token encoder "
+          "over every position (no deduplication). Rules: no spill in bf16, none in fp32 up to B=128; "
+          "tensor-core instructions in every bf16 GEMM-like kernel; >= 132 programs at B >= 128; async "
+          "(pipelined) loads in every kernel.",
+          ""]
+    sums = scenario_sums(cases) if not subset else []
+    if sums:
+        md += ["## Sums (estimated µs, no CUDA graph)", "",
+               "| size | dtype | LSTM step fwd | LSTM step fwd+bwd | biLM forward | train: encoder | train: LSTMs | "
+               "train: softmax x2 | train: optimizer | training step | tokens/s |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        def cell(s, k, fmt="{:.0f}"):
+            return fmt.format(s[k]) if k in s else ""
+
+        for s in sums:
+            md.append("| " + " | ".join([s["size"], s["dtype"], cell(s, "lstm_step_fwd_us", "{:.1f}"),
+                                         cell(s, "lstm_step_fwd_bwd_us", "{:.1f}")]
+                                        + [cell(s, k) for k in ("bilm_forward_us", "encoder_fwd_bwd_us",
+                                                                "lstm_fwd_bwd_us", "softmax_us", "optimizer_us",
+                                                                "train_step_us")]
+                                        + [cell(s, "train_tokens_per_s", "{:,.0f}")]) + " |")
+        md += ["", "biLM forward = token encoder + 4 chains x T steps (+ the torch launches around them); training "
+               "step = encoder, 4 chains and two sampled softmaxes forward and backward, sampler, optimizer. "
+               "(The trainer currently feeds the softmax in fp32 even under bf16 autocast: its fp32 rows apply.)",
+               ""]
+    bad = [r for r in rows if r["violations"]]
+    md += ["## Rule violations", ""]
+    pending = [r for r in bad if r["op"] in PENDING]
+    own = [r for r in bad if r["op"] not in PENDING]
+    md += [f"- {r['op']} {r['label']} [{r['size']} {r['dtype']}, {r['phase']}]: {r['violations']}"
+           for r in own] or ["- none outside the pending ops"]
+    for op, why in PENDING.items():
+        n = sum(r["op"] == op for r in pending)
+        md.append(f"- {op}: {n} variants break a rule; {why}.")
+    md += [""] + [f"- {k}: {v}" for k, v in {**FEW_PROGRAMS_OK, **NO_K_LOOP, **NOTES}.items()]
+    md += ["", "## Variants", "",
+           "Every launch of the workload, from the launchers' own configuration functions; '(candidate)' marks an "
+           "autotune candidate the model does not pick (the runtime times them on a GPU).", "",
+           "| op | phase | size | dtype | kernel | config | grid | regs | spill st/ld | stack | smem | w | st | "
+           "blk/SM | HGMMA | HMMA | LDGSTS | TMA | local | GFLOP | MiB | est µs |",
+           "|" + "---|" * 22]
+    for r in rows:
+        if "regs" not in r:
+            md.append(f"| {r['op']} | {r['phase']} | {r['size']} | {r['dtype']} | {r['label']} | "
+                      f"{r['config']} | {r['grid']} | {r['violations']} |" + " |" * 14)
+            continue
+        md.append(f"| {r['op']} | {r['phase']} | {r['size']} | {r['dtype']} | {r['label']} | "
+                  f"{r['config']} | {r['grid']} | {r['regs']} | {r['spill_st']}/{r['spill_ld']} | {r['stack']} | "
+                  f"{r['smem']} | {r['warps']} | {r['stages']} | {r['blocks_per_sm']} | {r['hgmma']} | {r['hmma']} | "
+                  f"{r['ldgsts']} | {r['tma']} | {r['local']} | {r['gflop']} | {r['mbytes']} | {r['est_us']} |")
+    md_path = out_dir / "kernel_report.md"
+    md_path.write_text("\n".join(md) + "\n")
+    return md_path, csv_path
+
+
+def subset_cases() -> list[Case]:
+    """CI: the first variant of every kernel function (training B=128, bf16: forward and backward of all ops)."""
+    seen, out = set(), []
+    for c in workload_cases([s for s in SIZES if s.name == "train B=128"], [BF16]):
+        if c.kernel not in seen:
+            seen.add(c.kernel)
+            out.append(c)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--subset", action="store_true", help="one variant per kernel function (CI)")
+    ap.add_argument("--out", default=str(common.RESULTS), help="directory for kernel_report.md/.csv")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a rule is broken outside the pending ops")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="keep the cases whose 'op kernel variant size dtype' contains every one of these words")
+    a = ap.parse_args(argv)
+    cases = subset_cases() if a.subset else workload_cases()
+    cases = [c for c in cases if all(w in f"{c.op} {c.label} {c.size} {dt_name(c.dtype)}" for w in a.only)]
+    seconds = compile_all(cases, a.jobs)
+    md, csv_path = write_report(cases, Path(a.out), seconds, a.jobs, a.subset)
+    errors = [c for c in cases if "error" in c.stats]
+    broken = [c for c in cases if c.op not in PENDING and violations(c)]
+    print(f"{len(cases)} launches, {len({c.stats['variant_id'] for c in cases})} variants compiled in "
+          f"{seconds:.0f} s; {len(errors)} compile errors, {len(broken)} rule violations outside pending ops; "
+          f"wrote {md} and {csv_path}")
+    for c in errors:
+        print(f"compile error: {c.label} [{c.size} {dt_name(c.dtype)}]: {c.stats['error']}")
+    return 1 if errors or (a.check and broken) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
