@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 
 from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
+from ..cpu.lstmp import lstmp_cpu
+from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 
 
@@ -23,14 +25,16 @@ def lstmp(
     reverse: bool = False,
     residual: bool = False,
     backend: str | None = "auto",
-    cpu_weight_cache: dict | None = None,
+    cpu_weight_cache: PackedWeightCache | None = None,
+    cpu_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LSTMP chain over a right-padded batch; returns (y (B,T,P), h_n (B,P), c_n (B,H)).
 
     x (B, T, D); w_in (D, 4H); w_rec (P, 4H); bias (4H,) gate order i|j|f|o without the forget bias;
     w_proj (H, P) or None; h0 (B, P); c0 (B, H); lengths (B,) integer.
-    ``cpu_weight_cache``: a dict owned by the caller (the module owning the weights) in which the reference path
-    keeps CPU-packed copies of the recurrent weights across calls; other backends ignore it.
+    ``cpu_weight_cache``: a ``PackedWeightCache`` owned by the caller (the module owning the weights) in which the
+    cpu backend keeps packed copies of the weights across calls; ``cpu_bf16``: the cpu backend runs inference
+    with bf16 products (opt-in; see ``elmo_fast.cpu.lstmp``). Other backends ignore both.
     """
     _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual)
     be = select_backend(backend, x.device, "lstmp")
@@ -48,7 +52,10 @@ def lstmp(
         from ..kernels.lstmp import lstmp_triton
 
         return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cpu_weight_cache=cpu_weight_cache, **kw)
+    if be == "cpu":
+        return lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, weight_cache=cpu_weight_cache,
+                         bf16=cpu_bf16, **kw)
+    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
 
 
 def _check(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, residual):

@@ -1,0 +1,103 @@
+"""Weights packed once for oneDNN, and the module-owned cache that keeps them across calls.
+
+``torch.mm`` sends the small-M products of an LSTM step (M = batch rows) to MKL's sgemm. oneDNN with a weight
+reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) runs the same IEEE fp32
+products faster on these shapes (measured on the 2-core AVX-512 machine of bench/results/cpu_lstmp.md: M=32,
+K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
+input projection in the same pass. Only the summation order differs from ``torch.mm``.
+
+``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``); a failed pack or probe also
+turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ONEDNN_OK = os.environ.get("ELMO_FAST_CPU_ONEDNN", "1").strip() != "0"
+
+
+class PackedLinear:
+    """``x -> x · w (+ other)`` for a (K, N) weight ``w``, through oneDNN when it can, else torch.mm.
+
+    ``w`` is the logical right operand; the packed copy (N, K) lives in oneDNN's layout and never changes.
+    bf16 packing (``dtype=torch.bfloat16``) keeps the output fp32: the inputs are rounded to bf16 and the
+    products accumulate in fp32 (AMX / AVX512-BF16 on CPUs that have them).
+    """
+
+    def __init__(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None):
+        self.shape = tuple(w.shape)
+        self.dtype = dtype or w.dtype
+        self.w = w  # the fallback path's operand; holding it also keeps its storage (the cache key) alive
+        self.packed = _pack(w, rows, self.dtype)
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            xin = x if x.dtype == self.dtype else x.to(self.dtype)
+            if add is not None:
+                out = torch.ops.mkldnn._linear_pointwise.binary(xin, add, self.packed, None, "add")
+            else:
+                out = torch.ops.mkldnn._linear_pointwise(xin, self.packed, None, "none", [], "")
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+        if add is not None:
+            return torch.addmm(add, x, self.w)
+        return torch.mm(x, self.w)
+
+
+def onednn_usable(t: torch.Tensor) -> bool:
+    return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
+    """The oneDNN-packed (N, K) weight, or None where that path does not apply (then torch.mm is used)."""
+    global _ONEDNN_OK
+    if not onednn_usable(w):
+        return None
+    try:
+        wt = w.detach().t().to(dtype).contiguous()
+        packed = torch.ops.mkldnn._reorder_linear_weight(wt, max(1, rows))
+        probe = torch.zeros(1, w.shape[0], dtype=dtype)
+        probe[0, 0] = 1.0
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        if not torch.equal(got[0].float(), wt[:, 0].float()):  # one row of the identity reads one weight row
+            raise RuntimeError("oneDNN linear returned unexpected values")
+        return packed
+    except Exception:  # noqa: BLE001 - any problem: the plain path from now on
+        _ONEDNN_OK = False
+        return None
+
+
+class PackedWeightCache:
+    """Packed copies of a module's weights, kept across calls; owned by the module that owns the weights.
+
+    An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
+    weight's version counter (bumped by every in-place update, e.g. an optimizer step) is unchanged. Pickling
+    (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops the entries: they hold oneDNN
+    tensors that cannot be pickled, and they are rebuilt on the next call.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
+        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == w._version:
+            return hit[1]
+        lin = PackedLinear(w, rows, dtype)
+        self._entries[key] = (w._version, lin)
+        return lin
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._entries = {}
