@@ -243,11 +243,7 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
     ``PackedWeightCache`` (packed weights survive across calls). ``bf16``: inference only, the per-step products
     take bf16 operands (AVX512-BF16 / AMX) with fp32 accumulation; the cell state and gates stay fp32.
     """
-    B, T, _ = x.shape
-    P = h0.shape[1]
-    plan = _Plan.build(lengths.cpu(), T, reverse)
-    if plan.N == 0:  # nothing runs: zeros out, the state passes through
-        return x.new_zeros(B, T, P), h0.clone(), c0.clone()
+    plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):

@@ -45,8 +45,13 @@ class PackedLinear:
         return torch.mm(x, self.w)
 
 
+# Below this many weight elements (1 MiB in fp32) torch.mm is at least as fast: oneDNN runs every call in parallel,
+# and on a busy 2-core machine each parallel region can wait for a scheduler slice.
+_MIN_ELEMENTS = 1 << 18
+
+
 def onednn_usable(t: torch.Tensor) -> bool:
-    return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32
+    return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MIN_ELEMENTS
             and torch.backends.mkldnn.is_available())
 
 
