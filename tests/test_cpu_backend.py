@@ -142,7 +142,8 @@ def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path):
 def test_backend_selection():
     assert select_backend("auto", torch.device("cpu"), "lstmp") == "cpu"
     assert select_backend("cpu", torch.device("cpu"), "lstmp") == "cpu"
-    with pytest.raises(BackendUnavailableError, match=r"backend 'cpu' for lstmp needs CPU tensors, got cuda.*\.cpu\(\)"):
+    msg = r"backend 'cpu' for lstmp needs CPU tensors, got cuda.*\.cpu\(\)"
+    with pytest.raises(BackendUnavailableError, match=msg):
         select_backend("cpu", torch.device("cuda"), "lstmp")
 
 

@@ -54,7 +54,8 @@ def char_cnn_reference(
     with _no_tf32() if char_ids.is_cuda else contextlib.nullcontext():
         for w, b in zip(conv_weights, conv_biases):
             if emb.shape[-1] < w.shape[0]:
-                raise ValueError(f"tokens of {emb.shape[-1]} characters are shorter than a filter of width {w.shape[0]}")
+                raise ValueError(f"tokens of {emb.shape[-1]} characters are shorter than a filter of width "
+                                 f"{w.shape[0]}")
             outs.append(F.conv1d(emb, w.permute(2, 1, 0), b).amax(dim=-1))  # cross-correlation, no flip
     return act(torch.cat(outs, dim=-1))
 
