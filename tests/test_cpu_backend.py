@@ -10,6 +10,7 @@ import torch
 
 import elmo_fast
 from elmo_fast._backend import BackendUnavailableError, select_backend
+from elmo_fast.cpu import char_cnn as char_cnn_module
 from elmo_fast.cpu import char_cnn_cpu, lstmp_cpu, packed
 from elmo_fast.cpu.packed import PackedWeightCache
 from elmo_fast.reference import char_cnn_reference, lstmp_reference
@@ -149,7 +150,10 @@ def test_backend_selection():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("act", ["relu", "tanh"])
-def test_char_cnn_cpu_matches_reference(dtype, act):
+@pytest.mark.parametrize("bucket", [512, 3])
+def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
+    """Buckets of 3 tokens put short words together, so their all-padding windows take the shortcut."""
+    monkeypatch.setattr(char_cnn_module, "_BUCKET", bucket)
     g = torch.Generator().manual_seed(0)
     d, filters = 4, [(1, 3), (2, 4), (3, 5), (7, 6)]
 
