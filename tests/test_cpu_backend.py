@@ -12,6 +12,7 @@ import elmo_fast
 from elmo_fast._backend import BackendUnavailableError, select_backend
 from elmo_fast.cpu import char_cnn as char_cnn_module
 from elmo_fast.cpu import char_cnn_cpu, lstmp_cpu, packed
+from elmo_fast.cpu.ext import cpu_ext
 from elmo_fast.cpu.packed import PackedWeightCache
 from elmo_fast.reference import char_cnn_reference, lstmp_reference
 from elmo_fast.testing import write_random_model
@@ -48,6 +49,26 @@ def gemm_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["avx512", "avx2", "scalar", "torch-ops"])
+def gate_path(request, monkeypatch):
+    """Every gate-math path: the compiled kernels (elmo_fast._cpu, when built) in each instruction set this CPU
+    has, and torch ops."""
+    if request.param == "torch-ops":
+        monkeypatch.setenv("ELMO_FAST_CPU_EXT", "0")
+        yield request.param
+        return
+    ext = cpu_ext()
+    if ext is None:
+        pytest.skip("elmo_fast._cpu is not built (no C++ compiler at install, or ELMO_FAST_CPU_EXT=0)")
+    best = ext.isa()
+    try:
+        ext.set_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU cannot run {request.param}")
+    yield request.param
+    ext.set_isa(best)
+
+
 def assert_close_to_oracle(got, ref64, ref_low, what):
     """|got - ref64| <= 2 |ref_low - ref64| + slack·(1 + |ref64|) elementwise: the reference run in got's dtype
     sets the bar, plus a per-dtype slack for a different (equally valid) summation order."""
@@ -79,6 +100,7 @@ LSTMP_CASES = [
     pytest.param(3, 5, 4, 6, 6, [2, 5, 4], True, False, False, None, None, id="no-projection-rev"),
     pytest.param(1, 1, 3, 5, 2, [1], False, False, True, 0.5, 0.5, id="one-step"),
     pytest.param(3, 4, 3, 5, 2, [0, 0, 0], True, False, True, 0.5, 0.5, id="all-empty"),
+    pytest.param(3, 5, 4, 37, 5, [5, 2, 4], True, True, True, 0.9, 0.3, id="H37-vector-and-tail"),
 ]
 
 
@@ -90,7 +112,7 @@ def _run_lstmp(fn, args, lengths, up, **kw):
 
 @pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, dtype, B, T, D, H, P, lengths, reverse, residual, proj,
+def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B, T, D, H, P, lengths, reverse, residual, proj,
                                      cell_clip, proj_clip):
     if residual:
         D = P
@@ -116,6 +138,27 @@ def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, dtype, B, T, D, H, P
         assert_close_to_oracle(g, r64, r, "inference " + what)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_cpu_stacked_weight_gets_one_gradient(gate_path, dtype):
+    """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
+    directly (no slice gradients), and equals the reference's."""
+    B, T, D, H, P = 3, 5, 4, 17, 4
+    x, _, _, bias, w_proj, h0, c0 = _chain(B, T, D, H, P, True, dtype, seed=11)
+    w0 = (torch.randn(D + P, 4 * H, dtype=torch.float64) * 0.4).to(dtype).requires_grad_()
+    lengths = torch.tensor([5, 3, 4])
+    kw = dict(cell_clip=1.0, proj_clip=0.6, residual=True, reverse=False)
+    ups = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
+    got = lstmp_cpu(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw)
+    assert any(type(f).__name__ == "AccumulateGrad" and f.variable is w0 for f, _ in got[0].grad_fn.next_functions)
+    g_got = torch.autograd.grad(got, w0, ups)[0]
+    w64 = w0.detach().double().requires_grad_()
+    args64 = [t.detach().double() for t in (x, bias, w_proj, h0, c0)]
+    ref64 = lstmp_reference(args64[0], w64[:D], w64[D:], *args64[1:], lengths, **kw)
+    g64 = torch.autograd.grad(ref64, w64, [u.double() for u in ups])[0]
+    g_ref = torch.autograd.grad(lstmp_reference(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw), w0, ups)[0]
+    assert_close_to_oracle(g_got, g64, g_ref, "dW_0")
+
+
 def test_lstmp_cpu_gradcheck_fp64():
     args = _chain(3, 4, 3, 4, 2, True, torch.float64, seed=7)
     lengths = torch.tensor([4, 1, 3])
@@ -124,7 +167,7 @@ def test_lstmp_cpu_gradcheck_fp64():
             lambda *a: lstmp_cpu(*a, lengths, cell_clip=5.0, proj_clip=5.0, reverse=reverse), args)
 
 
-def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path):
+def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path, gate_path):
     """Repeated input rows take the deduplicated projection; the cached packed weights follow in-place updates."""
     B, T, D, H, P = 4, 9, 8, 16, 8
     args = [a.detach() for a in _chain(B, T, D, H, P, True, torch.float32, seed=3)]

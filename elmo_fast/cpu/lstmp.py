@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from .ext import cpu_ext
 from .packed import PackedLinear, PackedWeightCache
 
 
@@ -94,14 +95,27 @@ def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, tran
     return out
 
 
+def _fused(*tensors):
+    """The compiled gate kernels when they apply (built, fp32, contiguous), else None."""
+    ext = cpu_ext()
+    if ext is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors if t is not None):
+        return None
+    return ext
+
+
 def _cell_forward(z, c_prev, cell_clip, g_out=None, c_pre_out=None, tc_out=None, m_out=None):
     """Gate nonlinearities and the cell update of one step.
 
     z (n, 4H): pre-activations i|j|f|o with every bias; c_prev (n, H): the clipped cell. Returns (c, m): the
     clipped cell (the next state) and m = σ(o)·tanh(c). With the ``*_out`` buffers (training) it also writes the
-    activated gates, the pre-clip cell and tanh(c) there; without them z is overwritten.
+    activated gates, the pre-clip cell and tanh(c) there; without them z may be overwritten.
     """
     H = c_prev.shape[1]
+    ext = _fused(z, c_prev, g_out, c_pre_out, tc_out, m_out)
+    if ext is not None:  # one pass instead of ~8
+        c, m = torch.empty_like(c_prev), (m_out if m_out is not None else torch.empty_like(c_prev))
+        ext.cell_forward(z, c_prev, cell_clip, g_out, c_pre_out, c, tc_out, m)
+        return c, m
     g = z if g_out is None else g_out
     torch.tanh(z[:, H : 2 * H], out=g[:, H : 2 * H])
     torch.sigmoid(z[:, :H], out=g[:, :H])
@@ -120,6 +134,10 @@ def _cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out):
     """Backward of ``_cell_forward``: dm, dc (n, H) the gradients w.r.t. m and w.r.t. the clipped cell (from the
     next step). Writes dz (n, 4H) into ``dz_out``; returns the gradient w.r.t. c_prev."""
     H = c_prev.shape[1]
+    ext = _fused(dm, dc, g, c_pre, tc, c_prev, dz_out)
+    if ext is not None:  # one pass instead of ~20
+        ext.cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out, dc)
+        return dc
     i, j, f, o = g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H], g[:, 3 * H :]
     dc = torch.addcmul(dc, dm * o, 1.0 - tc * tc)  # through m = o·tanh(c)
     if cell_clip is not None:
@@ -182,12 +200,18 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
 
 
 class _LSTMPFunction(torch.autograd.Function):
-    """The chain with its own backward through time (see the module docstring)."""
+    """The chain with its own backward through time (see the module docstring).
+
+    ``w_stack``: when w_in and w_rec are the two row blocks of one (D+P, 4H) tensor (the model's ``W_0``), that
+    tensor is the input instead (w_in and w_rec are then None), and its gradient is one GEMM,
+    ``[x ; h_prev]ᵀ dz``, with no slice gradients to expand and add."""
 
     @staticmethod
-    def forward(ctx, x, w_in, w_rec, bias, w_proj, h0, c0, plan, kw, cache):
+    def forward(ctx, x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, plan, kw, cache):
+        if w_stack is not None:
+            w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
         y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=cache, save=True, **kw)
-        ctx.plan, ctx.kw, ctx.cache, ctx.has_proj = plan, kw, cache, w_proj is not None
+        ctx.plan, ctx.kw, ctx.cache, ctx.stacked = plan, kw, cache, w_stack is not None
         ctx.save_for_backward(w_in, w_rec, w_proj, h0, c0, *saved)
         return y, h_n, c_n
 
@@ -203,7 +227,7 @@ class _LSTMPFunction(torch.autograd.Function):
         carry_h, carry_c = plan.sort(dh_n), plan.sort(dc_n)  # gradients w.r.t. the state after the current step
         c_init = plan.sort(c0)
         dz = torch.empty_like(gates)
-        dh_all = torch.empty_like(hs) if ctx.has_proj else None
+        dh_all = torch.empty_like(hs) if w_proj is not None else None
         rec_t, proj_t = _weights(w_rec, w_proj, B, ctx.cache, transposed=True)
         for s in range(len(plan.n) - 1, -1, -1):
             n, o = plan.n[s], plan.off[s]
@@ -219,20 +243,38 @@ class _LSTMPFunction(torch.autograd.Function):
             carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
             carry_h[:n] = rec_t(dz[blk])
         need = ctx.needs_input_grad
-        dx = dw_in = dw_rec = db = dw_proj = None
+        dx = dw_in = dw_rec = dw_stack = db = dw_proj = None
         if need[0]:
             dxs = torch.addmm(dys, dz, w_in.t()) if kw["residual"] else torch.mm(dz, w_in.t())
             dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
+        h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(need[1:4]) else None
+        if need[3]:
+            dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
         if need[1]:
             dw_in = torch.mm(xs.t(), dz)
         if need[2]:
-            h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev)
             dw_rec = torch.mm(h_prev.t(), dz)
-        if need[3]:
+        if need[4]:
             db = dz.sum(0)
-        if need[4] and w_proj is not None:
+        if need[5] and w_proj is not None:
             dw_proj = torch.mm(m_all.t(), dh_all)
-        return (dx, dw_in, dw_rec, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None, None)
+        return (dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None,
+                None)
+
+
+def _stack_of(w_in: torch.Tensor, w_rec: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous (D+P, 4H) tensor whose first D rows are ``w_in`` and whose other rows are ``w_rec``, if they
+    are views of one (the model passes ``W_0[:P]`` and ``W_0[P:]``), else None."""
+    base = w_in._base
+    if base is None or w_rec._base is not base or base.dim() != 2 or not base.is_contiguous():
+        return None
+    if base.requires_grad != w_in.requires_grad or base.requires_grad != w_rec.requires_grad:
+        return None
+    D = w_in.shape[0]
+    if (base.shape[0] != D + w_rec.shape[0] or w_in.data_ptr() != base.data_ptr()
+            or w_rec.data_ptr() != base[D:].data_ptr() or not (w_in.is_contiguous() and w_rec.is_contiguous())):
+        return None
+    return base
 
 
 def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, proj_clip=None, forget_bias=1.0,
@@ -249,7 +291,10 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         if bf16:
             raise ValueError("lstmp: bf16 on the CPU backend is for inference only (no gradients)")
-        return _LSTMPFunction.apply(*tensors, plan, kw, weight_cache)
+        stack = _stack_of(w_in, w_rec)
+        if stack is not None:
+            return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw, weight_cache)
+        return _LSTMPFunction.apply(x, w_in, w_rec, None, bias, w_proj, h0, c0, plan, kw, weight_cache)
     with torch.no_grad():
         y, h_n, c_n, _ = _forward(*tensors, plan, cache=weight_cache, save=False,
                                   dtype=torch.bfloat16 if bf16 else None, **kw)
