@@ -183,6 +183,59 @@ def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path, gate_path):
     assert len(cache) == 2  # one entry per weight role, replaced when the weight changes
 
 
+needs_bf16 = pytest.mark.skipif(not packed.bf16_supported(), reason="this CPU has neither AVX512-BF16 nor AMX")
+
+
+@needs_bf16
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lstmp_cpu_bf16_inference_within_budget(monkeypatch, reverse):
+    """Opt-in bf16 products (fp32 gates and cell state): the error against fp64 is at most twice the error of
+    the reference run entirely in bf16, plus a slack (performance.md's accuracy budget)."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # pack the test-sized weights too
+    B, T, D, H, P = 6, 12, 32, 48, 32
+    args = [a.detach() for a in _chain(B, T, D, H, P, True, torch.float64, seed=5)]
+    lengths = torch.tensor([12, 7, 12, 3, 0, 9])
+    kw = dict(cell_clip=3.0, proj_clip=3.0, reverse=reverse, residual=True)
+    ref64 = lstmp_reference(*args, lengths, **kw)
+    ref16 = lstmp_reference(*[a.bfloat16() for a in args], lengths, **kw)
+    with torch.no_grad():
+        got = lstmp_cpu(*[a.float() for a in args], lengths, bf16=True, **kw)
+    for what, g, r64, r16 in zip(["y", "h_n", "c_n"], got, ref64, ref16):
+        assert g.dtype == torch.float32
+        err, bar = (g.double() - r64).abs().max(), 2 * (r16.double() - r64).abs().max() + 1e-3
+        assert err <= bar, f"{what}: bf16 error {err:.3g} over the budget {bar:.3g}"
+    with pytest.raises(ValueError, match="inference only"):
+        lstmp_cpu(*[a.float().requires_grad_() for a in args], lengths, bf16=True, **kw)
+    monkeypatch.setattr("elmo_fast.cpu.lstmp.bf16_supported", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="AVX512-BF16 or AMX"):
+        lstmp_cpu(*[a.float() for a in args], lengths, bf16=True, **kw)
+
+
+@needs_bf16
+def test_bf16_opt_in_from_the_environment(tmp_path, monkeypatch):
+    """ELMO_FAST_CPU_BF16=1 switches a new model's LSTMs to bf16 products; the default stays fp32."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # the tiny model's weights are packed too
+    o, w = write_random_model(tmp_path)
+    ids = elmo_fast.batch_to_ids(SENTS)
+    fp32 = elmo_fast.ElmoBiLM(o, w, stateful=False)
+    assert not fp32._bilm.forward_lstm.cpu_bf16
+    monkeypatch.setenv("ELMO_FAST_CPU_BF16", "1")
+    bf16 = elmo_fast.ElmoBiLM(o, w, stateful=False)
+    assert bf16._bilm.forward_lstm.cpu_bf16 and bf16._bilm.backward_lstm.cpu_bf16
+    calls = []
+    real = packed.PackedLinear.__init__
+
+    def spy(self, w_, rows, dtype=None):
+        calls.append(dtype)
+        real(self, w_, rows, dtype)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", spy)
+    with torch.no_grad():
+        a, b = fp32(ids)["activations"][2], bf16(ids)["activations"][2]
+    assert torch.bfloat16 in calls
+    assert 0 < float((a - b).abs().max()) < 0.1
+
+
 def test_backend_selection():
     assert select_backend("auto", torch.device("cpu"), "lstmp") == "cpu"
     assert select_backend("cpu", torch.device("cpu"), "lstmp") == "cpu"

@@ -35,7 +35,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .ext import cpu_ext
-from .packed import PackedLinear, PackedWeightCache
+from .._backend import BackendUnavailableError
+from .packed import PackedLinear, PackedWeightCache, bf16_supported
 
 
 @dataclass
@@ -161,13 +162,21 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
     bias_f = bias.clone()
     bias_f[2 * H : 3 * H] += forget_bias
     xs = x.reshape(B * T, D).index_select(0, plan.flat)  # (N, D) packed inputs
+    if dtype is None:
+        def project(rows):
+            return torch.addmm(bias_f, rows, w_in)
+    else:  # bf16 inference: the input projection packed like the per-step weights
+        w_lin = PackedLinear(w_in, N, dtype) if cache is None else cache.get(w_in, N, dtype, "in")
+
+        def project(rows):
+            return w_lin(rows).add_(bias_f)
     gates = None
     if not save and N > 1:  # inference: project each distinct input row once where that pays off
         uniq, inv = torch.unique(xs, dim=0, return_inverse=True)
         if uniq.shape[0] * 4 <= N * 3:
-            gates = torch.addmm(bias_f, uniq, w_in).index_select(0, inv)
+            gates = project(uniq).index_select(0, inv)
     if gates is None:
-        gates = torch.addmm(bias_f, xs, w_in)  # (N, 4H)
+        gates = project(xs)  # (N, 4H)
     rec, proj = _weights(w_rec, w_proj, B, cache, dtype)
     hs = x.new_empty(N, P)  # the (clipped) outputs h_t, packed
     if save:
@@ -282,15 +291,21 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
     """The CPU backend of ``elmo_fast.ops.lstmp`` (arguments and results of ``lstmp_reference``).
 
     Differentiable w.r.t. x, w_in, w_rec, bias, w_proj, h0 and c0. ``weight_cache``: the owning module's
-    ``PackedWeightCache`` (packed weights survive across calls). ``bf16``: inference only, the per-step products
-    take bf16 operands (AVX512-BF16 / AMX) with fp32 accumulation; the cell state and gates stay fp32.
+    ``PackedWeightCache`` (packed weights survive across calls). ``bf16`` (opt-in, inference only, CPUs with
+    AVX512-BF16 or AMX): the products with the packed weights (those of 1 MiB and more) take bf16 operands and
+    accumulate in fp32; their results are rounded to bf16, the gates and the cell state stay fp32. Measured
+    error: below that of the reference run in bf16 (tests/test_cpu_backend.py).
     """
+    if bf16 and not bf16_supported():
+        raise BackendUnavailableError("lstmp: bf16 on the cpu backend needs a CPU with AVX512-BF16 or AMX and "
+                                      "torch's oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False "
+                                      "here); unset ELMO_FAST_CPU_BF16 / cpu_bf16 to run in fp32")
     plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         if bf16:
-            raise ValueError("lstmp: bf16 on the CPU backend is for inference only (no gradients)")
+            raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
         stack = _stack_of(w_in, w_rec)
         if stack is not None:
             return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw, weight_cache)

@@ -22,8 +22,8 @@ class PackedLinear:
     """``x -> x · w (+ other)`` for a (K, N) weight ``w``, through oneDNN when it can, else torch.mm.
 
     ``w`` is the logical right operand; the packed copy (N, K) lives in oneDNN's layout and never changes.
-    bf16 packing (``dtype=torch.bfloat16``) keeps the output fp32: the inputs are rounded to bf16 and the
-    products accumulate in fp32 (AMX / AVX512-BF16 on CPUs that have them).
+    With ``dtype=torch.bfloat16`` the weight is packed in bf16 and each call rounds ``x`` to bf16, accumulates in
+    fp32 (AMX / AVX512-BF16) and returns the result, rounded to bf16 by oneDNN, in ``x``'s dtype.
     """
 
     def __init__(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None):
@@ -33,16 +33,14 @@ class PackedLinear:
         self.packed = _pack(w, rows, self.dtype)
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is not None:
-            xin = x if x.dtype == self.dtype else x.to(self.dtype)
+        if self.packed is None:
+            return torch.mm(x, self.w) if add is None else torch.addmm(add, x, self.w)
+        if self.dtype == x.dtype:
             if add is not None:
-                out = torch.ops.mkldnn._linear_pointwise.binary(xin, add, self.packed, None, "add")
-            else:
-                out = torch.ops.mkldnn._linear_pointwise(xin, self.packed, None, "none", [], "")
-            return out if out.dtype == x.dtype else out.to(x.dtype)
-        if add is not None:
-            return torch.addmm(add, x, self.w)
-        return torch.mm(x, self.w)
+                return torch.ops.mkldnn._linear_pointwise.binary(x, add, self.packed, None, "add")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "").to(x.dtype)
+        return out if add is None else out.add_(add)
 
 
 # Below this many weight elements (1 MiB in fp32) torch.mm is at least as fast: oneDNN runs every call in parallel,
@@ -53,6 +51,11 @@ _MIN_ELEMENTS = 1 << 18
 def onednn_usable(t: torch.Tensor) -> bool:
     return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MIN_ELEMENTS
             and torch.backends.mkldnn.is_available())
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 products natively here (AVX512-BF16 or AMX)."""
+    return _ONEDNN_OK and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):

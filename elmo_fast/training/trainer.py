@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..chars import Vocabulary
+from ..cpu.memory import keep_freed_memory
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
 from ..modules.sampled_softmax import SampledSoftmaxLoss
@@ -171,6 +172,8 @@ class Trainer:
         self.dinfo = dinfo or DistInfo()
         self.device = device or torch.device("cpu")
         self._log = log or (lambda rec: None)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # large per-step buffers come back from the heap, not as fresh pages
         self.n_towers_total = self.dinfo.world_size * cfg.towers
         self.options = cfg.options(self.V)
         opts = ElmoOptions.from_dict(self.options)
