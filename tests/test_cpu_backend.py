@@ -112,8 +112,8 @@ def _run_lstmp(fn, args, lengths, up, **kw):
 
 @pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B, T, D, H, P, lengths, reverse, residual, proj,
-                                     cell_clip, proj_clip):
+def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B, T, D, H, P, lengths, reverse,
+                                     residual, proj, cell_clip, proj_clip):
     if residual:
         D = P
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual, forget_bias=1.0)

@@ -5,9 +5,10 @@
 // H cell, gates in the TF order i | j | f | o (z and g are (n, 4H), the rest (n, H)); every tensor fp32 and
 // contiguous. The math is elmo_fast.reference.lstmp (spec §3.2); the forget bias is already in z.
 //
-// Transcendentals: SLEEF's 1-ulp exp/tanh, the functions torch's own CPU kernels use, taken from libtorch_cpu
-// (which exports them) in their AVX-512 and AVX2 forms; other CPUs get std::exp / std::tanh. The ISA is chosen
-// once at run time (__builtin_cpu_supports); nothing here needs global -m flags, so the build runs anywhere.
+// Transcendentals: exp by range reduction (x = n ln2 + r) and Cephes' degree-6 polynomial on r (about 1 ulp),
+// sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 1 - 2 / (exp(2x) + 1) (absolute error ~1e-7). AVX-512 and AVX2
+// versions are compiled with function target attributes and chosen once at run time (__builtin_cpu_supports);
+// other CPUs get std::exp / std::tanh. No global -m flags: the build runs on any x86-64 (and any other CPU).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -21,12 +22,6 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define ELMO_X86 1
-extern "C" {
-__m512 Sleef_expf16_u10(__m512);
-__m512 Sleef_tanhf16_u10(__m512);
-__m256 Sleef_expf8_u10avx2(__m256);
-__m256 Sleef_tanhf8_u10avx2(__m256);
-}
 #endif
 
 namespace {
@@ -99,9 +94,34 @@ void bwd_scalar(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
 // ---- AVX-512 ---------------------------------------------------------------------------------------------------
 #define ELMO_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma")))
 
+// Cephes expf: 2^n * p(r) with |r| <= ln2/2; inputs clamped to [-87, 88] (NaN stays NaN).
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+ELMO_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
 ELMO_AVX512 inline __m512 sigmoid16(__m512 x) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+ELMO_AVX512 inline __m512 tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  return _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp16(_mm512_mul_ps(two, x)), one)));
 }
 
 ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
@@ -110,11 +130,11 @@ ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1)
   const __m512 lo = _mm512_set1_ps(-a.clip), hi = _mm512_set1_ps(a.clip);
   int64_t k = k0;
   for (; k + 16 <= k1; k += 16) {
-    const __m512 i = sigmoid16(_mm512_loadu_ps(z + k)), j = Sleef_tanhf16_u10(_mm512_loadu_ps(z + H + k));
+    const __m512 i = sigmoid16(_mm512_loadu_ps(z + k)), j = tanh16(_mm512_loadu_ps(z + H + k));
     const __m512 f = sigmoid16(_mm512_loadu_ps(z + 2 * H + k)), o = sigmoid16(_mm512_loadu_ps(z + 3 * H + k));
     const __m512 cp = _mm512_fmadd_ps(f, _mm512_loadu_ps(a.c_prev + r * H + k), _mm512_mul_ps(i, j));
     const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, cp));  // NaN propagates (2nd operand)
-    const __m512 t = Sleef_tanhf16_u10(c);
+    const __m512 t = tanh16(c);
     if (a.g) {
       float* g = a.g + r * G;
       _mm512_storeu_ps(g + k, i), _mm512_storeu_ps(g + H + k, j);
@@ -156,9 +176,31 @@ ELMO_AVX512 void bwd_avx512(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1)
 // ---- AVX2 ------------------------------------------------------------------------------------------------------
 #define ELMO_AVX2 __attribute__((target("avx2,fma")))
 
+ELMO_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT |
+                                                                              _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kP0), r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n: n (in [-126, 128] after the clamp) into the exponent bits
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 ELMO_AVX2 inline __m256 sigmoid8(__m256 x) {
   const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+ELMO_AVX2 inline __m256 tanh8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+  return _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_mul_ps(two, x)), one)));
 }
 
 ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
@@ -167,11 +209,11 @@ ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
   const __m256 lo = _mm256_set1_ps(-a.clip), hi = _mm256_set1_ps(a.clip);
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
-    const __m256 i = sigmoid8(_mm256_loadu_ps(z + k)), j = Sleef_tanhf8_u10avx2(_mm256_loadu_ps(z + H + k));
+    const __m256 i = sigmoid8(_mm256_loadu_ps(z + k)), j = tanh8(_mm256_loadu_ps(z + H + k));
     const __m256 f = sigmoid8(_mm256_loadu_ps(z + 2 * H + k)), o = sigmoid8(_mm256_loadu_ps(z + 3 * H + k));
     const __m256 cp = _mm256_fmadd_ps(f, _mm256_loadu_ps(a.c_prev + r * H + k), _mm256_mul_ps(i, j));
     const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, cp));  // NaN propagates (2nd operand)
-    const __m256 t = Sleef_tanhf8_u10avx2(c);
+    const __m256 t = tanh8(c);
     if (a.g) {
       float* g = a.g + r * G;
       _mm256_storeu_ps(g + k, i), _mm256_storeu_ps(g + H + k, j);

@@ -162,21 +162,23 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
     bias_f = bias.clone()
     bias_f[2 * H : 3 * H] += forget_bias
     xs = x.reshape(B * T, D).index_select(0, plan.flat)  # (N, D) packed inputs
+    # the (N, 4H) input projections: saved for backward in training, a reused scratch buffer in inference
+    out = cache.scratch((N, 4 * H), x.dtype) if cache is not None and not save else None
     if dtype is None:
-        def project(rows):
-            return torch.addmm(bias_f, rows, w_in)
+        def project(rows, out=None):
+            return torch.addmm(bias_f, rows, w_in, out=out)
     else:  # bf16 inference: the input projection packed like the per-step weights
         w_lin = PackedLinear(w_in, N, dtype) if cache is None else cache.get(w_in, N, dtype, "in")
 
-        def project(rows):
-            return w_lin(rows).add_(bias_f)
+        def project(rows, out=None):
+            return out.copy_(w_lin(rows)).add_(bias_f) if out is not None else w_lin(rows).add_(bias_f)
     gates = None
     if not save and N > 1:  # inference: project each distinct input row once where that pays off
         uniq, inv = torch.unique(xs, dim=0, return_inverse=True)
         if uniq.shape[0] * 4 <= N * 3:
-            gates = project(uniq).index_select(0, inv)
+            gates = torch.index_select(project(uniq), 0, inv, out=out)
     if gates is None:
-        gates = project(xs)  # (N, 4H)
+        gates = project(xs, out)  # (N, 4H)
     rec, proj = _weights(w_rec, w_proj, B, cache, dtype)
     hs = x.new_empty(N, P)  # the (clipped) outputs h_t, packed
     if save:

@@ -88,6 +88,18 @@ class PackedWeightCache:
 
     def __init__(self):
         self._entries: dict = {}
+        self._scratch: torch.Tensor | None = None
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` reused across calls (grown when too small): for temporaries that never leave a
+        call, such as inference's gate pre-activations (42 MiB at 640 tokens, H=4096), which would otherwise come
+        back from the kernel as fresh zeroed pages on every call."""
+        n = 1
+        for d in shape:
+            n *= d
+        if self._scratch is None or self._scratch.dtype != dtype or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=dtype)
+        return self._scratch[:n].view(shape)
 
     def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
@@ -100,6 +112,7 @@ class PackedWeightCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._scratch = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -108,4 +121,4 @@ class PackedWeightCache:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self._entries = {}
+        self.__init__()
