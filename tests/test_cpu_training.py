@@ -99,13 +99,14 @@ def test_row_adagrad_equals_dense_adagrad():
 
 
 def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
+    """The GPU mode: samples drawn in the data thread, tensors pinned; the state covers the sampler."""
     files = _corpus(tmp_path)
     counts, _, _, _ = D.count_tokens(files)
     vocab = Vocabulary(words=D.build_vocab(counts))
 
     def make():
         gen = torch.Generator().manual_seed(5)
-        return TowerStream(D.BidirectionalStream(files, vocab, 4, 6, 50, seed=1), gen, 8, len(vocab), pin=True)
+        return TowerStream(D.BidirectionalStream(files, vocab, 4, 6, 50, seed=1), gen, 8, len(vocab), ahead=True)
 
     pinned = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)  # no accelerator here

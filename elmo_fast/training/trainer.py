@@ -111,44 +111,58 @@ def _mix_seed(*parts: int) -> int:
 
 # ----------------------------------------------------------------------------------------------- the trainer
 class TowerStream:
-    """A tower's batches, made ready in the data thread: the arrays as tensors (pinned when the model is on a GPU,
-    so the step uploads them with ``non_blocking``), and the tower's two sample sets (forward, backward) drawn
-    ahead from its own CPU generator. Its state is the stream's and the sampler's, so a resumed run draws what
-    an uninterrupted one would have."""
+    """A tower's batches: the arrays as tensors, and on a GPU (``ahead``) pinned, with the tower's two sample
+    sets (forward, backward) drawn in the data thread from its CPU generator, so the step uploads everything
+    with ``non_blocking`` and never waits on the host. On the CPU the step draws the samples itself from the same
+    generator (the same ids): sampler ops in the data thread would start a second OpenMP team that competes with
+    the step's for the cores (measured: the small config's step 87 -> 160 ms on 2 cores). The state is the
+    stream's, plus the sampler's when it draws ahead, so a resumed run draws what an uninterrupted one would."""
 
     KEYS = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
 
     def __init__(self, stream: BidirectionalStream, sampler: torch.Generator | None, num_samples: int,
-                 vocab_size: int, pin: bool):
-        self.stream, self.sampler, self.pin = stream, sampler, pin
+                 vocab_size: int, ahead: bool):
+        self.stream, self.sampler, self.ahead = stream, sampler, ahead
         self.num_samples, self.vocab_size = num_samples, vocab_size
+
+    def draw(self) -> tuple[torch.Tensor, list[int]]:
+        """Two sample sets (forward, backward): ids (2, S) on the CPU, num_tries of each."""
+        draws = [log_uniform_sample(self.num_samples, self.vocab_size, generator=self.sampler) for _ in range(2)]
+        return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
 
     def next_batch(self) -> dict:
         b = self.stream.next_batch()
         out = {k: torch.from_numpy(b[k]) for k in self.KEYS}
-        if self.sampler is not None:
-            draws = [log_uniform_sample(self.num_samples, self.vocab_size, generator=self.sampler) for _ in range(2)]
-            out["sampled_ids"] = torch.stack([ids for ids, _ in draws])
-            out["num_tries"] = [tries for _, tries in draws]
-        if self.pin:
+        if self.ahead:
+            if self.sampler is not None:
+                out["sampled_ids"], out["num_tries"] = self.draw()
             out.update({k: v.pin_memory() for k, v in out.items() if isinstance(v, torch.Tensor)})
         return out
 
     def get_state(self) -> dict:
-        return {"data": self.stream.get_state(), "sampler": self.sampler.get_state() if self.sampler else None}
+        return {"data": self.stream.get_state(),
+                "sampler": self.sampler.get_state() if self.ahead and self.sampler is not None else None}
 
     def set_state(self, st: dict) -> None:
         self.stream.set_state(st["data"])
-        if self.sampler is not None:
+        if self.ahead and self.sampler is not None:
             self.sampler.set_state(st["sampler"])
 
 
 class Tower:
-    def __init__(self, gid: int, loader: BackgroundLoader, h: torch.Tensor, c: torch.Tensor):
+    def __init__(self, gid: int, loader: BackgroundLoader, stream: TowerStream, h: torch.Tensor, c: torch.Tensor):
         self.gid = gid
         self.loader = loader
+        self.stream = stream
         self.h = h
         self.c = c
+
+    def state(self) -> dict:
+        """The data position after the last consumed batch and the sampler state after its draws."""
+        st = dict(self.loader.position)
+        if not self.stream.ahead and self.stream.sampler is not None:
+            st["sampler"] = self.stream.sampler.get_state()
+        return st
 
 
 def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
@@ -217,12 +231,14 @@ class Trainer:
                 gen.manual_seed(_mix_seed(cfg.seed, 7919, gid))
             h = torch.zeros(2, L, B, P, device=self.device)
             c = torch.zeros(2, L, B, H, device=self.device)
+            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=self.device.type == "cuda")
             if st is not None:
                 h, c = st["h"].to(self.device), st["c"].to(self.device)
-            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, pin=self.device.type == "cuda")
+                if gen is not None:
+                    gen.set_state(st["sampler"])
             loader = BackgroundLoader(ready, cfg.queue_size,
                                       state={"data": st["data"], "sampler": st["sampler"]} if st is not None else None)
-            self.towers.append(Tower(gid, loader, h, c))
+            self.towers.append(Tower(gid, loader, ready, h, c))
 
     # ------------------------------------------------------------------ forward
     def run_batch(self, batch: dict, h0: torch.Tensor, c0: torch.Tensor, training: bool):
@@ -258,9 +274,10 @@ class Trainer:
             sm = self.softmax
             sm.train()
             if cfg.sample_softmax:
-                ids = batch["sampled_ids"].to(self.device, non_blocking=True)
-                lf = sm(hf, tf, samples=(ids[0], batch["num_tries"][0]))
-                lb = sm(hb, tb, samples=(ids[1], batch["num_tries"][1]))
+                ids, tries = (batch["sampled_ids"], batch["num_tries"]) if tw.stream.ahead else tw.stream.draw()
+                ids = ids.to(self.device, non_blocking=True)
+                lf = sm(hf, tf, samples=(ids[0], tries[0]))
+                lb = sm(hb, tb, samples=(ids[1], tries[1]))
             else:
                 lf, lb = sm(hf, tf), sm(hb, tb)
             loss = 0.5 * (lf + lb)
@@ -407,7 +424,7 @@ class Trainer:
         random.setstate(ck["py_random"])
 
     def tower_states(self) -> list[dict]:
-        local = [{"gid": tw.gid, **tw.loader.position, "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
+        local = [{"gid": tw.gid, **tw.state(), "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
                  for tw in self.towers]
         if not self.dinfo.enabled:
             return local
