@@ -98,6 +98,32 @@ def test_row_adagrad_equals_dense_adagrad():
     torch.testing.assert_close(w[0], want_w)
 
 
+def test_updates_reach_the_packed_weights(tmp_path, monkeypatch):
+    """After an optimizer step, inference through the cpu backend (packed weights cached across calls) sees the
+    new weights: the fused Adagrad bumps the version counters it bypasses."""
+    from elmo_fast.cpu import packed
+
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # pack the tiny model's weights
+    tr = _trainer(tmp_path)
+    ids = torch.randint(1, 262, (2, 5, 50))
+    try:
+        tr.model.eval()
+        with torch.no_grad():
+            tr.model(ids)  # fills the packed-weight cache
+        versions = [p._version for p in tr.dense_params]
+        tr.train_step()
+        assert all(p._version > v for p, v in zip(tr.dense_params, versions))
+        tr.model.eval()
+        with torch.no_grad():
+            got = tr.model(ids)["activations"][2]
+            for stack in (tr.model.forward_lstm, tr.model.backward_lstm):
+                stack.backend = "reference"
+            want = tr.model(ids)["activations"][2]
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    finally:
+        tr.close()
+
+
 def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
     """The GPU mode: samples drawn in the data thread, tensors pinned; the state covers the sampler."""
     files = _corpus(tmp_path)

@@ -218,11 +218,12 @@ class _LSTMPFunction(torch.autograd.Function):
     ``[x ; h_prev]ᵀ dz``, with no slice gradients to expand and add."""
 
     @staticmethod
-    def forward(ctx, x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, plan, kw, cache):
+    def forward(ctx, x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, plan, kw):
         if w_stack is not None:
             w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
-        y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=cache, save=True, **kw)
-        ctx.plan, ctx.kw, ctx.cache, ctx.stacked = plan, kw, cache, w_stack is not None
+        # weights change every training step: packed afresh, never from the inference cache
+        y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=None, save=True, **kw)
+        ctx.plan, ctx.kw = plan, kw
         ctx.save_for_backward(w_in, w_rec, w_proj, h0, c0, *saved)
         return y, h_n, c_n
 
@@ -239,7 +240,7 @@ class _LSTMPFunction(torch.autograd.Function):
         c_init = plan.sort(c0)
         dz = torch.empty_like(gates)
         dh_all = torch.empty_like(hs) if w_proj is not None else None
-        rec_t, proj_t = _weights(w_rec, w_proj, B, ctx.cache, transposed=True)
+        rec_t, proj_t = _weights(w_rec, w_proj, B, None, transposed=True)
         for s in range(len(plan.n) - 1, -1, -1):
             n, o = plan.n[s], plan.off[s]
             blk = slice(o, o + n)
@@ -269,8 +270,7 @@ class _LSTMPFunction(torch.autograd.Function):
             db = dz.sum(0)
         if need[5] and w_proj is not None:
             dw_proj = torch.mm(m_all.t(), dh_all)
-        return (dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None,
-                None)
+        return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None
 
 
 def _stack_of(w_in: torch.Tensor, w_rec: torch.Tensor) -> torch.Tensor | None:
@@ -293,7 +293,7 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
     """The CPU backend of ``elmo_fast.ops.lstmp`` (arguments and results of ``lstmp_reference``).
 
     Differentiable w.r.t. x, w_in, w_rec, bias, w_proj, h0 and c0. ``weight_cache``: the owning module's
-    ``PackedWeightCache`` (packed weights survive across calls). ``bf16`` (opt-in, inference only, CPUs with
+    ``PackedWeightCache`` (packed weights survive across inference calls). ``bf16`` (opt-in, inference only, CPUs with
     AVX512-BF16 or AMX): the products with the packed weights (those of 1 MiB and more) take bf16 operands and
     accumulate in fp32; their results are rounded to bf16, the gates and the cell state stay fp32. Measured
     error: below that of the reference run in bf16 (tests/test_cpu_backend.py).
@@ -310,8 +310,8 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
             raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
         stack = _stack_of(w_in, w_rec)
         if stack is not None:
-            return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw, weight_cache)
-        return _LSTMPFunction.apply(x, w_in, w_rec, None, bias, w_proj, h0, c0, plan, kw, weight_cache)
+            return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw)
+        return _LSTMPFunction.apply(x, w_in, w_rec, None, bias, w_proj, h0, c0, plan, kw)
     with torch.no_grad():
         y, h_n, c_n, _ = _forward(*tensors, plan, cache=weight_cache, save=False,
                                   dtype=torch.bfloat16 if bf16 else None, **kw)

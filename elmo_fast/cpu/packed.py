@@ -46,6 +46,7 @@ class PackedLinear:
 # Below this many weight elements (1 MiB in fp32) torch.mm is at least as fast: oneDNN runs every call in parallel,
 # and on a busy 2-core machine each parallel region can wait for a scheduler slice.
 _MIN_ELEMENTS = 1 << 18
+_SAMPLE_STRIDE = 509  # the cache's check that a weight is unchanged reads one element in 509 (a prime)
 
 
 def onednn_usable(t: torch.Tensor) -> bool:
@@ -78,12 +79,14 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
 
 
 class PackedWeightCache:
-    """Packed copies of a module's weights, kept across calls; owned by the module that owns the weights.
+    """Packed copies of a module's weights, kept across inference calls; owned by the module that owns them.
 
     An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
-    weight's version counter (bumped by every in-place update, e.g. an optimizer step) is unchanged. Pickling
-    (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops the entries: they hold oneDNN
-    tensors that cannot be pickled, and they are rebuilt on the next call.
+    weight's version counter is unchanged (autograd bumps it on every in-place update) *and* a sample of the
+    weight (every 509th element) is unchanged: writes that bypass the counter (``.data``, torch's fused
+    optimizers) change every element, so they are caught too. Training never uses the cache (the autograd path
+    packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops
+    the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on the next call.
     """
 
     def __init__(self):
@@ -103,11 +106,12 @@ class PackedWeightCache:
 
     def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
+        sample = w.detach().reshape(-1)[::_SAMPLE_STRIDE].clone()
         hit = self._entries.get(key)
-        if hit is not None and hit[0] == w._version:
-            return hit[1]
+        if hit is not None and hit[0] == w._version and torch.equal(hit[1], sample):
+            return hit[2]
         lin = PackedLinear(w, rows, dtype)
-        self._entries[key] = (w._version, lin)
+        self._entries[key] = (w._version, sample, lin)
         return lin
 
     def clear(self) -> None:

@@ -499,6 +499,7 @@ def adagrad_dense(params, grads, accs, lr: float, inv_factor: torch.Tensor) -> N
         steps = [torch.zeros((), device=params[0].device) for _ in params]  # unused: no lr decay
         torch._fused_adagrad_(params, grads, accs, steps, lr=lr, lr_decay=0.0, weight_decay=0.0, eps=0.0,
                               maximize=False, grad_scale=inv_factor.float(), found_inf=None)
+        torch.autograd.graph.increment_version(params)  # the fused kernel does not bump the version counters
         return
     torch._foreach_div_(grads, inv_factor)
     torch._foreach_addcmul_(accs, grads, grads)
