@@ -26,11 +26,11 @@ class PackedLinear:
     fp32 (AMX / AVX512-BF16) and returns the result, rounded to bf16 by oneDNN, in ``x``'s dtype.
     """
 
-    def __init__(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None):
+    def __init__(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, pack: bool = True):
         self.shape = tuple(w.shape)
         self.dtype = dtype or w.dtype
         self.w = w  # the fallback path's operand; holding it also keeps its storage (the cache key) alive
-        self.packed = _pack(w, rows, self.dtype)
+        self.packed = _pack(w, rows, self.dtype) if pack else None
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is None:
