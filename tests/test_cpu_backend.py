@@ -1,5 +1,6 @@
 """The ``cpu`` backend against the plain reference: fresh random inputs, fp64 and fp32, forward and every gradient,
-NaN-poisoned work buffers; backend selection; the packed-weight cache (updates, pickling, spawned workers)."""
+NaN-poisoned work buffers (LSTMP chain, char CNN, sampled softmax); opt-in bf16 within its budget; backend
+selection; the packed-weight cache (updates, pickling, spawned workers)."""
 import copy
 import io
 import multiprocessing
@@ -11,7 +12,7 @@ import torch
 import elmo_fast
 from elmo_fast._backend import BackendUnavailableError, select_backend
 from elmo_fast.cpu import char_cnn as char_cnn_module
-from elmo_fast.cpu import char_cnn_cpu, lstmp_cpu, packed
+from elmo_fast.cpu import char_cnn_cpu, lstmp_cpu, packed, sampled_softmax_loss_cpu
 from elmo_fast.cpu.ext import cpu_ext
 from elmo_fast.cpu.packed import PackedWeightCache
 from elmo_fast.reference import char_cnn_reference, lstmp_reference
@@ -278,6 +279,39 @@ def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
     ggot, gref64, gref = ([g[0][1:], *g[1:]] for g in (ggot, gref64, gref))
     for k, (a, b, c) in enumerate(zip(ggot, gref64, gref)):
         assert_close_to_oracle(a, b, c, f"grad {k}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduction):
+    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included."""
+    from elmo_fast.ops import log_uniform_sample
+    from elmo_fast.reference.sampled_softmax import expected_count_reference, sampled_softmax_loss_reference
+
+    g = torch.Generator().manual_seed(3)
+    N, P, V, S = 13, 7, 50, 11
+    ids, tries = log_uniform_sample(S, V, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[:3] = ids[:3]  # accidental hits
+    targets[5] = targets[6]  # a repeated target
+    q_t, q_s = expected_count_reference(targets, tries, S, V), expected_count_reference(ids, tries, S, V)
+    base = [torch.randn(N, P, generator=g, dtype=torch.float64), torch.randn(V, P, generator=g, dtype=torch.float64),
+            torch.randn(V, generator=g, dtype=torch.float64)]
+    up = torch.randn(N, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+
+    def run(fn, dt):
+        h, w, b = (t.to(dt).requires_grad_() for t in base)
+        loss = fn(h, targets, w, b, ids, q_t, q_s, reduction=reduction, sparse_grad=sparse)
+        grads = torch.autograd.grad(loss, (h, w, b), up.to(dt))
+        return loss, [gr.to_dense() for gr in grads]
+
+    ref64, g64 = run(sampled_softmax_loss_reference, torch.float64)
+    ref, gref = run(sampled_softmax_loss_reference, dtype)
+    got, ggot = run(sampled_softmax_loss_cpu, dtype)
+    assert_close_to_oracle(got, ref64, ref, "loss")
+    for what, a, b, c in zip(("dhidden", "dweight", "dbias"), ggot, g64, gref):
+        assert_close_to_oracle(a, b, c, what)
 
 
 def test_cpu_weight_cache_follows_weight_updates(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import select_backend
+from ..cpu.sampled_softmax import sampled_softmax_loss_cpu
 from ..reference.sampled_softmax import (
     expected_count_reference,
     full_softmax_nll_reference,
@@ -120,9 +121,9 @@ def sampled_softmax_loss(
         return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
                                            remove_accidental_hits=remove_accidental_hits, reduction=reduction,
                                            sparse_grad=sparse_grad)
-    return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
-                                          remove_accidental_hits=remove_accidental_hits, reduction=reduction,
-                                          sparse_grad=sparse_grad)
+    fn = sampled_softmax_loss_cpu if be == "cpu" else sampled_softmax_loss_reference
+    return fn(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, remove_accidental_hits=remove_accidental_hits,
+              reduction=reduction, sparse_grad=sparse_grad)
 
 
 def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
