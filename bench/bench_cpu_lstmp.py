@@ -11,9 +11,13 @@ the machine may be shared):
   slightly different function; a speed bar);
 * ``cpu-bf16``: the opt-in bf16 inference of the cpu backend (forward only; where the CPU has AMX/AVX512-BF16).
 
-FLOP (multiply-add = 2): forward 2·(D·4H + P·4H + H·P) per token, forward+backward 3x that.
+FLOP (multiply-add = 2): forward 2·(D·4H + P·4H + H·P) per token, forward+backward 3x that. With
+``--keep-freed-memory`` the process runs with ``elmo_fast.cpu.memory.keep_freed_memory()`` (large freed buffers
+stay in the heap), as elmo_fast's trainer does; it applies to every provider (nn.LSTM's backward gains most).
+The weights do not change between calls, as in inference; in training they do, so the cpu backend's
+forward+backward packs nothing from one call to the next (see elmo_fast/cpu/lstmp.py).
 
-    .venv/bin/python bench/bench_cpu_lstmp.py [--rounds 5] [--batch 32]   # table + bench/results/cpu_lstmp.csv
+    .venv/bin/python bench/bench_cpu_lstmp.py [--rounds 5] [--batch 32] [--keep-freed-memory]   # + cpu_lstmp.csv
     .venv/bin/python -m pytest bench/bench_cpu_lstmp.py --benchmark-only -s
 """
 from __future__ import annotations
@@ -33,11 +37,12 @@ import common  # noqa: E402
 from bench_lstmp import flop_per_token, fwd_bwd, make_chain, run_chain  # noqa: E402
 
 from elmo_fast.cpu import lstmp_cpu  # noqa: E402
+from elmo_fast.cpu.memory import keep_freed_memory  # noqa: E402
 from elmo_fast.cpu.packed import PackedWeightCache, bf16_supported  # noqa: E402
 
 N_THREADS = 2
 DIMS = dict(D=512, H=4096, P=512)
-FIELDS = ["provider", "mode", "B", "T", "ms", "gflops", "pct_of_mm", "speedup_vs_nn_lstm", "rounds", "load1",
+FIELDS = ["provider", "mode", "B", "T", "ms", "gflops", "pct_of_mm", "speedup_vs_nn_lstm", "malloc", "rounds", "load1",
           "date", "device", "torch", "commit", "command"]
 
 
@@ -76,8 +81,10 @@ def providers(B: int, T: int):
     return out
 
 
-def run(B: int = 32, T: int = 20, rounds: int = 5) -> list[dict]:
+def run(B: int = 32, T: int = 20, rounds: int = 5, keep_freed: bool = False) -> list[dict]:
     torch.set_num_threads(N_THREADS)
+    if keep_freed:  # as elmo_fast's trainer runs on the CPU; every provider in this process benefits
+        keep_freed_memory()
     warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
     provs = providers(B, T)
     best = {name: math.inf for name in provs}
@@ -96,7 +103,8 @@ def run(B: int = 32, T: int = 20, rounds: int = 5) -> list[dict]:
         rows.append({"provider": name.split(" ")[0], "mode": mode, "B": B, "T": T, "ms": round(1e3 * best[name], 2),
                      "gflops": round(rate / 1e9, 1), "pct_of_mm": round(100 * rate / mm_rate, 1),
                      "speedup_vs_nn_lstm": round(best[base] / best[name], 2) if base in best else "",
-                     "rounds": rounds, "load1": round(os.getloadavg()[0], 2)})
+                     "malloc": "keep-freed" if keep_freed else "default", "rounds": rounds,
+                     "load1": round(os.getloadavg()[0], 2)})
     return rows
 
 
@@ -117,8 +125,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--keep-freed-memory", action="store_true", help="glibc keeps freed large buffers (as the trainer)")
     a = ap.parse_args(argv)
-    report(run(a.batch, 20, a.rounds))
+    report(run(a.batch, 20, a.rounds, a.keep_freed_memory))
     return 0
 
 
