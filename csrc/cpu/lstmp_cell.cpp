@@ -6,9 +6,9 @@
 // contiguous. The math is elmo_fast.reference.lstmp (spec §3.2); the forget bias is already in z.
 //
 // Transcendentals: exp by range reduction (x = n ln2 + r) and Cephes' degree-6 polynomial on r (about 1 ulp),
-// sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 1 - 2 / (exp(2x) + 1) (absolute error ~1e-7). AVX-512 and AVX2
-// versions are compiled with function target attributes and chosen once at run time (__builtin_cpu_supports);
-// other CPUs get std::exp / std::tanh. No global -m flags: the build runs on any x86-64 (and any other CPU).
+// sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 1 - 2 / (exp(2x) + 1) (absolute error ~1e-7). One body over vector
+// types, compiled for AVX-512 and AVX2 inside functions with target attributes and chosen once at run time
+// (__builtin_cpu_supports), and as scalar code for any CPU. No global -m flags: the build runs anywhere.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -16,11 +16,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
 #define ELMO_X86 1
 #endif
 
@@ -51,206 +51,111 @@ struct BwdArgs {
   float clip;
 };
 
-// ---- scalar (any CPU) ------------------------------------------------------------------------------------------
-inline float sigmoid1(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+// ---- the kernels, written once over GCC/Clang vector types of W lanes ---------------------------------------------
+// The same body is compiled three times: 16 lanes inside an AVX-512 function, 8 inside an AVX2 function, 1 lane
+// (plain scalar code) for any CPU and for the tails. Comparisons give lane masks; `m ? a : b` selects per lane.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef float F1 __attribute__((vector_size(4)));
+typedef int32_t I1 __attribute__((vector_size(4)));
 
-void fwd_scalar(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
-  const int64_t H = a.H, G = 4 * H;
-  const float* z = a.z + r * G;
-  for (int64_t k = k0; k < k1; ++k) {
-    const float i = sigmoid1(z[k]), j = std::tanh(z[H + k]), f = sigmoid1(z[2 * H + k]), o = sigmoid1(z[3 * H + k]);
-    const float cp = f * a.c_prev[r * H + k] + i * j;
-    const float c = std::min(std::max(cp, -a.clip), a.clip);
-    const float t = std::tanh(c);
-    if (a.g) {
-      float* g = a.g + r * G;
-      g[k] = i, g[H + k] = j, g[2 * H + k] = f, g[3 * H + k] = o;
-    }
-    if (a.c_pre) a.c_pre[r * H + k] = cp;
-    if (a.tc) a.tc[r * H + k] = t;
-    a.c[r * H + k] = c;
-    a.m[r * H + k] = o * t;
-  }
+template <typename V>
+inline __attribute__((always_inline)) V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
 }
 
-void bwd_scalar(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+template <typename V>
+inline __attribute__((always_inline)) void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// Cephes expf: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2; inputs clamped to [-87, 88] (NaN stays NaN).
+template <typename V, typename I>
+inline __attribute__((always_inline)) V exp_v(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * (V)((__builtin_convertvector(n, I) + 127) << 23);  // times 2^n, n in [-126, 127]
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) V sigmoid_v(V x) {
+  return 1.0f / (1.0f + exp_v<V, I>(-x));
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) V tanh_v(V x) {
+  return 1.0f - 2.0f / (exp_v<V, I>(2.0f * x) + 1.0f);
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) void fwd_body(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t H = a.H, G = 4 * H;
+  const float* z = a.z + r * G;
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
+    const V i = sigmoid_v<V, I>(load<V>(z + k)), j = tanh_v<V, I>(load<V>(z + H + k));
+    const V f = sigmoid_v<V, I>(load<V>(z + 2 * H + k)), o = sigmoid_v<V, I>(load<V>(z + 3 * H + k));
+    const V cp = f * load<V>(a.c_prev + r * H + k) + i * j;
+    V c = cp < -a.clip ? V{} - a.clip : cp;  // NaN stays NaN
+    c = c > a.clip ? V{} + a.clip : c;
+    const V t = tanh_v<V, I>(c);
+    if (a.g) {
+      float* g = a.g + r * G;
+      store(g + k, i), store(g + H + k, j), store(g + 2 * H + k, f), store(g + 3 * H + k, o);
+    }
+    if (a.c_pre) store(a.c_pre + r * H + k, cp);
+    if (a.tc) store(a.tc + r * H + k, t);
+    store(a.c + r * H + k, c);
+    store(a.m + r * H + k, o * t);
+  }
+  if constexpr (W > 1) fwd_body<F1, I1>(a, r, k, k1);
+}
+
+template <typename V>
+inline __attribute__((always_inline)) void bwd_body(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
   const int64_t H = a.H, G = 4 * H;
   const float* g = a.g + r * G;
   float* dz = a.dz + r * G;
-  for (int64_t k = k0; k < k1; ++k) {
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
     const int64_t e = r * H + k;
-    const float i = g[k], j = g[H + k], f = g[2 * H + k], o = g[3 * H + k], t = a.tc[e];
-    float dc = a.dc[e] + a.dm[e] * o * (1.0f - t * t);
-    if (std::fabs(a.c_pre[e]) > a.clip) dc = 0.0f;
-    dz[k] = dc * j * (i * (1.0f - i));
-    dz[H + k] = dc * i * (1.0f - j * j);
-    dz[2 * H + k] = dc * a.c_prev[e] * (f * (1.0f - f));
-    dz[3 * H + k] = a.dm[e] * t * (o * (1.0f - o));
-    a.dc_prev[e] = dc * f;
+    const V i = load<V>(g + k), j = load<V>(g + H + k), f = load<V>(g + 2 * H + k), o = load<V>(g + 3 * H + k);
+    const V t = load<V>(a.tc + e), dm = load<V>(a.dm + e), cp = load<V>(a.c_pre + e);
+    V dc = load<V>(a.dc + e) + dm * o * (1.0f - t * t);
+    dc = (cp > a.clip) | (cp < -a.clip) ? V{} : dc;  // zero where |c| > clip (NaN: kept)
+    store(dz + k, dc * j * (i * (1.0f - i)));
+    store(dz + H + k, dc * i * (1.0f - j * j));
+    store(dz + 2 * H + k, dc * load<V>(a.c_prev + e) * (f * (1.0f - f)));
+    store(dz + 3 * H + k, dm * t * (o * (1.0f - o)));
+    store(a.dc_prev + e, dc * f);
   }
+  if constexpr (W > 1) bwd_body<F1>(a, r, k, k1);
 }
+
+void fwd_scalar(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F1, I1>(a, r, k0, k1); }
+void bwd_scalar(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F1>(a, r, k0, k1); }
 
 #ifdef ELMO_X86
-// ---- AVX-512 ---------------------------------------------------------------------------------------------------
 #define ELMO_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma")))
-
-// Cephes expf: 2^n * p(r) with |r| <= ln2/2; inputs clamped to [-87, 88] (NaN stays NaN).
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
-                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
-
-ELMO_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), _mm512_min_ps(_mm512_set1_ps(88.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kP0), r, _mm512_set1_ps(kP1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-ELMO_AVX512 inline __m512 sigmoid16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-ELMO_AVX512 inline __m512 tanh16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
-  return _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp16(_mm512_mul_ps(two, x)), one)));
-}
-
-ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
-  const int64_t H = a.H, G = 4 * H;
-  const float* z = a.z + r * G;
-  const __m512 lo = _mm512_set1_ps(-a.clip), hi = _mm512_set1_ps(a.clip);
-  int64_t k = k0;
-  for (; k + 16 <= k1; k += 16) {
-    const __m512 i = sigmoid16(_mm512_loadu_ps(z + k)), j = tanh16(_mm512_loadu_ps(z + H + k));
-    const __m512 f = sigmoid16(_mm512_loadu_ps(z + 2 * H + k)), o = sigmoid16(_mm512_loadu_ps(z + 3 * H + k));
-    const __m512 cp = _mm512_fmadd_ps(f, _mm512_loadu_ps(a.c_prev + r * H + k), _mm512_mul_ps(i, j));
-    const __m512 c = _mm512_min_ps(hi, _mm512_max_ps(lo, cp));  // NaN propagates (2nd operand)
-    const __m512 t = tanh16(c);
-    if (a.g) {
-      float* g = a.g + r * G;
-      _mm512_storeu_ps(g + k, i), _mm512_storeu_ps(g + H + k, j);
-      _mm512_storeu_ps(g + 2 * H + k, f), _mm512_storeu_ps(g + 3 * H + k, o);
-    }
-    if (a.c_pre) _mm512_storeu_ps(a.c_pre + r * H + k, cp);
-    if (a.tc) _mm512_storeu_ps(a.tc + r * H + k, t);
-    _mm512_storeu_ps(a.c + r * H + k, c);
-    _mm512_storeu_ps(a.m + r * H + k, _mm512_mul_ps(o, t));
-  }
-  fwd_scalar(a, r, k, k1);
-}
-
-ELMO_AVX512 void bwd_avx512(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
-  const int64_t H = a.H, G = 4 * H;
-  const float* g = a.g + r * G;
-  float* dz = a.dz + r * G;
-  const __m512 one = _mm512_set1_ps(1.0f), clip = _mm512_set1_ps(a.clip);
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  int64_t k = k0;
-  for (; k + 16 <= k1; k += 16) {
-    const int64_t e = r * H + k;
-    const __m512 i = _mm512_loadu_ps(g + k), j = _mm512_loadu_ps(g + H + k);
-    const __m512 f = _mm512_loadu_ps(g + 2 * H + k), o = _mm512_loadu_ps(g + 3 * H + k);
-    const __m512 t = _mm512_loadu_ps(a.tc + e), dm = _mm512_loadu_ps(a.dm + e);
-    __m512 dc = _mm512_fmadd_ps(_mm512_mul_ps(dm, o), _mm512_fnmadd_ps(t, t, one), _mm512_loadu_ps(a.dc + e));
-    const __m512 cabs = _mm512_and_ps(_mm512_loadu_ps(a.c_pre + e), absmask);
-    dc = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(cabs, clip, _CMP_NGT_UQ), dc);  // zero where |c| > clip
-    _mm512_storeu_ps(dz + k, _mm512_mul_ps(_mm512_mul_ps(dc, j), _mm512_mul_ps(i, _mm512_sub_ps(one, i))));
-    _mm512_storeu_ps(dz + H + k, _mm512_mul_ps(_mm512_mul_ps(dc, i), _mm512_fnmadd_ps(j, j, one)));
-    _mm512_storeu_ps(dz + 2 * H + k, _mm512_mul_ps(_mm512_mul_ps(dc, _mm512_loadu_ps(a.c_prev + e)),
-                                                   _mm512_mul_ps(f, _mm512_sub_ps(one, f))));
-    _mm512_storeu_ps(dz + 3 * H + k, _mm512_mul_ps(_mm512_mul_ps(dm, t), _mm512_mul_ps(o, _mm512_sub_ps(one, o))));
-    _mm512_storeu_ps(a.dc_prev + e, _mm512_mul_ps(dc, f));
-  }
-  bwd_scalar(a, r, k, k1);
-}
-
-// ---- AVX2 ------------------------------------------------------------------------------------------------------
 #define ELMO_AVX2 __attribute__((target("avx2,fma")))
-
-ELMO_AVX2 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), _mm256_min_ps(_mm256_set1_ps(88.0f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT |
-                                                                              _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kP0), r, _mm256_set1_ps(kP1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n: n (in [-126, 128] after the clamp) into the exponent bits
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-ELMO_AVX2 inline __m256 sigmoid8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-ELMO_AVX2 inline __m256 tanh8(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
-  return _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(exp8(_mm256_mul_ps(two, x)), one)));
-}
-
-ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
-  const int64_t H = a.H, G = 4 * H;
-  const float* z = a.z + r * G;
-  const __m256 lo = _mm256_set1_ps(-a.clip), hi = _mm256_set1_ps(a.clip);
-  int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) {
-    const __m256 i = sigmoid8(_mm256_loadu_ps(z + k)), j = tanh8(_mm256_loadu_ps(z + H + k));
-    const __m256 f = sigmoid8(_mm256_loadu_ps(z + 2 * H + k)), o = sigmoid8(_mm256_loadu_ps(z + 3 * H + k));
-    const __m256 cp = _mm256_fmadd_ps(f, _mm256_loadu_ps(a.c_prev + r * H + k), _mm256_mul_ps(i, j));
-    const __m256 c = _mm256_min_ps(hi, _mm256_max_ps(lo, cp));  // NaN propagates (2nd operand)
-    const __m256 t = tanh8(c);
-    if (a.g) {
-      float* g = a.g + r * G;
-      _mm256_storeu_ps(g + k, i), _mm256_storeu_ps(g + H + k, j);
-      _mm256_storeu_ps(g + 2 * H + k, f), _mm256_storeu_ps(g + 3 * H + k, o);
-    }
-    if (a.c_pre) _mm256_storeu_ps(a.c_pre + r * H + k, cp);
-    if (a.tc) _mm256_storeu_ps(a.tc + r * H + k, t);
-    _mm256_storeu_ps(a.c + r * H + k, c);
-    _mm256_storeu_ps(a.m + r * H + k, _mm256_mul_ps(o, t));
-  }
-  fwd_scalar(a, r, k, k1);
-}
-
-ELMO_AVX2 void bwd_avx2(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
-  const int64_t H = a.H, G = 4 * H;
-  const float* g = a.g + r * G;
-  float* dz = a.dz + r * G;
-  const __m256 one = _mm256_set1_ps(1.0f), clip = _mm256_set1_ps(a.clip);
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  int64_t k = k0;
-  for (; k + 8 <= k1; k += 8) {
-    const int64_t e = r * H + k;
-    const __m256 i = _mm256_loadu_ps(g + k), j = _mm256_loadu_ps(g + H + k);
-    const __m256 f = _mm256_loadu_ps(g + 2 * H + k), o = _mm256_loadu_ps(g + 3 * H + k);
-    const __m256 t = _mm256_loadu_ps(a.tc + e), dm = _mm256_loadu_ps(a.dm + e);
-    __m256 dc = _mm256_fmadd_ps(_mm256_mul_ps(dm, o), _mm256_fnmadd_ps(t, t, one), _mm256_loadu_ps(a.dc + e));
-    const __m256 keep = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(a.c_pre + e), absmask), clip, _CMP_NGT_UQ);
-    dc = _mm256_and_ps(dc, keep);
-    _mm256_storeu_ps(dz + k, _mm256_mul_ps(_mm256_mul_ps(dc, j), _mm256_mul_ps(i, _mm256_sub_ps(one, i))));
-    _mm256_storeu_ps(dz + H + k, _mm256_mul_ps(_mm256_mul_ps(dc, i), _mm256_fnmadd_ps(j, j, one)));
-    _mm256_storeu_ps(dz + 2 * H + k, _mm256_mul_ps(_mm256_mul_ps(dc, _mm256_loadu_ps(a.c_prev + e)),
-                                                   _mm256_mul_ps(f, _mm256_sub_ps(one, f))));
-    _mm256_storeu_ps(dz + 3 * H + k, _mm256_mul_ps(_mm256_mul_ps(dm, t), _mm256_mul_ps(o, _mm256_sub_ps(one, o))));
-    _mm256_storeu_ps(a.dc_prev + e, _mm256_mul_ps(dc, f));
-  }
-  bwd_scalar(a, r, k, k1);
-}
+ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F16, I16>(a, r, k0, k1); }
+ELMO_AVX512 void bwd_avx512(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F16>(a, r, k0, k1); }
+ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F8, I8>(a, r, k0, k1); }
+ELMO_AVX2 void bwd_avx2(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F8>(a, r, k0, k1); }
 #endif  // ELMO_X86
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
