@@ -5,6 +5,10 @@ elmo_fast/_backend.py; a failed build is an error); unset or any other value ins
 TORCH_CUDA_ARCH_LIST (default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile time) and MAX_JOBS;
 uses ninja. Without a GPU, `make cuda-compile-check` (csrc/compile_check.sh) compiles every source; for development
 `python csrc/jit_build.py` builds the same sources with torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
+
+ELMO_FAST_BUILD_CPU: the optional CPU extension ``elmo_fast._cpu`` (csrc/cpu/: the fused LSTMP gate math of the
+cpu backend; C++ only, no nvcc). "1" requires it, "0" skips it, unset = build it when torch and a C++ compiler
+are present, and go on without it (the cpu backend then runs the same math as torch ops) if the build fails.
 """
 import os
 import shutil
@@ -41,7 +45,30 @@ def _want_cuda() -> bool:
     return True
 
 
+def _want_cpu() -> bool:
+    flag = os.environ.get("ELMO_FAST_BUILD_CPU", "").strip()
+    if flag == "0":
+        return False
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+        has_torch = True
+    except Exception:  # noqa: BLE001
+        has_torch = False
+    has_cxx = shutil.which(os.environ.get("CXX", "c++")) is not None or shutil.which("g++") is not None
+    if flag == "1" and not (has_torch and has_cxx):
+        raise RuntimeError("ELMO_FAST_BUILD_CPU=1 but elmo_fast._cpu cannot be built here: "
+                           f"torch importable={has_torch}, C++ compiler found={has_cxx}")
+    return has_torch and has_cxx
+
+
 ext_modules, cmdclass = [], {}
+if _want_cpu():
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    ext_modules.append(CppExtension(name="elmo_fast._cpu", sources=["csrc/cpu/lstmp_cell.cpp"],
+                                    extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],  # at::parallel_for
+                                    extra_link_args=["-fopenmp"]))
+    cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 if _want_cuda():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
@@ -56,5 +83,29 @@ if _want_cuda():
         )
     )
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
+
+if ext_modules:
+    _base = cmdclass["build_ext"]
+
+    class _BuildExt(_base):
+        """The CPU extension is optional unless ELMO_FAST_BUILD_CPU=1: a failed build leaves the pure-torch path."""
+
+        failed: set = set()
+
+        def build_extension(self, ext):
+            if ext.name != "elmo_fast._cpu" or os.environ.get("ELMO_FAST_BUILD_CPU", "").strip() == "1":
+                return super().build_extension(ext)
+            try:
+                return super().build_extension(ext)
+            except Exception as exc:  # noqa: BLE001
+                self.failed.add(ext.name)
+                print(f"elmo_fast: the optional CPU extension elmo_fast._cpu did not build ({exc}); the cpu backend "
+                      "runs its gate math as torch ops instead")
+
+        def build_extensions(self):
+            super().build_extensions()
+            self.extensions = [e for e in self.extensions if e.name not in self.failed]  # nothing to install
+
+    cmdclass["build_ext"] = _BuildExt
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,15 +1,18 @@
 """CPU embedding throughput at the published "original" size (2x4096_512_2048cnn_2xhighway), 2 threads.
 
-elmo_fast (backend "reference") vs the real AllenNLP 2.10.1 ``_ElmoBiLm`` when allennlp is importable in the
-running venv (``bash bench/setup_allennlp.sh``; then run from ``.venv-allennlp``), else elmo_fast alone:
+elmo_fast (backend "auto", i.e. the cpu backend; fp32, and the opt-in bf16 products where the CPU has
+AMX/AVX512-BF16) vs the real AllenNLP 2.10.1 ``_ElmoBiLm`` when allennlp is importable in the running venv
+(``bash bench/setup_allennlp.sh``; then run from ``.venv-allennlp``), else elmo_fast alone:
 
     .venv-allennlp/bin/python -m pytest bench/bench_cpu_embedding.py --benchmark-only -s
+    .venv-allennlp/bin/python bench/bench_cpu_embedding.py --batch 1,8,32,64   # sweep -> cpu_embedding.csv
 
 One timed call = the biLM forward (char CNN, highway, projection, both 2-layer LSTMP stacks; inference,
 ``torch.no_grad``, stateful as in AllenNLP) on one batch of 32 deterministic pseudo-English sentences of 20-30
 tokens, from char ids (``batch_to_ids`` is done once, outside the timing). Random weights in the published hdf5
 layout are written once per session to a temp dir (~375 MB). Before timing, both engines run the batch from a
-fresh state and every biLM layer must agree to 1e-4. tokens/s counts real tokens (no <S>/</S>).
+fresh state and every biLM layer must agree to 1e-4 (fp32; the bf16 engine's largest difference is printed).
+tokens/s counts real tokens (no <S>/</S>).
 """
 from __future__ import annotations
 
@@ -21,8 +24,16 @@ import subprocess
 import pytest
 import torch
 
-from elmo_fast import ElmoBiLM, batch_to_ids
-from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from elmo_fast import ElmoBiLM, batch_to_ids  # noqa: E402
+from elmo_fast.cpu.packed import bf16_supported  # noqa: E402
+from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 
 try:
     from allennlp.modules.elmo import _ElmoBiLm as AllenNLPElmoBiLm
@@ -101,7 +112,15 @@ def engines(original_model, batch):
     torch.set_num_threads(N_THREADS)
     opt, wts = original_model
     _, ids, _ = batch
-    models = {"elmo_fast": ElmoBiLM(opt, wts, backend="reference")}
+    return make_engines(opt, wts, ids)
+
+
+def make_engines(opt, wts, ids) -> dict:
+    models = {"elmo_fast": ElmoBiLM(opt, wts, backend="auto")}
+    if bf16_supported():
+        models["elmo_fast-bf16"] = ElmoBiLM(opt, wts, backend="auto")
+        for stack in (models["elmo_fast-bf16"]._bilm.forward_lstm, models["elmo_fast-bf16"]._bilm.backward_lstm):
+            stack.cpu_bf16 = True
     if AllenNLPElmoBiLm is not None:
         models["allennlp"] = AllenNLPElmoBiLm(opt, wts)
     for m in models.values():
@@ -114,9 +133,12 @@ def engines(original_model, batch):
         diffs = [float((x - y).abs().max()) for x, y in zip(a["activations"], b["activations"])]
         print(f"\n[check] max |elmo_fast - allennlp| per biLM layer: {', '.join(f'{d:.2e}' for d in diffs)}")
         assert max(diffs) <= ATOL, diffs
-    models["elmo_fast"].reset_states()
-    if "allennlp" in models:
-        models["allennlp"]._elmo_lstm.reset_states()
+    if "elmo_fast-bf16" in outs:
+        diffs = [float((x - y).abs().max()) for x, y in zip(outs["elmo_fast"]["activations"],
+                                                            outs["elmo_fast-bf16"]["activations"])]
+        print(f"[check] max |bf16 - fp32| per biLM layer: {', '.join(f'{d:.2e}' for d in diffs)}")
+    for k, m in models.items():
+        (m._elmo_lstm if k == "allennlp" else m).reset_states()
     return models
 
 
@@ -143,16 +165,17 @@ def _run(benchmark, name, model, ids, n_tokens):
     benchmark.pedantic(step, rounds=ROUNDS, iterations=1, warmup_rounds=1)
     if benchmark.stats is None:  # --benchmark-disable: ran once as a smoke test, nothing to report
         return
-    mean = benchmark.stats.stats.mean
+    best = benchmark.stats.stats.min  # the machine may be shared: the best round is the least disturbed
     median = benchmark.stats.stats.median
-    _RESULTS[name] = n_tokens / median
+    _RESULTS[name] = n_tokens / best
+    benchmark.extra_info["tokens_per_s_best"] = round(n_tokens / best, 1)
     benchmark.extra_info["tokens_per_s_median"] = round(n_tokens / median, 1)
-    benchmark.extra_info["tokens_per_s_mean"] = round(n_tokens / mean, 1)
-    print(f"\n[{name}] {n_tokens} tokens: median {median:.3f} s/batch -> {n_tokens / median:.1f} tokens/s "
-          f"(mean {n_tokens / mean:.1f}); {_machine()}")
-    if "allennlp" in _RESULTS and "elmo_fast" in _RESULTS:
-        print(f"[speedup] elmo_fast / allennlp tokens/s (medians) = "
-              f"{_RESULTS['elmo_fast'] / _RESULTS['allennlp']:.2f}x (target >= 3x)")
+    print(f"\n[{name}] {n_tokens} tokens: best {best:.3f} s/batch -> {n_tokens / best:.1f} tokens/s "
+          f"(median {n_tokens / median:.1f}); {_machine()}")
+    for fast in ("elmo_fast", "elmo_fast-bf16"):
+        if "allennlp" in _RESULTS and fast in _RESULTS:
+            print(f"[speedup] {fast} / allennlp tokens/s (best rounds) = "
+                  f"{_RESULTS[fast] / _RESULTS['allennlp']:.2f}x (target >= 5x)")
 
 
 @pytest.mark.skipif(AllenNLPElmoBiLm is None, reason="allennlp not importable (run from .venv-allennlp)")
@@ -161,6 +184,56 @@ def test_bench_allennlp(benchmark, engines, batch):
     _run(benchmark, "allennlp", engines["allennlp"], ids, n_tokens)
 
 
-def test_bench_elmo_fast_reference(benchmark, engines, batch):
+def test_bench_elmo_fast(benchmark, engines, batch):
     _, ids, n_tokens = batch
     _run(benchmark, "elmo_fast", engines["elmo_fast"], ids, n_tokens)
+
+
+@pytest.mark.skipif(not bf16_supported(), reason="the CPU has neither AMX nor AVX512-BF16")
+def test_bench_elmo_fast_bf16(benchmark, engines, batch):
+    _, ids, n_tokens = batch
+    _run(benchmark, "elmo_fast-bf16", engines["elmo_fast-bf16"], ids, n_tokens)
+
+
+def sweep(batches, rounds: int = 3) -> list[dict]:
+    """tokens/s per engine and batch size (sentences), rounds alternating the engines, best round each."""
+    import tempfile
+
+    torch.set_num_threads(N_THREADS)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        opt, wts = write_random_model(tmp, ORIGINAL_OPTIONS, seed=0)
+        for n in batches:
+            sents = pseudo_english(n)
+            ids, n_tokens = batch_to_ids(sents), sum(len(s) for s in sents)
+            models = make_engines(opt, wts, ids)
+            best = {k: float("inf") for k in models}
+            for _ in range(rounds):
+                for k, m in models.items():
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        m(ids)
+                    best[k] = min(best[k], time.perf_counter() - t0)
+            for k, t in best.items():
+                rows.append({"provider": k, "sentences": n, "tokens": n_tokens, "tokens_per_s": round(n_tokens / t, 1),
+                             "s_per_batch": round(t, 4), "rounds": rounds, "load1": round(os.getloadavg()[0], 2)})
+                print(f"{k:>15} {n:3d} sentences: {n_tokens / t:8.1f} tokens/s ({t:.3f} s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,8,32,64", help="comma-separated numbers of sentences per batch")
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args(argv)
+    rows = sweep([int(b) for b in a.batch.split(",")], a.rounds)
+    fields = ["provider", "sentences", "tokens", "tokens_per_s", "s_per_batch", "rounds", "load1", "date", "device",
+              "torch", "commit", "command"]
+    print(f"appended to {common.append_rows('cpu_embedding', rows, fields)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """Benchmarks of one LSTMP chain (one layer, one direction): Triton kernel vs reference vs cuDNN.
 
-CPU part (pytest-benchmark, tiny sizes): the reference path, forward and forward+backward. Smoke test:
-``python -m pytest -q bench/bench_lstmp.py --benchmark-disable``.
+CPU part (pytest-benchmark, tiny sizes): the reference and the cpu backend, forward and forward+backward. Smoke
+test: ``python -m pytest -q bench/bench_lstmp.py --benchmark-disable``. The CPU measurement at the ELMo shape,
+against nn.LSTM and the GEMM rate, is ``bench/bench_cpu_lstmp.py``.
 
 GPU part (skipped without CUDA): ``triton.testing.do_bench`` at (B, T) in (384,20), (128,20), (16,20), (1,20),
 H=4096, P=512, D=512, cell/proj clip 3, bf16 and fp32, modes ``fwd`` and ``fwd+bwd``. Providers:
@@ -37,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from elmo_fast.cpu.lstmp import lstmp_cpu  # noqa: E402
 from elmo_fast.reference.lstmp import lstmp_reference  # noqa: E402
 
 FIELDS = ["date", "op", "provider", "mode", "B", "T", "D", "H", "P", "dtype", "ms_p50", "ms_p20", "ms_p80",
@@ -84,21 +86,25 @@ def fwd_bwd(fn, chain, upstream):
 
 
 # --------------------------------------------------------------------------------------- CPU (tiny)
+# Smoke-sized: the reference and the cpu backend. The CPU measurement at the ELMo shape is bench_cpu_lstmp.py.
 TINY = dict(B=4, T=6, D=16, H=32, P=16)
+CPU_FNS = {"reference": lstmp_reference, "cpu": lstmp_cpu}
 
 
-def test_cpu_reference_forward(benchmark):
+@pytest.mark.parametrize("provider", CPU_FNS)
+def test_cpu_forward(benchmark, provider):
     chain = make_chain(dtype=torch.float32, device="cpu", **TINY)
     with torch.no_grad():
-        y, _, _ = benchmark(run_chain, lstmp_reference, chain)
+        y, _, _ = benchmark(run_chain, CPU_FNS[provider], chain)
     assert y.shape == (TINY["B"], TINY["T"], TINY["P"])
 
 
-def test_cpu_reference_forward_backward(benchmark):
+@pytest.mark.parametrize("provider", CPU_FNS)
+def test_cpu_forward_backward(benchmark, provider):
     chain = make_chain(dtype=torch.float32, device="cpu", requires_grad=True, **TINY)
     B, T, H, P = TINY["B"], TINY["T"], TINY["H"], TINY["P"]
     upstream = (torch.randn(B, T, P), torch.randn(B, P), torch.randn(B, H))
-    benchmark(fwd_bwd, lstmp_reference, chain, upstream)
+    benchmark(fwd_bwd, CPU_FNS[provider], chain, upstream)
     assert chain["w_rec"].grad is not None and torch.isfinite(chain["w_rec"].grad).all()
 
 

@@ -2,13 +2,15 @@
 
 Nothing here runs at import time; every probe is lazy and cached.
 
-* ``reference``: pure PyTorch (``elmo_fast.reference``). Runs everywhere, any dtype, fp64 too.
+* ``reference``: pure PyTorch (``elmo_fast.reference``), the plain oracle. Runs everywhere, any dtype, fp64 too.
+* ``cpu``: the fast CPU path (``elmo_fast.cpu``): packed oneDNN weights, sorted rows, deduplicated tokens, own
+  backward through time. CPU tensors only; any float dtype (ops it does not specialise run the reference).
 * ``triton``: Triton kernels (``elmo_fast.kernels``). Needs ``triton`` and CUDA tensors, or CPU tensors
   with ``TRITON_INTERPRET=1`` set before Python started (that is how CI checks the kernels).
 * ``cuda``: the compiled extension ``elmo_fast._C`` and CUDA tensors.
 * ``auto``: ``cuda`` only once ``BACKEND_STATUS`` records its GPU tests as passed on real hardware (not yet), else
   ``triton`` on CUDA tensors when its once-per-device self-check agrees with the reference for that op (the
-  interpreter is a correctness tool, never picked silently), else ``reference``.
+  interpreter is a correctness tool, never picked silently); ``cpu`` for CPU tensors; else ``reference``.
 
 ``BACKEND_STATUS`` is the one record of what each backend has been verified on (shown in the README).
 """
@@ -22,8 +24,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-Backend = Literal["auto", "reference", "triton", "cuda"]
-BACKENDS = ("auto", "reference", "triton", "cuda")
+Backend = Literal["auto", "reference", "cpu", "triton", "cuda"]
+BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
 ENV_VAR = "ELMO_FAST_BACKEND"
 
 
@@ -90,6 +92,13 @@ def select_backend(backend: str | None, device: torch.device, op: str = "op") ->
     dev = torch.device(device)
     if choice == "reference":
         return "reference"
+    if choice == "cpu":
+        if dev.type != "cpu":
+            raise BackendUnavailableError(
+                f"backend 'cpu' for {op} needs CPU tensors, got {dev}; move the model to the CPU "
+                "(`model.cpu()`) or pass backend='auto' (or 'triton' / 'cuda' for GPU tensors)."
+            )
+        return "cpu"
     if choice == "triton":
         err = triton_import_error()
         if err is not None:
@@ -122,6 +131,8 @@ def select_backend(backend: str | None, device: torch.device, op: str = "op") ->
             return "cuda"
         if triton_import_error() is None and triton_self_check(op, dev):
             return "triton"
+    if dev.type == "cpu":
+        return "cpu"
     return "reference"
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import __version__
+from ._backend import BACKENDS
 from .util import check_backend, check_input_file, check_output_file, parse_device, read_utf8, text_lines
 from .weights import atomic_h5
 
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--batch-size", type=_positive_int, default=batch_size,
                         help=f"sentences or tokens per batch (default: {batch_size})")
         sp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-        sp.add_argument("--backend", default=None, choices=["auto", "reference", "triton", "cuda"],
+        sp.add_argument("--backend", default=None, choices=list(BACKENDS),
                         help="kernel backend (default: $ELMO_FAST_BACKEND, else auto)")
         sp.add_argument("--quiet", action="store_true", help="no progress bar and no summary line (default: off)")
 

@@ -2,9 +2,10 @@
 
 On the CPU a stand-in for ``capture`` runs the recorded function under ``probe(forbid=True)``, which raises at
 any host sync or pageable upload, as a real CUDA graph capture fails on one: the graph path is taken, its
-static-buffer plumbing and state handling give the eager results, and a function that syncs (the reference
-backend) falls back cleanly. The real capture runs under the ``gpu`` marker.
+static-buffer plumbing and state handling give the eager results, and a function that syncs falls back
+cleanly. The real capture runs under the ``gpu`` marker.
 """
+import importlib
 import warnings
 
 import pytest
@@ -68,8 +69,17 @@ def test_graph_path_is_taken_and_matches_eager(tiny_model, monkeypatch):
 
 
 def test_graph_capture_that_syncs_falls_back_with_one_warning(tiny_model, monkeypatch):
+    lstmp_op = importlib.import_module("elmo_fast.ops.lstmp")
+
     monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
     monkeypatch.setattr(_graphs, "capture", _fake_capture([]))
+    real = lstmp_op.lstmp_reference
+
+    def syncing(x, *args, **kwargs):  # a backend that reads a device value on the host, as capture cannot allow
+        x.abs().max().item()
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(lstmp_op, "lstmp_reference", syncing)
     eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
     graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="reference", cuda_graph=True)
     with pytest.warns(RuntimeWarning, match="CUDA graph capture failed") as rec:

@@ -18,6 +18,7 @@ import torch
 
 from elmo_fast.chars import Vocabulary, word_to_char_ids
 from elmo_fast.training import data as D
+from elmo_fast.training import trainer as trainer_mod
 from elmo_fast.training.cli import dump_weights, main as cli_main
 from elmo_fast.training.configs import ConfigError, check_memory, original, tiny
 from elmo_fast.training.trainer import Trainer, load_checkpoint
@@ -306,7 +307,7 @@ def test_tiny_model_beats_unigram_perplexity(tmp_path):
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e6], ids=["clipped", "not clipped"])
-def test_one_adagrad_step_by_hand(tmp_path, clip):
+def test_one_adagrad_step_by_hand(tmp_path, clip, monkeypatch):
     """One step of the trainer against Adagrad and global-norm clipping written out by hand, at a learning rate
     and an initial accumulator that are not the defaults (0.2, 1.0):
     g' = g * clip / max(|g|, clip) over all gradients together; acc' = acc + g'^2; w' = w - lr * g' / sqrt(acc')."""
@@ -319,8 +320,17 @@ def test_one_adagrad_step_by_hand(tmp_path, clip):
         before = [p.detach().clone() for p in params]
         accs = [*tr.acc_dense, tr.acc_W, tr.acc_b]
         assert all(torch.all(a == acc0) for a in accs)
+        seen = {}
+        real = trainer_mod.adagrad_dense
+
+        def spy(params_, grads_, *args):  # the raw gradients, before the update rescales them in place
+            seen.update({id(p): g.clone() for p, g in zip(params_, grads_)})
+            return real(params_, grads_, *args)
+
+        monkeypatch.setattr(trainer_mod, "adagrad_dense", spy)
         tr.train_step()
-        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params]
+        grads = [seen[id(p)] if id(p) in seen else p.grad.to_dense() if p.grad.is_sparse else p.grad
+                 for p in params]
         assert tr.softmax_W.grad.is_sparse  # only the touched rows have a gradient
         norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
         factor = min(1.0, clip / norm)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from ..cpu.packed import PackedWeightCache
 from ..options import LSTMOptions
 
 
@@ -31,7 +33,9 @@ class LSTMPStack(nn.Module):
         self.B = nn.ParameterList([nn.Parameter(torch.zeros(4 * H)) for _ in range(opts.n_layers)])
         self.W_P_0 = (nn.ParameterList([nn.Parameter(torch.empty(H, P)) for _ in range(opts.n_layers)])
                       if with_projection else None)
-        self._cpu_weight_cache: dict = {}  # reference backend, CPU fp32 inference: packed weights (see ops.lstmp)
+        # cpu backend: packed weights kept across calls (dropped on pickling, rebuilt lazily); bf16 inference opt-in
+        self._cpu_weight_cache = PackedWeightCache()
+        self.cpu_bf16 = os.environ.get("ELMO_FAST_CPU_BF16", "0").strip() == "1"
         self.reset_parameters()
 
     def _apply(self, fn, *args, **kwargs):
@@ -70,7 +74,7 @@ class LSTMPStack(nn.Module):
                 inp, W[:P], W[P:], self.B[layer], self.W_P_0[layer] if self.W_P_0 is not None else None, h0, c0,
                 lengths, cell_clip=self.opts.cell_clip, proj_clip=self.opts.proj_clip, forget_bias=self.forget_bias,
                 reverse=self.reverse, residual=self.opts.use_skip_connections and layer > 0, backend=self.backend,
-                cpu_weight_cache=self._cpu_weight_cache,
+                cpu_weight_cache=self._cpu_weight_cache, cpu_bf16=self.cpu_bf16,
             )
             outs.append(y)
             finals.append((hn, cn))

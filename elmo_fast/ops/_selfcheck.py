@@ -35,11 +35,12 @@ def _char_cnn(dev, g):
     ids[1, 3:] = 261  # in-word padding
     ids[4] = 0  # an empty token
     widths = ((1, 4), (2, 8), (3, 16))
-    floats = [torch.randn(262, 4, generator=g, device=dev)]
+    floats = [torch.randn(261, 4, generator=g, device=dev)]  # the 261 real rows; id 0 reads a zero row (§1.1)
     floats += [torch.randn(w, 4, n, generator=g, device=dev) * 0.3 for w, n in widths]
     floats += [torch.randn(n, generator=g, device=dev) * 0.1 for _, n in widths]
 
     def run(backend, emb, *params):
+        emb = torch.nn.functional.pad(emb, (0, 0, 1, 0))  # as the token encoder does: no gradient to row 0
         return char_cnn(ids, emb, list(params[:3]), list(params[3:]), "relu", backend=backend)
     return run, floats
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import select_backend
+from ..cpu.char_cnn import char_cnn_cpu
 from ..reference.char_cnn import char_cnn_reference, highway_reference
 from . import _precision as prec
 
@@ -43,8 +44,10 @@ def char_cnn(
             from ..kernels.char_cnn import char_cnn_triton
 
             return char_cnn_triton(char_ids, char_embed, conv_weights, conv_biases, activation)
-        conv_biases = prec.reference_inputs(char_embed.dtype, *conv_biases)
-        return char_cnn_reference(char_ids.long(), char_embed, conv_weights, list(conv_biases), activation)
+        conv_biases = list(prec.reference_inputs(char_embed.dtype, *conv_biases))
+        if be == "cpu":
+            return char_cnn_cpu(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
+        return char_cnn_reference(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
 
 
 def highway(

@@ -7,6 +7,8 @@ import threading
 import torch
 
 from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
+from ..cpu.lstmp import lstmp_cpu
+from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
 
@@ -49,14 +51,16 @@ def lstmp(
     reverse: bool = False,
     residual: bool = False,
     backend: str | None = "auto",
-    cpu_weight_cache: dict | None = None,
+    cpu_weight_cache: PackedWeightCache | None = None,
+    cpu_bf16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One LSTMP chain over a right-padded batch; returns (y (B,T,P), h_n (B,P), c_n (B,H)).
 
     x (B, T, D); w_in (D, 4H); w_rec (P, 4H); bias (4H,) gate order i|j|f|o without the forget bias;
     w_proj (H, P) or None; h0 (B, P); c0 (B, H); lengths (B,) integer.
-    ``cpu_weight_cache``: a dict owned by the caller (the module owning the weights) in which the reference path
-    keeps CPU-packed copies of the recurrent weights across calls; other backends ignore it.
+    ``cpu_weight_cache``: a ``PackedWeightCache`` owned by the caller (the module owning the weights) in which the
+    cpu backend keeps packed copies of the weights across calls; ``cpu_bf16``: the cpu backend runs inference
+    with bf16 products (opt-in; see ``elmo_fast.cpu.lstmp``). Other backends ignore both.
 
     Precision (``elmo_fast.ops._precision``): under autocast x and the three weight matrices run in the autocast
     dtype (weights cast once per update), bias and states keep their dtype; h_n/c_n come back in h0/c0's dtype.
@@ -84,10 +88,13 @@ def lstmp(
             from ..kernels.lstmp import lstmp_triton
 
             return lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
-        # the reference mixes no dtypes: everything in x's dtype, the states handed back in their own
+        # the cpu backend and the reference mix no dtypes: everything in x's dtype, the states handed back in theirs
         b, s0, s1 = prec.reference_inputs(x.dtype, bias, h0, c0)
-        y, h_n, c_n = lstmp_reference(x, w_in, w_rec, b, w_proj, s0, s1, lengths, cpu_weight_cache=cpu_weight_cache,
-                                      **kw)
+        if be == "cpu":
+            y, h_n, c_n = lstmp_cpu(x, w_in, w_rec, b, w_proj, s0, s1, lengths, weight_cache=cpu_weight_cache,
+                                    bf16=cpu_bf16, **kw)
+        else:
+            y, h_n, c_n = lstmp_reference(x, w_in, w_rec, b, w_proj, s0, s1, lengths, **kw)
         return y, h_n.to(h0.dtype), c_n.to(c0.dtype)
 
 

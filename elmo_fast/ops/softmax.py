@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import select_backend
+from ..cpu.sampled_softmax import sampled_softmax_loss_cpu
 from . import _precision as prec
 from ..reference.sampled_softmax import (
     expected_count_reference,
@@ -125,7 +126,8 @@ def sampled_softmax_loss(
 
             return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
         (bias,) = prec.reference_inputs(hidden.dtype, bias)
-        return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
+        fn = sampled_softmax_loss_cpu if be == "cpu" else sampled_softmax_loss_reference
+        return fn(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
 
 
 def _low_precision(hidden, weight):

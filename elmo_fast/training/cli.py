@@ -14,6 +14,7 @@ import shutil
 import sys
 import typing
 
+from .._backend import BACKENDS
 from ..util import check_backend, check_input_file, check_output_dir, check_output_file
 from .configs import FIELD_HELP, PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
@@ -42,7 +43,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         "configuration", "every field of the configuration; a flag given here overrides --config. The defaults shown "
         "are the 'small' preset's (the default --config); another preset or JSON file brings its own")
     defaults = small()
-    choices = {"backend": ("auto", "reference", "triton", "cuda"), "activation": ("relu", "tanh")}
+    choices = {"backend": BACKENDS, "activation": ("relu", "tanh")}
     for f in dataclasses.fields(TrainConfig):
         t = _field_type(f)
         flag = "--" + f.name.replace("_", "-")

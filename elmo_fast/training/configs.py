@@ -54,7 +54,7 @@ class TrainConfig:
     eval_max_batches: int | None = None
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    backend: str = "auto"  # auto | reference | triton | cuda (elmo_fast kernels)
+    backend: str = "auto"  # auto | reference | cpu | triton | cuda (elmo_fast kernels)
     bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
     queue_size: int = 8
     num_threads: int | None = None  # torch intra-op threads (None: torch's default); 1 is best for tiny models

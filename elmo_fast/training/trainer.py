@@ -41,10 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ..chars import Vocabulary
+from ..cpu.memory import keep_freed_memory
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
 from ..modules.sampled_softmax import SampledSoftmaxLoss
 from ..ops.softmax import log_uniform_sample
+from ..ops.lstmp import trusted_lengths
 from .configs import ConfigError, TrainConfig
 from .data import BackgroundLoader, BidirectionalStream
 
@@ -109,13 +111,59 @@ def _mix_seed(*parts: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- the trainer
+class TowerStream:
+    """A tower's batches: the arrays as tensors, and on a GPU (``ahead``) pinned, with the tower's two sample
+    sets (forward, backward) drawn in the data thread from its CPU generator, so the step uploads everything
+    with ``non_blocking`` and never waits on the host. On the CPU the step draws the samples itself from the same
+    generator (the same ids): sampler ops in the data thread would start a second OpenMP team that competes with
+    the step's for the cores (measured: the small config's step 87 -> 160 ms on 2 cores). The state is the
+    stream's, plus the sampler's when it draws ahead, so a resumed run draws what an uninterrupted one would."""
+
+    KEYS = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
+
+    def __init__(self, stream: BidirectionalStream, sampler: torch.Generator | None, num_samples: int,
+                 vocab_size: int, ahead: bool):
+        self.stream, self.sampler, self.ahead = stream, sampler, ahead
+        self.num_samples, self.vocab_size = num_samples, vocab_size
+
+    def draw(self) -> tuple[torch.Tensor, list[int]]:
+        """Two sample sets (forward, backward): ids (2, S) on the CPU, num_tries of each."""
+        draws = [log_uniform_sample(self.num_samples, self.vocab_size, generator=self.sampler) for _ in range(2)]
+        return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
+
+    def next_batch(self) -> dict:
+        b = self.stream.next_batch()
+        out = {k: torch.from_numpy(b[k]) for k in self.KEYS}
+        if self.ahead:
+            if self.sampler is not None:
+                out["sampled_ids"], out["num_tries"] = self.draw()
+            out.update({k: v.pin_memory() for k, v in out.items() if isinstance(v, torch.Tensor)})
+        return out
+
+    def get_state(self) -> dict:
+        return {"data": self.stream.get_state(),
+                "sampler": self.sampler.get_state() if self.ahead and self.sampler is not None else None}
+
+    def set_state(self, st: dict) -> None:
+        self.stream.set_state(st["data"])
+        if self.ahead and self.sampler is not None:
+            self.sampler.set_state(st["sampler"])
+
+
 class Tower:
-    def __init__(self, gid: int, loader: BackgroundLoader, sampler: torch.Generator, h: torch.Tensor, c: torch.Tensor):
+    def __init__(self, gid: int, loader: BackgroundLoader, stream: TowerStream, h: torch.Tensor, c: torch.Tensor):
         self.gid = gid
         self.loader = loader
-        self.sampler = sampler
+        self.stream = stream
         self.h = h
         self.c = c
+
+    def state(self) -> dict:
+        """The data position after the last consumed batch and the sampler state after its draws."""
+        st = dict(self.loader.position)
+        if not self.stream.ahead and self.stream.sampler is not None:
+            st["sampler"] = self.stream.sampler.get_state()
+        return st
 
 
 def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
@@ -139,6 +187,8 @@ class Trainer:
         self.dinfo = dinfo or DistInfo()
         self.device = device or torch.device("cpu")
         self._log = log or (lambda rec: None)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # large per-step buffers come back from the heap, not as fresh pages
         self.n_towers_total = self.dinfo.world_size * cfg.towers
         self.options = cfg.options(self.V)
         opts = ElmoOptions.from_dict(self.options)
@@ -176,34 +226,38 @@ class Trainer:
                                          cfg.unroll_steps, cfg.max_characters_per_token, test=False,
                                          seed=f"{cfg.seed}/tower{gid}")
             st = tower_states.get(gid)
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(_mix_seed(cfg.seed, 7919, gid))
+            gen = None
+            if cfg.sample_softmax:
+                gen = torch.Generator()
+                gen.manual_seed(_mix_seed(cfg.seed, 7919, gid))
             h = torch.zeros(2, L, B, P, device=self.device)
             c = torch.zeros(2, L, B, H, device=self.device)
+            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=self.device.type == "cuda")
             if st is not None:
-                gen.set_state(st["sampler"])
                 h, c = st["h"].to(self.device), st["c"].to(self.device)
-            loader = BackgroundLoader(stream, cfg.queue_size, state=st["data"] if st is not None else None)
-            self.towers.append(Tower(gid, loader, gen, h, c))
+                if gen is not None:
+                    gen.set_state(st["sampler"])
+            loader = BackgroundLoader(ready, cfg.queue_size,
+                                      state={"data": st["data"], "sampler": st["sampler"]} if st is not None else None)
+            self.towers.append(Tower(gid, loader, ready, h, c))
 
     # ------------------------------------------------------------------ forward
     def run_batch(self, batch: dict, h0: torch.Tensor, c0: torch.Tensor, training: bool):
         """Token encoder + both LSTM stacks on a packed batch. Returns (top_fwd (B,T,P), top_bwd (B,T,P), h_n, c_n,
         targets_fwd (B,T), targets_bwd (B,T), outputs) where the backward tensors are in reversed-stream order."""
         dev = self.device
-        cf = torch.from_numpy(batch["tokens_characters"]).to(dev, torch.long)
-        cb = torch.from_numpy(batch["tokens_characters_reverse"]).to(dev, torch.long)
-        tf = torch.from_numpy(batch["next_token_id"]).to(dev)
-        tb = torch.from_numpy(batch["next_token_id_reverse"]).to(dev)
+        cf, cb, tf, tb = (torch.as_tensor(batch[k]).to(dev, non_blocking=True) for k in TowerStream.KEYS)
         B, T = tf.shape
-        emb = self.model.token_encoder(torch.cat([cf, cb], 0))
+        emb = self.model.token_encoder(torch.cat([cf, cb], 0).long())
         ef, eb = emb[:B], emb[B:]
         lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         p = self.cfg.dropout if training else 0.0
         # The backward LM runs left to right over the reversed stream; the reverse-direction stack scans right to
         # left, so it is given the time-flipped stream (all rows are full, so a flip is the reverse_sequence).
-        fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0.to(ef.dtype), c0.to(ef.dtype), dropout=p,
-                                                  token_embedding_bwd=eb.flip(1))
+        # The states stay fp32 under autocast (the ops keep the cell state in its own dtype); every row is full,
+        # so the lengths need no range check (no host sync).
+        with trusted_lengths():
+            fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0, c0, dropout=p, token_embedding_bwd=eb.flip(1))
         top_f, top_b = fwd[-1], bwd[-1].flip(1)
         if training and p > 0:
             top_f = F.dropout(top_f, p, training=True)
@@ -211,32 +265,34 @@ class Trainer:
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 
-    def _draw(self, gen: torch.Generator):
-        return log_uniform_sample(self.softmax.num_samples, self.V, generator=gen, device=self.device)
-
     def _tower_step(self, tw: Tower, batch: dict, scale: float):
         cfg = self.cfg
         torch.manual_seed(_mix_seed(cfg.seed, self.step, tw.gid))  # dropout masks: same for any tower layout
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
             top_f, top_b, h_n, c_n, tf, tb, _ = self.run_batch(batch, tw.h, tw.c, training=True)
-            hf = top_f.reshape(-1, self.P).float()
-            hb = top_b.reshape(-1, self.P).float()
+            hf = top_f.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
+            hb = top_b.reshape(-1, self.P)
             tf, tb = tf.reshape(-1), tb.reshape(-1)
             sm = self.softmax
             sm.train()
             if cfg.sample_softmax:
-                lf = sm(hf, tf, samples=self._draw(tw.sampler))
-                lb = sm(hb, tb, samples=self._draw(tw.sampler))
+                ids, tries = (batch["sampled_ids"], batch["num_tries"]) if tw.stream.ahead else tw.stream.draw()
+                ids = ids.to(self.device, non_blocking=True)
+                lf = sm(hf, tf, samples=(ids[0], tries[0]))
+                lb = sm(hb, tb, samples=(ids[1], tries[1]))
             else:
                 lf, lb = sm(hf, tf), sm(hb, tb)
-            loss = 0.5 * (lf + lb)
+            loss = 0.5 * (lf.float() + lb.float())
         (loss * (cfg.unroll_steps * scale)).backward()
         tw.h, tw.c = h_n.detach().float(), c_n.detach().float()
         return loss.detach()
 
     def train_step(self) -> torch.Tensor:
-        """One optimisation step over all towers. Returns the mean (over towers) sampled loss, as a tensor."""
+        """One optimisation step over all towers. Returns the mean (over towers) sampled loss, as a tensor.
+
+        No host synchronisation: every shape is fixed by the configuration (the softmax rows are summed by
+        ``sum_rows``), the clip factor stays a tensor, and the loss is returned as a tensor."""
         cfg = self.cfg
         self.model.train()
         for p in [*self.dense_params, self.softmax_W, self.softmax_b]:
@@ -245,91 +301,67 @@ class Trainer:
         for tw in self.towers:
             batch = next(tw.loader)
             losses.append(self._tower_step(tw, batch, 1.0 / self.n_towers_total))
-        rows, gW, gb = self._softmax_grads()
         loss = torch.stack(losses).sum() / self.n_towers_total
+        dense, accs = self.dense_params, self.acc_dense
+        gW, gb = self.softmax_W.grad, self.softmax_b.grad
+        sparse = gW is not None and gW.is_sparse
+        if sparse:
+            rows = [g._indices()[0] for g in (gW, gb)]
+            vals = [gW._values(), gb._values().reshape(-1, 1)]
+        elif gW is not None:  # full softmax: dense gradients, updated with the other dense parameters
+            dense, accs = [*dense, self.softmax_W, self.softmax_b], [*accs, self.acc_W, self.acc_b]
         if self.dinfo.enabled:
-            rows, gW, gb, loss = self._allreduce(rows, gW, gb, loss)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
-        sq = sum((g.float() ** 2).sum() for g in grads) + (gW.float() ** 2).sum() + (gb.float() ** 2).sum()
-        norm = torch.sqrt(sq)
-        clip = cfg.all_clip_norm_val
-        factor = clip / torch.clamp(norm, min=clip)
-        lr = cfg.learning_rate
+            loss = self._allreduce(dense, loss)
+            if sparse:
+                rows, vals = zip(*(self._gather_rows(r, v) for r, v in zip(rows, vals)))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
+        if sparse:
+            rows, vals = zip(*(sum_rows(r, v) for r, v in zip(rows, vals)))
+        norms = list(torch._foreach_norm(grads)) + ([torch.linalg.vector_norm(v) for v in vals] if sparse else [])
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        clip, lr = cfg.all_clip_norm_val, cfg.learning_rate
+        inv_factor = torch.clamp(norm, min=clip) / clip  # gradients are divided by it: global-norm clipping
         with torch.no_grad():
-            for p, g, acc in zip(self.dense_params, grads, self.acc_dense):
-                g = g * factor
-                acc.addcmul_(g, g)
-                p.addcdiv_(g, acc.sqrt(), value=-lr)
-            gW = gW * factor
-            gb = gb * factor
-            aW = self.acc_W.index_select(0, rows) + gW * gW
-            ab = self.acc_b.index_select(0, rows) + gb * gb
-            self.acc_W.index_copy_(0, rows, aW)
-            self.acc_b.index_copy_(0, rows, ab)
-            self.softmax_W.index_copy_(0, rows, self.softmax_W.index_select(0, rows) - lr * gW / aW.sqrt())
-            self.softmax_b.index_copy_(0, rows, self.softmax_b.index_select(0, rows) - lr * gb / ab.sqrt())
+            adagrad_dense(dense, grads, accs, lr, inv_factor)
+            if sparse:
+                for p, acc, r, v in zip((self.softmax_W, self.softmax_b), (self.acc_W, self.acc_b), rows, vals):
+                    adagrad_rows(p.view(p.shape[0], -1), acc.view(p.shape[0], -1), r, v, lr, inv_factor)
         self.step += 1
         self.tokens_seen += cfg.batch_size * cfg.unroll_steps * self.n_towers_total
         self.last_grad_norm = norm.detach()
         return loss
 
-    def _softmax_grads(self):
-        """(rows, dW rows, db rows) of the softmax gradient, deduplicated (sparse COO or dense grads)."""
-        gW, gb = self.softmax_W.grad, self.softmax_b.grad
-        if gW is None:
-            z = torch.zeros(0, dtype=torch.long, device=self.device)
-            return z, self.softmax_W.new_zeros(0, self.P), self.softmax_b.new_zeros(0)
-        if not gW.is_sparse:
-            rows = torch.arange(self.V, device=self.device)
-            return rows, gW, gb
-        gW, gb = gW.coalesce(), gb.coalesce()
-        rW, vW = gW.indices()[0], gW.values()
-        rb, vb = gb.indices()[0], gb.values().reshape(-1)
-        if torch.equal(rW, rb):
-            return rW, vW, vb
-        rows = torch.cat([rW, rb])
-        vals = torch.cat([torch.cat([vW, torch.zeros_like(vW[:, :1])], 1),
-                          torch.cat([torch.zeros(rb.numel(), self.P, dtype=vW.dtype, device=vW.device),
-                                     vb.unsqueeze(1)], 1)])
-        rows, G, _ = self._coalesce(rows, vals, vals[:, 0])
-        return rows, G[:, :-1].contiguous(), G[:, -1].contiguous()
-
-    @staticmethod
-    def _coalesce(rows, gW, gb):
-        uniq, inv = torch.unique(rows, return_inverse=True)
-        GW = torch.zeros(uniq.numel(), gW.shape[1], dtype=gW.dtype, device=gW.device).index_add_(0, inv, gW)
-        Gb = torch.zeros(uniq.numel(), dtype=gb.dtype, device=gb.device).index_add_(0, inv, gb)
-        return uniq, GW, Gb
-
-    def _allreduce(self, rows, gW, gb, loss):
+    def _allreduce(self, params, loss):
+        """Sum the dense gradients and the loss over processes (one flat all-reduce)."""
         import torch.distributed as dist
 
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1).to(grads[0].dtype)])
         dist.all_reduce(flat)
         off = 0
-        for p, g in zip(self.dense_params, grads):
+        for p, g in zip(params, grads):
             n = g.numel()
             p.grad = flat[off : off + n].view_as(g).clone()
             off += n
-        loss = flat[off]
-        # sparse rows: all-gather (ids, [grad row | bias grad]) padded to the largest count, then deduplicate
-        n = torch.tensor([rows.numel()], device=rows.device)
-        sizes = [torch.zeros_like(n) for _ in range(self.dinfo.world_size)]
-        dist.all_gather(sizes, n)
-        m = int(max(int(s) for s in sizes))
-        pad = m - rows.numel()
-        packed = torch.cat([gW, gb.unsqueeze(1)], 1)
-        ids_p = F.pad(rows, (0, pad))
-        packed_p = F.pad(packed, (0, 0, 0, pad))
-        ids_all = [torch.empty_like(ids_p) for _ in sizes]
-        pk_all = [torch.empty_like(packed_p) for _ in sizes]
-        dist.all_gather(ids_all, ids_p)
-        dist.all_gather(pk_all, packed_p)
-        ids = torch.cat([a[: int(s)] for a, s in zip(ids_all, sizes)])
-        pk = torch.cat([a[: int(s)] for a, s in zip(pk_all, sizes)])
-        rows, G, _ = self._coalesce(ids, pk, pk[:, 0])
-        return rows, G[:, :-1].contiguous(), G[:, -1].contiguous(), loss
+        return flat[off]
+
+    def _gather_rows(self, rows, vals):
+        """All-gather every process's softmax row gradients (ids, values), padded to the most rows a process can
+        touch (targets and samples of both directions of every tower: fixed by the configuration, so no size
+        exchange); padding rows are (id 0, zeros), which the row update ignores."""
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        cap = cfg.towers * 2 * (cfg.batch_size * cfg.unroll_steps + self.softmax.num_samples)
+        if rows.numel() > cap:
+            raise RuntimeError(f"{rows.numel()} softmax gradient rows, more than the {cap} a tower can touch")
+        rows = F.pad(rows, (0, cap - rows.numel()))
+        vals = F.pad(vals, (0, 0, 0, cap - vals.shape[0]))
+        out_r = [torch.empty_like(rows) for _ in range(self.dinfo.world_size)]
+        out_v = [torch.empty_like(vals) for _ in range(self.dinfo.world_size)]
+        dist.all_gather(out_r, rows)
+        dist.all_gather(out_v, vals)
+        return torch.cat(out_r), torch.cat(out_v)
 
     def _broadcast_params(self):
         import torch.distributed as dist
@@ -395,8 +427,8 @@ class Trainer:
         random.setstate(ck["py_random"])
 
     def tower_states(self) -> list[dict]:
-        local = [{"gid": tw.gid, "data": tw.loader.position, "sampler": tw.sampler.get_state(),
-                  "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()} for tw in self.towers]
+        local = [{"gid": tw.gid, **tw.state(), "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
+                 for tw in self.towers]
         if not self.dinfo.enabled:
             return local
         import torch.distributed as dist
@@ -444,6 +476,48 @@ class Trainer:
     def close(self) -> None:
         for tw in self.towers:
             tw.loader.close()
+
+
+def sum_rows(ids: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the rows of ``vals`` (M, k) that share an id in ``ids`` (M,), in fixed shapes (no host sync).
+
+    Returns (ids', sums), both of M rows: every distinct id once with the sum of its rows, then (id 0, zeros)
+    rows that an ``index_add_`` row update leaves without effect (what TF does to IndexedSlices: duplicates
+    summed once)."""
+    sid, perm = torch.sort(ids)
+    first = torch.ones_like(sid, dtype=torch.bool)
+    first[1:] = sid[1:] != sid[:-1]
+    seg = torch.cumsum(first, 0) - 1  # segment (distinct id) of every sorted row
+    sums = torch.zeros_like(vals).index_add_(0, seg, vals.index_select(0, perm))
+    return torch.zeros_like(ids).scatter_(0, seg, sid), sums
+
+
+def adagrad_dense(params, grads, accs, lr: float, inv_factor: torch.Tensor) -> None:
+    """TF1 Adagrad on whole tensors with the clipped gradient g / inv_factor: ``acc += g²; p -= lr·g/√acc`` (no
+    epsilon). On the CPU one fused pass per tensor (torch's fused Adagrad kernel with eps 0); the gradients are
+    rescaled in place."""
+    if not params:
+        return
+    if params[0].device.type == "cpu" and hasattr(torch, "_fused_adagrad_"):
+        steps = [torch.zeros((), device=params[0].device) for _ in params]  # unused: no lr decay
+        torch._fused_adagrad_(params, grads, accs, steps, lr=lr, lr_decay=0.0, weight_decay=0.0, eps=0.0,
+                              maximize=False, grad_scale=inv_factor.float(), found_inf=None)
+        torch.autograd.graph.increment_version(params)  # the fused kernel does not bump the version counters
+        return
+    torch._foreach_div_(grads, inv_factor)
+    torch._foreach_addcmul_(accs, grads, grads)
+    torch._foreach_addcdiv_(params, grads, torch._foreach_sqrt(accs), value=-lr)
+
+
+def adagrad_rows(p: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, lr: float,
+                 inv_factor: torch.Tensor) -> None:
+    """The same update for the rows ``rows`` of ``p``/``acc`` (V, k), gradient rows ``g`` (M, k) from ``sum_rows``:
+    only the touched rows change, exactly as dense Adagrad would change them (the others' gradient is 0)."""
+    g = g / inv_factor
+    g2 = g * g
+    new_acc = acc.index_select(0, rows) + g2
+    acc.index_add_(0, rows, g2)
+    p.index_add_(0, rows, g.div_(new_acc.sqrt_()).mul_(-lr))
 
 
 def atomic_torch_save(obj, path: str) -> None:

@@ -1,0 +1,198 @@
+"""CPU pretraining step, 2 threads, fp32: elmo_fast's Trainer against the same step composed from AllenNLP 2.10.1.
+
+* ``elmo_fast``: ``Trainer.train_step`` as ``elmo-fast train`` runs it (backend auto = cpu): background data
+  thread, token encoder with each distinct token once, the four LSTMP chains with their own backward, sampled
+  softmax with sparse rows, global-norm clipping, TF Adagrad.
+* ``allennlp``: the bilm-tf step from AllenNLP's modules: ``_ElmoCharacterEncoder`` on each stream (its
+  convolutions, highway and projection; the <S>/</S> insertion is skipped so both encode the same tokens),
+  ``ElmoLstm``'s forward layers on the forward stream and its backward layers on the reversed one (states carried
+  between steps, residual from layer 1, dropout on layer inputs as bilm-tf), ``SampledSoftmaxLoss(sparse=True)``
+  once per direction, ``clip_grad_norm_`` and ``torch.optim.Adagrad`` (lr 0.2, accumulator 1.0). Its batches are
+  packed before timing (it does not pay for data loading): the comparison favours it.
+
+Matched work: the original sizes (2048-filter CNN, 2 highway, 2 x LSTMP 4096/512 per direction), B rows x 20 steps
+per direction, 8,192 samples, a Zipf-distributed corpus (p(w_k) ~ 1/k) over 50,000 words. tokens/s counts B x 20
+per step (one direction, as bilm-tf logs it). Rounds alternate the two providers; each provider's time is the
+best round's mean step time (the machine may be shared).
+
+    .venv-allennlp/bin/python bench/bench_cpu_train.py --batch 4,8,16,32    # table + bench/results/cpu_train.csv
+    .venv-allennlp/bin/python -m pytest bench/bench_cpu_train.py --benchmark-only -s   # B=16 (the issue's shape)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from bench_train import synthetic_corpus  # noqa: E402
+
+from elmo_fast.chars import Vocabulary  # noqa: E402
+from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
+from elmo_fast.training import configs  # noqa: E402
+from elmo_fast.training.data import BidirectionalStream, build_vocab, count_tokens  # noqa: E402
+from elmo_fast.training.trainer import Trainer  # noqa: E402
+
+try:
+    from allennlp.modules.elmo import _ElmoCharacterEncoder
+    from allennlp.modules.elmo_lstm import ElmoLstm
+    from allennlp.modules.sampled_softmax_loss import SampledSoftmaxLoss
+except ImportError:  # the project's own venv: elmo_fast alone
+    _ElmoCharacterEncoder = None
+
+N_THREADS = 2
+N_WORDS = 50_000
+FIELDS = ["provider", "B", "T", "S", "V", "tokens_per_s", "ms_per_step", "speedup", "steps", "rounds", "load1",
+          "date", "device", "torch", "commit", "command"]
+
+
+class AllenNLPStep:
+    """The bilm-tf training step from AllenNLP 2.10.1 modules (see the module docstring)."""
+
+    def __init__(self, cfg: configs.TrainConfig, V: int, options_file: str, weight_file: str):
+        P, H, L = cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
+        self.cfg, self.L = cfg, L
+        self.encoder = _ElmoCharacterEncoder(options_file, weight_file, requires_grad=True)
+        self.lstm = ElmoLstm(P, P, H, L, requires_grad=True, memory_cell_clip_value=cfg.cell_clip,
+                             state_projection_clip_value=cfg.proj_clip)
+        self.softmax = SampledSoftmaxLoss(V, P, cfg.n_negative_samples_batch, sparse=True)
+        self.params = [p for m in (self.encoder, self.lstm, self.softmax) for p in m.parameters() if p.requires_grad]
+        self.opt = torch.optim.Adagrad(self.params, lr=cfg.learning_rate,
+                                       initial_accumulator_value=cfg.initial_accumulator_value)
+        self.states = [[None] * L, [None] * L]
+
+    def encode(self, chars: torch.Tensor) -> torch.Tensor:
+        """``_ElmoCharacterEncoder.forward`` without the <S>/</S> insertion: (B, T, 50) ids -> (B, T, P)."""
+        enc = self.encoder
+        B, T, Lc = chars.shape
+        x = F.embedding(chars.reshape(-1, Lc), enc._char_embedding_weights).transpose(1, 2)
+        act = torch.tanh if enc._options["char_cnn"]["activation"] == "tanh" else F.relu
+        x = torch.cat([act(getattr(enc, f"char_conv_{i}")(x).max(-1)[0]) for i in range(len(enc._convolutions))], -1)
+        return enc._projection(enc._highways(x)).view(B, T, -1)
+
+    def direction(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        p, B, T = self.cfg.dropout, x.shape[0], x.shape[1]
+        name = ("forward", "backward")[k]
+        for layer in range(self.L):
+            inp = F.dropout(x, p, training=True)
+            y, st = getattr(self.lstm, f"{name}_layer_{layer}")(inp, [T] * B, self.states[k][layer])
+            self.states[k][layer] = tuple(s.detach() for s in st)
+            x = y + inp if layer > 0 else y
+        return F.dropout(x, p, training=True)
+
+    def step(self, batch: dict) -> torch.Tensor:
+        cf = torch.as_tensor(batch["tokens_characters"]).long()
+        cb = torch.as_tensor(batch["tokens_characters_reverse"]).long()
+        B, T = cf.shape[:2]
+        e = self.encode(torch.cat([cf, cb]))
+        top_f = self.direction(e[:B], 0)
+        top_b = self.direction(e[B:].flip(1), 1).flip(1)
+        losses = [self.softmax(top.reshape(-1, top.shape[-1]), torch.as_tensor(batch[key]).reshape(-1)) / (B * T)
+                  for top, key in ((top_f, "next_token_id"), (top_b, "next_token_id_reverse"))]
+        loss = 0.5 * (losses[0] + losses[1])
+        self.opt.zero_grad(set_to_none=True)
+        (loss * T).backward()
+        clip_global_norm(self.params, self.cfg.all_clip_norm_val)
+        self.opt.step()
+        return loss.detach()
+
+
+@torch.no_grad()
+def clip_global_norm(params, max_norm: float) -> None:
+    """Global-norm clipping over dense and sparse gradients (torch's clip_grad_norm_ refuses sparse ones)."""
+    for p in params:
+        if p.grad is not None and p.grad.is_sparse:
+            p.grad = p.grad.coalesce()
+    vals = [p.grad._values() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(vals)))
+    torch._foreach_mul_(vals, torch.clamp(max_norm / norm, max=1.0))
+
+
+def _setup(tmp: str, batch: int, n_tokens: int):
+    torch.set_num_threads(N_THREADS)
+    synthetic_corpus(tmp, N_WORDS, n_tokens, seed=0)
+    files = sorted(str(f) for f in Path(tmp).glob("train-*.txt"))
+    counts, _, n_tok, _ = count_tokens(files)
+    # all 50,000 words in frequency (= Zipf rank) order, seen in this sample or not
+    vocab = Vocabulary(words=build_vocab(counts)[:3] + [f"w{i}" for i in range(N_WORDS)])
+    cfg = configs.original()
+    cfg.batch_size, cfg.n_train_tokens, cfg.device, cfg.backend = batch, n_tok, "cpu", "auto"
+    return cfg, vocab, files
+
+
+def _timed(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = step()
+    assert math.isfinite(float(loss))
+    return (time.perf_counter() - t0) / n
+
+
+def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, n_tokens: int = 400_000) -> list[dict]:
+    """Alternating rounds of both providers per batch size; returns one row per (provider, B)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        opt_file, wts_file = write_random_model(os.path.join(tmp, "model"), ORIGINAL_OPTIONS, seed=0)
+        for B in batches:
+            cfg, vocab, files = _setup(tmp, B, n_tokens)
+            V = len(vocab)
+            trainer = Trainer(cfg, vocab, files, None, os.path.join(tmp, "run"), device=torch.device("cpu"))
+            providers = {"elmo_fast": trainer.train_step}
+            if _ElmoCharacterEncoder is not None:
+                allen = AllenNLPStep(cfg, V, opt_file, wts_file)
+                stream = BidirectionalStream(files, vocab, B, cfg.unroll_steps, cfg.max_characters_per_token, seed=1)
+                batches = iter([stream.next_batch() for _ in range(warmup + rounds * steps)])
+                providers["allennlp"] = lambda allen=allen, batches=batches: allen.step(next(batches))
+            best = {}
+            try:
+                for fn in providers.values():
+                    _timed(fn, warmup)
+                for _ in range(rounds):
+                    for name, fn in providers.items():
+                        best[name] = min(best.get(name, math.inf), _timed(fn, steps))
+            finally:
+                trainer.close()
+            for name, t in best.items():
+                rows.append({"provider": name, "B": B, "T": cfg.unroll_steps, "S": cfg.n_negative_samples_batch,
+                             "V": V, "tokens_per_s": round(B * cfg.unroll_steps / t, 1),
+                             "ms_per_step": round(1000 * t, 1), "steps": steps, "rounds": rounds,
+                             "load1": round(os.getloadavg()[0], 2)})
+            if "allennlp" in best:
+                rows[-len(best)]["speedup"] = round(best["allennlp"] / best["elmo_fast"], 2)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['provider']:>10} B={r['B']:<3} {r['tokens_per_s']:8.1f} tokens/s {r['ms_per_step']:9.1f} ms/step"
+              f"  {('speed-up ' + str(r['speedup']) + 'x') if r.get('speedup') else ''}  load1 {r['load1']}")
+    print(f"appended to {common.append_rows('cpu_train', rows, FIELDS)}")
+
+
+@pytest.mark.skipif(_ElmoCharacterEncoder is None, reason="allennlp not importable (run from .venv-allennlp)")
+def test_bench_cpu_train(benchmark):
+    rows = benchmark.pedantic(run, kwargs=dict(batches=(16,)), rounds=1, iterations=1)
+    report(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="16", help="comma-separated batch sizes (rows per direction)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args(argv)
+    report(run(tuple(int(b) for b in a.batch.split(",")), a.rounds, a.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

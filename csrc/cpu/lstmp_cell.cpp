@@ -1,0 +1,286 @@
+// elmo_fast._cpu: the fused gate math of one LSTMP step on the CPU (forward and backward), one pass over memory.
+//
+// The products of a step stay in oneDNN/MKL (called from Python, elmo_fast/cpu/lstmp.py); what is fused here is
+// everything between them, which torch runs as ~8 (forward) and ~20 (backward) separate passes. Shapes: n rows,
+// H cell, gates in the TF order i | j | f | o (z and g are (n, 4H), the rest (n, H)); every tensor fp32 and
+// contiguous. The math is elmo_fast.reference.lstmp (spec §3.2); the forget bias is already in z.
+//
+// Transcendentals: exp by range reduction (x = n ln2 + r) and Cephes' degree-6 polynomial on r (about 1 ulp),
+// sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 1 - 2 / (exp(2x) + 1) (absolute error ~1e-7). One body over vector
+// types, compiled for AVX-512 and AVX2 inside functions with target attributes and chosen once at run time
+// (__builtin_cpu_supports), and as scalar code for any CPU. No global -m flags: the build runs anywhere.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ELMO_X86 1
+#endif
+
+namespace {
+
+struct FwdArgs {
+  const float* z;
+  const float* c_prev;
+  float* g;      // activated gates (nullptr: not kept)
+  float* c_pre;  // pre-clip cell (nullptr: not kept)
+  float* c;      // clipped cell: the next state
+  float* tc;     // tanh(c) (nullptr: not kept)
+  float* m;      // sigmoid(o) * tanh(c)
+  int64_t H;
+  float clip;  // +inf: no clip
+};
+
+struct BwdArgs {
+  const float* dm;
+  const float* dc;  // gradient w.r.t. the clipped cell, from the next step
+  const float* g;
+  const float* c_pre;
+  const float* tc;
+  const float* c_prev;
+  float* dz;
+  float* dc_prev;  // may alias dc
+  int64_t H;
+  float clip;
+};
+
+// ---- the kernels, written once over GCC/Clang vector types of W lanes ---------------------------------------------
+// The same body is compiled three times: 16 lanes inside an AVX-512 function, 8 inside an AVX2 function, 1 lane
+// (plain scalar code) for any CPU and for the tails. Comparisons give lane masks; `m ? a : b` selects per lane.
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
+typedef float F1 __attribute__((vector_size(4)));
+typedef int32_t I1 __attribute__((vector_size(4)));
+
+template <typename V>
+inline __attribute__((always_inline)) V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+inline __attribute__((always_inline)) void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// Cephes expf: 2^n * p(r), x = n ln2 + r, |r| <= ln2/2; inputs clamped to [-87, 88] (NaN stays NaN).
+template <typename V, typename I>
+inline __attribute__((always_inline)) V exp_v(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const V r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  return p * (V)((__builtin_convertvector(n, I) + 127) << 23);  // times 2^n, n in [-126, 127]
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) V sigmoid_v(V x) {
+  return 1.0f / (1.0f + exp_v<V, I>(-x));
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) V tanh_v(V x) {
+  return 1.0f - 2.0f / (exp_v<V, I>(2.0f * x) + 1.0f);
+}
+
+template <typename V, typename I>
+inline __attribute__((always_inline)) void fwd_body(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t H = a.H, G = 4 * H;
+  const float* z = a.z + r * G;
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
+    const V i = sigmoid_v<V, I>(load<V>(z + k)), j = tanh_v<V, I>(load<V>(z + H + k));
+    const V f = sigmoid_v<V, I>(load<V>(z + 2 * H + k)), o = sigmoid_v<V, I>(load<V>(z + 3 * H + k));
+    const V cp = f * load<V>(a.c_prev + r * H + k) + i * j;
+    V c = cp < -a.clip ? V{} - a.clip : cp;  // NaN stays NaN
+    c = c > a.clip ? V{} + a.clip : c;
+    const V t = tanh_v<V, I>(c);
+    if (a.g) {
+      float* g = a.g + r * G;
+      store(g + k, i), store(g + H + k, j), store(g + 2 * H + k, f), store(g + 3 * H + k, o);
+    }
+    if (a.c_pre) store(a.c_pre + r * H + k, cp);
+    if (a.tc) store(a.tc + r * H + k, t);
+    store(a.c + r * H + k, c);
+    store(a.m + r * H + k, o * t);
+  }
+  if constexpr (W > 1) fwd_body<F1, I1>(a, r, k, k1);
+}
+
+template <typename V>
+inline __attribute__((always_inline)) void bwd_body(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  const int64_t H = a.H, G = 4 * H;
+  const float* g = a.g + r * G;
+  float* dz = a.dz + r * G;
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
+    const int64_t e = r * H + k;
+    const V i = load<V>(g + k), j = load<V>(g + H + k), f = load<V>(g + 2 * H + k), o = load<V>(g + 3 * H + k);
+    const V t = load<V>(a.tc + e), dm = load<V>(a.dm + e), cp = load<V>(a.c_pre + e);
+    V dc = load<V>(a.dc + e) + dm * o * (1.0f - t * t);
+    dc = (cp > a.clip) | (cp < -a.clip) ? V{} : dc;  // zero where |c| > clip (NaN: kept)
+    store(dz + k, dc * j * (i * (1.0f - i)));
+    store(dz + H + k, dc * i * (1.0f - j * j));
+    store(dz + 2 * H + k, dc * load<V>(a.c_prev + e) * (f * (1.0f - f)));
+    store(dz + 3 * H + k, dm * t * (o * (1.0f - o)));
+    store(a.dc_prev + e, dc * f);
+  }
+  if constexpr (W > 1) bwd_body<F1>(a, r, k, k1);
+}
+
+void fwd_scalar(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F1, I1>(a, r, k0, k1); }
+void bwd_scalar(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F1>(a, r, k0, k1); }
+
+#ifdef ELMO_X86
+#define ELMO_AVX512 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw,fma")))
+#define ELMO_AVX2 __attribute__((target("avx2,fma")))
+ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F16, I16>(a, r, k0, k1); }
+ELMO_AVX512 void bwd_avx512(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F16>(a, r, k0, k1); }
+ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F8, I8>(a, r, k0, k1); }
+ELMO_AVX2 void bwd_avx2(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F8>(a, r, k0, k1); }
+#endif  // ELMO_X86
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa best_isa() {
+#ifdef ELMO_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kScalar;
+}
+
+const Isa kBest = best_isa();
+Isa kIsa = kBest;
+
+const char* name_of(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+std::string isa_name() { return name_of(kIsa); }
+
+// For tests: run a lesser instruction set than the CPU's best ("scalar", "avx2", "avx512").
+void set_isa(const std::string& name) {
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (name == name_of(isa)) {
+      TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(kBest), "elmo_fast._cpu: this CPU cannot run ", name,
+                  " (best: ", name_of(kBest), ")");
+      kIsa = isa;
+      return;
+    }
+  }
+  TORCH_CHECK(false, "elmo_fast._cpu: unknown instruction set '", name, "'; expected scalar, avx2 or avx512");
+}
+
+// Rows x column chunks of 256, split over torch's intra-op threads.
+template <typename Args, typename F>
+void run_rows(const Args& a, int64_t n, F fn) {
+  constexpr int64_t kChunk = 256;
+  const int64_t chunks = (a.H + kChunk - 1) / kChunk;
+  at::parallel_for(0, n * chunks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / chunks, k0 = (w % chunks) * kChunk;
+      fn(a, r, k0, std::min(a.H, k0 + kChunk));
+    }
+  });
+}
+
+void check(const torch::Tensor& t, const char* name, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), "elmo_fast._cpu: ",
+              name, " must be a contiguous CPU float32 tensor");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "elmo_fast._cpu: ", name, " must be (", rows,
+              ", ", cols, "), got ", t.sizes());
+}
+
+float clip_value(c10::optional<double> clip) {
+  return clip.has_value() ? static_cast<float>(*clip) : std::numeric_limits<float>::infinity();
+}
+
+float* opt_ptr(const c10::optional<torch::Tensor>& t, const char* name, int64_t rows, int64_t cols) {
+  if (!t.has_value()) return nullptr;
+  check(*t, name, rows, cols);
+  return t->data_ptr<float>();
+}
+
+// z (n, 4H) pre-activations; c_prev (n, H). Writes c (n, H) and m (n, H); with g / c_pre / tc also the activated
+// gates, the pre-clip cell and tanh(c) (training). g may be z itself.
+void cell_forward(const torch::Tensor& z, const torch::Tensor& c_prev, c10::optional<double> cell_clip,
+                  const c10::optional<torch::Tensor>& g, const c10::optional<torch::Tensor>& c_pre,
+                  const torch::Tensor& c, const c10::optional<torch::Tensor>& tc, const torch::Tensor& m) {
+  const int64_t n = c_prev.size(0), H = c_prev.size(1);
+  check(z, "z", n, 4 * H);
+  check(c_prev, "c_prev", n, H);
+  check(c, "c", n, H);
+  check(m, "m", n, H);
+  FwdArgs a{z.data_ptr<float>(), c_prev.data_ptr<float>(), opt_ptr(g, "g", n, 4 * H),
+            opt_ptr(c_pre, "c_pre", n, H), c.data_ptr<float>(), opt_ptr(tc, "tc", n, H), m.data_ptr<float>(), H,
+            clip_value(cell_clip)};
+  switch (kIsa) {
+#ifdef ELMO_X86
+    case Isa::kAvx512: return run_rows(a, n, fwd_avx512);
+    case Isa::kAvx2: return run_rows(a, n, fwd_avx2);
+#endif
+    default: return run_rows(a, n, fwd_scalar);
+  }
+}
+
+// dm, dc (n, H): gradients w.r.t. m and the clipped cell; g (n, 4H), c_pre, tc, c_prev (n, H) from forward.
+// Writes dz (n, 4H) and dc_prev (n, H) (dc_prev may be dc).
+void cell_backward(const torch::Tensor& dm, const torch::Tensor& dc, const torch::Tensor& g,
+                   const torch::Tensor& c_pre, const torch::Tensor& tc, const torch::Tensor& c_prev,
+                   c10::optional<double> cell_clip, const torch::Tensor& dz, const torch::Tensor& dc_prev) {
+  const int64_t n = dm.size(0), H = dm.size(1);
+  for (const auto& [t, name] : {std::pair{&dm, "dm"}, {&dc, "dc"}, {&c_pre, "c_pre"}, {&tc, "tc"},
+                                {&c_prev, "c_prev"}, {&dc_prev, "dc_prev"}})
+    check(*t, name, n, H);
+  check(g, "g", n, 4 * H);
+  check(dz, "dz", n, 4 * H);
+  BwdArgs a{dm.data_ptr<float>(), dc.data_ptr<float>(), g.data_ptr<float>(), c_pre.data_ptr<float>(),
+            tc.data_ptr<float>(), c_prev.data_ptr<float>(), dz.data_ptr<float>(), dc_prev.data_ptr<float>(), H,
+            clip_value(cell_clip)};
+  switch (kIsa) {
+#ifdef ELMO_X86
+    case Isa::kAvx512: return run_rows(a, n, bwd_avx512);
+    case Isa::kAvx2: return run_rows(a, n, bwd_avx2);
+#endif
+    default: return run_rows(a, n, bwd_scalar);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (see csrc/cpu/lstmp_cell.cpp)";
+  m.def("cell_forward", &cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
+        py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
+  m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),
+        py::arg("c_pre"), py::arg("tc"), py::arg("c_prev"), py::arg("cell_clip"), py::arg("dz"),
+        py::arg("dc_prev"));
+  m.def("isa", &isa_name, "the instruction set the kernels run with");
+  m.def("set_isa", &set_isa, "run a lesser instruction set (tests)", py::arg("name"));
+}

@@ -1,0 +1,64 @@
+"""CPU backend of the char CNN (``elmo_fast.reference.char_cnn.char_cnn_reference`` is the oracle).
+
+Exact shortcuts (no value changes beyond float rounding order), differentiable by autograd:
+
+* all-zero rows (padding tokens) see a zero embedding, so every window gives exactly the conv bias;
+* windows made only of in-word padding characters give one value per filter for every token: it is computed
+  once, and each token's convolution covers only the windows that touch one of its real characters;
+* tokens run in buckets of similar length, so a short word costs a short convolution (most words are far
+  shorter than the 50 positions: the CNN work drops 3-4x on real text).
+
+The callers (the token-encoder module) pass distinct tokens: each distinct token is encoded once per batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference.char_cnn import _activation
+
+PAD_CHAR_ID = 261  # inference id of the in-word padding character
+_BUCKET = 512
+
+
+def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: str = "relu") -> torch.Tensor:
+    """char_ids (N, L) int inference ids -> (N, F), as ``char_cnn_reference``."""
+    act = _activation(activation)
+    N, L = char_ids.shape
+    dtype = torch.promote_types(char_embed.dtype, conv_weights[0].dtype)
+    bias_all = torch.cat(conv_biases).to(dtype)
+    if N == 0:
+        return act(bias_all.new_zeros(0, bias_all.shape[0]))
+    max_w = max(int(w.shape[0]) for w in conv_weights)
+    if L < max_w:
+        raise ValueError(f"tokens of {L} characters are shorter than a filter of width {max_w}")
+    nonpad = char_ids != PAD_CHAR_ID
+    # k = 1 + index of the last non-padding character: windows starting at p >= k are all padding.
+    k = (nonpad * torch.arange(1, L + 1)).amax(dim=1)
+    real = torch.nonzero((char_ids != 0).any(dim=1)).squeeze(1)
+    # value of an all-padding window, per filter: computed once.
+    pad_win = F.embedding(torch.full((1, max_w), PAD_CHAR_ID, dtype=torch.long), char_embed).transpose(1, 2)
+    pad_vals = [F.conv1d(pad_win[:, :, : w.shape[0]], w.permute(2, 1, 0), b)[:, :, 0]
+                for w, b in zip(conv_weights, conv_biases)]
+    out = bias_all.expand(N, bias_all.shape[0])  # all-zero rows: every window is exactly the bias
+    if real.numel():
+        kr = k[real]
+        order = torch.argsort(kr, descending=True)
+        real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
+        pieces = []
+        for s in range(0, real.numel(), _BUCKET):
+            kmax = kr[s]
+            emb = F.embedding(char_ids[real[s : s + _BUCKET]], char_embed).transpose(1, 2)  # (n, d_c, L)
+            group = []
+            for (w, b), pv in zip(zip(conv_weights, conv_biases), pad_vals):
+                width = int(w.shape[0])
+                n_win = L - width + 1
+                n_real = min(kmax, n_win)  # windows starting before kmax touch a real character
+                m = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b).amax(dim=-1)
+                if n_real < n_win:  # the bucket's tokens also have all-padding windows
+                    m = torch.maximum(m, pv.to(m.dtype))
+                group.append(m)
+            pieces.append(torch.cat(group, dim=-1))
+        real_out = torch.cat(pieces, 0)
+        out = out.to(real_out.dtype).index_put((real,), real_out)
+    return act(out)

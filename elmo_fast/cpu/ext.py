@@ -1,0 +1,25 @@
+"""The optional compiled CPU kernels ``elmo_fast._cpu`` (csrc/cpu/, built by setup.py when a C++ compiler is there).
+
+Never compiled at import. Without it (no compiler at install, a failed build, ``ELMO_FAST_CPU_EXT=0``) the cpu
+backend runs the same math as torch ops.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+
+@functools.lru_cache(maxsize=None)
+def _load():
+    try:
+        return importlib.import_module("elmo_fast._cpu")
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+
+
+def cpu_ext():
+    """The ``elmo_fast._cpu`` module, or None (not built, or turned off with ELMO_FAST_CPU_EXT=0)."""
+    if os.environ.get("ELMO_FAST_CPU_EXT", "1").strip() == "0":
+        return None
+    return _load()

@@ -1,0 +1,321 @@
+"""CPU backend of the LSTMP chain (one layer, one direction): forward and backward through time.
+
+The math is ``elmo_fast.reference.lstmp.lstmp_reference`` (spec §3.2-§3.5), which is the oracle; this file only
+changes the order of the work. Shapes: B batch, T padded steps, D input width, H cell, P projection, G = 4H gates,
+N = Σ lengths (the valid (row, step) positions).
+
+Design
+------
+*Packed rows.* Rows are visited in order of decreasing length, and at step ``s`` row ``r`` works on time position
+``s`` (forward) or ``len_r - 1 - s`` (reverse: each row reversed within its own length). The rows still running
+at step ``s`` are then a prefix ``0..n_s-1`` of the sorted batch in both directions, so padded positions cost
+nothing and no step needs a mask. All per-position tensors live in "packed" buffers of N rows, step-major.
+
+*Products.* The input projection ``x · w_in + bias`` (forget bias folded in) is one GEMM over the N positions
+before the loop. Per step only the recurrent parts run: ``h · w_rec`` (added to the step's input projection in
+the same oneDNN pass) and ``m · w_proj``, with the weights packed once per call (``packed.PackedLinear``; the
+module's ``PackedWeightCache`` keeps them across calls while the weights do not change).
+
+*Training* (``_LSTMPFunction``). Forward writes, per position, the activated gates (σ(i), tanh(j), σ(f+1), σ(o)),
+the pre-clip cell, tanh of the clipped cell, ``m`` and the pre-clip projection into preallocated (N, ·) buffers:
+pre-clip values make the clip masks exact (torch.clamp's convention: gradient 1 on [-clip, clip]). Backward walks
+the steps in reverse with two per-step products (``dh · w_projᵀ`` and ``dz · w_recᵀ``), and computes every weight
+gradient as one GEMM over all N positions after the loop: ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``,
+``db = Σ dz``, ``dW_proj = mᵀ dh``, ``dx = dz · W_inᵀ``. Nothing it allocates per step grows with T.
+
+*Inference* saves nothing, and projects identical input rows once (layer 0's inputs are context-free token
+vectors, so repeated words repeat rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.autograd.function import once_differentiable
+
+from .ext import cpu_ext
+from .._backend import BackendUnavailableError
+from .packed import PackedLinear, PackedWeightCache, bf16_supported
+
+
+@dataclass
+class _Plan:
+    """Where every valid (row, step) position goes; built on the host from the lengths (a CPU tensor)."""
+
+    order: torch.Tensor  # (B,) sorted row -> original row
+    inverse: torch.Tensor  # (B,) original row -> sorted row
+    identity: bool  # order is 0..B-1 (nothing to permute)
+    n: list[int]  # rows running at each step: non-increasing, n[0] = rows with length > 0
+    off: list[int]  # first packed position of each step
+    flat: torch.Tensor  # (N,) packed position -> original row * T + time position
+    hprev: torch.Tensor  # (N,) row of cat([h0 sorted, packed h]) that is h_{s-1} of each position
+
+    @property
+    def N(self) -> int:
+        return self.off[-1] + self.n[-1] if self.n else 0
+
+    @classmethod
+    def build(cls, lengths: torch.Tensor, T: int, reverse: bool) -> "_Plan":
+        ln = lengths.numpy().astype(np.int64)  # CPU tensor: a view, no device synchronisation
+        B = ln.shape[0]
+        order = np.argsort(-ln, kind="stable")
+        sl = ln[order]
+        K = int(sl[0]) if B else 0
+        n = B - np.cumsum(np.bincount(sl, minlength=K + 1))[:K]  # rows with length > s, s = 0..K-1
+        off = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+        step = np.repeat(np.arange(K), n)
+        row = np.arange(off[-1]) - off[step]
+        t = (sl[row] - 1 - step) if reverse else step
+        hprev = np.where(step == 0, row, B + off[np.maximum(step, 1) - 1] + row)
+        as_t = torch.from_numpy
+        return cls(as_t(order), as_t(np.argsort(order)), bool((order == np.arange(B)).all()), n.tolist(),
+                   off[:-1].tolist(), as_t(order[row] * T + t), as_t(hprev))
+
+    def sort(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if self.identity else t.index_select(0, self.order)
+
+    def unsort(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.identity else t.index_select(0, self.inverse)
+
+    def ends(self, s: int) -> int:
+        """Rows ``ends(s)..n[s]-1`` run their last step at step ``s``."""
+        return self.n[s + 1] if s + 1 < len(self.n) else 0
+
+
+def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, transposed=False, pack=True):
+    """Per-step weights: forward (·w_rec, ·w_proj) or, with ``transposed``, backward (·w_recᵀ, ·w_projᵀ); packed
+    for oneDNN unless ``pack`` is False (then torch.mm)."""
+    out = []
+    for w, role in ((w_rec, "rec"), (w_proj, "proj")):
+        if w is None:
+            out.append(None)
+            continue
+        if transposed:
+            w, role = w.t(), role + "_t"
+        out.append(PackedLinear(w, B, dtype, pack) if cache is None else cache.get(w, B, dtype, role))
+    return out
+
+
+def _fused(*tensors):
+    """The compiled gate kernels when they apply (built, fp32, contiguous), else None."""
+    ext = cpu_ext()
+    if ext is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors if t is not None):
+        return None
+    return ext
+
+
+def _cell_forward(z, c_prev, cell_clip, g_out=None, c_pre_out=None, tc_out=None, m_out=None):
+    """Gate nonlinearities and the cell update of one step.
+
+    z (n, 4H): pre-activations i|j|f|o with every bias; c_prev (n, H): the clipped cell. Returns (c, m): the
+    clipped cell (the next state) and m = σ(o)·tanh(c). With the ``*_out`` buffers (training) it also writes the
+    activated gates, the pre-clip cell and tanh(c) there; without them z may be overwritten.
+    """
+    H = c_prev.shape[1]
+    ext = _fused(z, c_prev, g_out, c_pre_out, tc_out, m_out)
+    if ext is not None:  # one pass instead of ~8
+        c, m = torch.empty_like(c_prev), (m_out if m_out is not None else torch.empty_like(c_prev))
+        ext.cell_forward(z, c_prev, cell_clip, g_out, c_pre_out, c, tc_out, m)
+        return c, m
+    g = z if g_out is None else g_out
+    torch.tanh(z[:, H : 2 * H], out=g[:, H : 2 * H])
+    torch.sigmoid(z[:, :H], out=g[:, :H])
+    torch.sigmoid(z[:, 2 * H :], out=g[:, 2 * H :])
+    i, j, f, o = g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H], g[:, 3 * H :]
+    c = torch.mul(f, c_prev, out=c_pre_out) if c_pre_out is not None else f * c_prev
+    c.addcmul_(i, j)
+    if cell_clip is not None:
+        c = torch.clamp(c, -cell_clip, cell_clip) if c_pre_out is not None else c.clamp_(-cell_clip, cell_clip)
+    if tc_out is None:
+        return c, torch.tanh(c).mul_(o)
+    return c, torch.mul(o, torch.tanh(c, out=tc_out), out=m_out)
+
+
+def _cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out):
+    """Backward of ``_cell_forward``: dm, dc (n, H) the gradients w.r.t. m and w.r.t. the clipped cell (from the
+    next step). Writes dz (n, 4H) into ``dz_out``; returns the gradient w.r.t. c_prev."""
+    H = c_prev.shape[1]
+    ext = _fused(dm, dc, g, c_pre, tc, c_prev, dz_out)
+    if ext is not None:  # one pass instead of ~20
+        ext.cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out, dc)
+        return dc
+    i, j, f, o = g[:, :H], g[:, H : 2 * H], g[:, 2 * H : 3 * H], g[:, 3 * H :]
+    dc = torch.addcmul(dc, dm * o, 1.0 - tc * tc)  # through m = o·tanh(c)
+    if cell_clip is not None:
+        dc.masked_fill_(c_pre.abs() > cell_clip, 0.0)
+    torch.mul(dc * j, i * (1.0 - i), out=dz_out[:, :H])
+    torch.mul(dc * i, 1.0 - j * j, out=dz_out[:, H : 2 * H])
+    torch.mul(dc * c_prev, f * (1.0 - f), out=dz_out[:, 2 * H : 3 * H])
+    torch.mul(dm * tc, o * (1.0 - o), out=dz_out[:, 3 * H :])
+    return dc.mul_(f)
+
+
+def _clip(t: torch.Tensor, clip: float | None) -> torch.Tensor:
+    return t if clip is None else torch.clamp(t, -clip, clip)
+
+
+def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, proj_clip, forget_bias, residual,
+             cache, save: bool, dtype=None):
+    """The time loop. Returns (y, h_n, c_n, saved): ``saved`` holds the packed buffers backward needs (or None)."""
+    B, T, D = x.shape
+    H, P, N = c0.shape[1], h0.shape[1], plan.N
+    bias_f = bias.clone()
+    bias_f[2 * H : 3 * H] += forget_bias
+    xs = x.reshape(B * T, D).index_select(0, plan.flat)  # (N, D) packed inputs
+    # the (N, 4H) input projections: saved for backward in training, a reused scratch buffer in inference
+    out = cache.scratch((N, 4 * H), x.dtype) if cache is not None and not save else None
+    if dtype is None:
+        def project(rows, out=None):
+            return torch.addmm(bias_f, rows, w_in, out=out)
+    else:  # bf16 inference: the input projection packed like the per-step weights
+        w_lin = PackedLinear(w_in, N, dtype) if cache is None else cache.get(w_in, N, dtype, "in")
+
+        def project(rows, out=None):
+            return out.copy_(w_lin(rows)).add_(bias_f) if out is not None else w_lin(rows).add_(bias_f)
+    gates = None
+    if not save and N > 1:  # inference: project each distinct input row once where that pays off
+        uniq, inv = torch.unique(xs, dim=0, return_inverse=True)
+        if uniq.shape[0] * 4 <= N * 3:
+            gates = torch.index_select(project(uniq), 0, inv, out=out)
+    if gates is None:
+        gates = project(xs, out)  # (N, 4H)
+    # Training packs nothing for forward: the weights change every step, and packing w_rec for oneDNN's forward
+    # product is a 32 MiB transpose (30 ms on 2 cores, more than it saves at B=16); backward's packing is cheap.
+    rec, proj = _weights(w_rec, w_proj, B, cache, dtype, pack=not save)
+    hs = x.new_empty(N, P)  # the (clipped) outputs h_t, packed
+    if save:
+        c_pre, tc, m_all = (x.new_empty(N, H) for _ in range(3))
+        h_pre = x.new_empty(N, P) if proj is not None else None
+    h_fin, c_fin = plan.sort(h0), plan.sort(c0)
+    h, c = h_fin, c_fin
+    for s, (n, o) in enumerate(zip(plan.n, plan.off)):
+        blk = slice(o, o + n)
+        z = rec(h[:n], add=gates[blk])
+        if save:
+            c, m = _cell_forward(z, c[:n], cell_clip, gates[blk], c_pre[blk], tc[blk], m_all[blk])
+        else:
+            c, m = _cell_forward(z, c[:n], cell_clip)
+        if proj is None:
+            h = hs[blk].copy_(m)
+        else:
+            hp = proj(m)
+            if save:
+                h_pre[blk] = hp
+            h = hs[blk].copy_(hp) if proj_clip is None else torch.clamp(hp, -proj_clip, proj_clip, out=hs[blk])
+        e = plan.ends(s)
+        if e < n:  # rows e..n-1 ran their last step: their state is final
+            h_fin[e:n] = h[e:]
+            c_fin[e:n] = c[e:]
+    out = hs + xs if residual else hs
+    y = out.new_zeros(B * T, P).index_copy_(0, plan.flat, out).view(B, T, P)
+    saved = (xs, gates, c_pre, tc, m_all, h_pre, hs) if save else None
+    return y, plan.unsort(h_fin), plan.unsort(c_fin), saved
+
+
+class _LSTMPFunction(torch.autograd.Function):
+    """The chain with its own backward through time (see the module docstring).
+
+    ``w_stack``: when w_in and w_rec are the two row blocks of one (D+P, 4H) tensor (the model's ``W_0``), that
+    tensor is the input instead (w_in and w_rec are then None), and its gradient is one GEMM,
+    ``[x ; h_prev]ᵀ dz``, with no slice gradients to expand and add."""
+
+    @staticmethod
+    def forward(ctx, x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, plan, kw):
+        if w_stack is not None:
+            w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
+        # weights change every training step: packed afresh, never from the inference cache
+        y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=None, save=True, **kw)
+        ctx.plan, ctx.kw = plan, kw
+        ctx.save_for_backward(w_in, w_rec, w_proj, h0, c0, *saved)
+        return y, h_n, c_n
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh_n, dc_n):
+        w_in, w_rec, w_proj, h0, c0, xs, gates, c_pre, tc, m_all, h_pre, hs = ctx.saved_tensors
+        plan, kw = ctx.plan, ctx.kw
+        cell_clip, proj_clip = kw["cell_clip"], kw["proj_clip"]
+        B, T, D = dy.shape[0], dy.shape[1], xs.shape[1]
+        N, P = hs.shape
+        dys = dy.reshape(B * T, P).index_select(0, plan.flat)  # (N, P) packed
+        carry_h, carry_c = plan.sort(dh_n), plan.sort(dc_n)  # gradients w.r.t. the state after the current step
+        c_init = plan.sort(c0)
+        dz = torch.empty_like(gates)
+        dh_all = torch.empty_like(hs) if w_proj is not None else None
+        rec_t, proj_t = _weights(w_rec, w_proj, B, None, transposed=True)
+        for s in range(len(plan.n) - 1, -1, -1):
+            n, o = plan.n[s], plan.off[s]
+            blk = slice(o, o + n)
+            dh = dys[blk] + carry_h[:n]
+            if proj_t is not None:
+                if proj_clip is not None:
+                    dh.masked_fill_(h_pre[blk].abs() > proj_clip, 0.0)
+                dh_all[blk] = dh
+                dh = proj_t(dh)
+            po = plan.off[s - 1] if s else 0
+            c_prev = _clip(c_pre[po : po + n], cell_clip) if s else c_init[:n]
+            carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
+            carry_h[:n] = rec_t(dz[blk])
+        need = ctx.needs_input_grad
+        dx = dw_in = dw_rec = dw_stack = db = dw_proj = None
+        if need[0]:
+            dxs = torch.addmm(dys, dz, w_in.t()) if kw["residual"] else torch.mm(dz, w_in.t())
+            dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
+        h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(need[1:4]) else None
+        if need[3]:
+            dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
+        if need[1]:
+            dw_in = torch.mm(xs.t(), dz)
+        if need[2]:
+            dw_rec = torch.mm(h_prev.t(), dz)
+        if need[4]:
+            db = dz.sum(0)
+        if need[5] and w_proj is not None:
+            dw_proj = torch.mm(m_all.t(), dh_all)
+        return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None
+
+
+def _stack_of(w_in: torch.Tensor, w_rec: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous (D+P, 4H) tensor whose first D rows are ``w_in`` and whose other rows are ``w_rec``, if they
+    are views of one (the model passes ``W_0[:P]`` and ``W_0[P:]``), else None."""
+    base = w_in._base
+    if base is None or w_rec._base is not base or base.dim() != 2 or not base.is_contiguous():
+        return None
+    if base.requires_grad != w_in.requires_grad or base.requires_grad != w_rec.requires_grad:
+        return None
+    D = w_in.shape[0]
+    if (base.shape[0] != D + w_rec.shape[0] or w_in.data_ptr() != base.data_ptr()
+            or w_rec.data_ptr() != base[D:].data_ptr() or not (w_in.is_contiguous() and w_rec.is_contiguous())):
+        return None
+    return base
+
+
+def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, proj_clip=None, forget_bias=1.0,
+              reverse=False, residual=False, weight_cache: PackedWeightCache | None = None, bf16: bool = False):
+    """The CPU backend of ``elmo_fast.ops.lstmp`` (arguments and results of ``lstmp_reference``).
+
+    Differentiable w.r.t. x, w_in, w_rec, bias, w_proj, h0 and c0. ``weight_cache``: the owning module's
+    ``PackedWeightCache`` (packed weights survive across inference calls). ``bf16`` (opt-in, inference only, CPUs with
+    AVX512-BF16 or AMX): the products with the packed weights (those of 1 MiB and more) take bf16 operands and
+    accumulate in fp32; their results are rounded to bf16, the gates and the cell state stay fp32. Measured
+    error: below that of the reference run in bf16 (tests/test_cpu_backend.py).
+    """
+    if bf16 and not bf16_supported():
+        raise BackendUnavailableError("lstmp: bf16 on the cpu backend needs a CPU with AVX512-BF16 or AMX and "
+                                      "torch's oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False "
+                                      "here); unset ELMO_FAST_CPU_BF16 / cpu_bf16 to run in fp32")
+    plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
+    tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if bf16:
+            raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
+        stack = _stack_of(w_in, w_rec)
+        if stack is not None:
+            return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw)
+        return _LSTMPFunction.apply(x, w_in, w_rec, None, bias, w_proj, h0, c0, plan, kw)
+    with torch.no_grad():
+        y, h_n, c_n, _ = _forward(*tensors, plan, cache=weight_cache, save=False,
+                                  dtype=torch.bfloat16 if bf16 else None, **kw)
+    return y, h_n, c_n

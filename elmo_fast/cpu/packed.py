@@ -1,0 +1,128 @@
+"""Weights packed once for oneDNN, and the module-owned cache that keeps them across calls.
+
+``torch.mm`` sends the small-M products of an LSTM step (M = batch rows) to MKL's sgemm. oneDNN with a weight
+reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) runs the same IEEE fp32
+products faster on these shapes (measured on the 2-core AVX-512 machine of bench/results/cpu_lstmp.md: M=32,
+K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
+input projection in the same pass. Only the summation order differs from ``torch.mm``.
+
+``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``); a failed pack or probe also
+turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ONEDNN_OK = os.environ.get("ELMO_FAST_CPU_ONEDNN", "1").strip() != "0"
+
+
+class PackedLinear:
+    """``x -> x · w (+ other)`` for a (K, N) weight ``w``, through oneDNN when it can, else torch.mm.
+
+    ``w`` is the logical right operand; the packed copy (N, K) lives in oneDNN's layout and never changes.
+    With ``dtype=torch.bfloat16`` the weight is packed in bf16 and each call rounds ``x`` to bf16, accumulates in
+    fp32 (AMX / AVX512-BF16) and returns the result, rounded to bf16 by oneDNN, in ``x``'s dtype.
+    """
+
+    def __init__(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, pack: bool = True):
+        self.shape = tuple(w.shape)
+        self.dtype = dtype or w.dtype
+        self.w = w  # the fallback path's operand; holding it also keeps its storage (the cache key) alive
+        self.packed = _pack(w, rows, self.dtype) if pack else None
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is None:
+            return torch.mm(x, self.w) if add is None else torch.addmm(add, x, self.w)
+        if self.dtype == x.dtype:
+            if add is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, add, self.packed, None, "add")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "").to(x.dtype)
+        return out if add is None else out.add_(add)
+
+
+# Below this many weight elements (1 MiB in fp32) torch.mm is at least as fast: oneDNN runs every call in parallel,
+# and on a busy 2-core machine each parallel region can wait for a scheduler slice.
+_MIN_ELEMENTS = 1 << 18
+_SAMPLE_STRIDE = 509  # the cache's check that a weight is unchanged reads one element in 509 (a prime)
+
+
+def onednn_usable(t: torch.Tensor) -> bool:
+    return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MIN_ELEMENTS
+            and torch.backends.mkldnn.is_available())
+
+
+def bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 products natively here (AVX512-BF16 or AMX)."""
+    return _ONEDNN_OK and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
+    """The oneDNN-packed (N, K) weight, or None where that path does not apply (then torch.mm is used)."""
+    global _ONEDNN_OK
+    if not onednn_usable(w):
+        return None
+    try:
+        wt = w.detach().t().to(dtype).contiguous()
+        packed = torch.ops.mkldnn._reorder_linear_weight(wt, max(1, rows))
+        probe = torch.zeros(1, w.shape[0], dtype=dtype)
+        probe[0, 0] = 1.0
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        if not torch.equal(got[0].float(), wt[:, 0].float()):  # one row of the identity reads one weight row
+            raise RuntimeError("oneDNN linear returned unexpected values")
+        return packed
+    except Exception:  # noqa: BLE001 - any problem: the plain path from now on
+        _ONEDNN_OK = False
+        return None
+
+
+class PackedWeightCache:
+    """Packed copies of a module's weights, kept across inference calls; owned by the module that owns them.
+
+    An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
+    weight's version counter is unchanged (autograd bumps it on every in-place update) *and* a sample of the
+    weight (every 509th element) is unchanged: writes that bypass the counter (``.data``, torch's fused
+    optimizers) change every element, so they are caught too. Training never uses the cache (the autograd path
+    packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops
+    the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on the next call.
+    """
+
+    def __init__(self):
+        self._entries: dict = {}
+        self._scratch: torch.Tensor | None = None
+
+    def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` reused across calls (grown when too small): for temporaries that never leave a
+        call, such as inference's gate pre-activations (42 MiB at 640 tokens, H=4096), which would otherwise come
+        back from the kernel as fresh zeroed pages on every call."""
+        n = 1
+        for d in shape:
+            n *= d
+        if self._scratch is None or self._scratch.dtype != dtype or self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=dtype)
+        return self._scratch[:n].view(shape)
+
+    def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
+        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
+        sample = w.detach().reshape(-1)[::_SAMPLE_STRIDE].clone()
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] == w._version and torch.equal(hit[1], sample):
+            return hit[2]
+        lin = PackedLinear(w, rows, dtype)
+        self._entries[key] = (w._version, sample, lin)
+        return lin
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._scratch = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()

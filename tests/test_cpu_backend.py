@@ -1,0 +1,366 @@
+"""The ``cpu`` backend against the plain reference: fresh random inputs, fp64 and fp32, forward and every gradient,
+NaN-poisoned work buffers (LSTMP chain, char CNN, sampled softmax); opt-in bf16 within its budget; backend
+selection; the packed-weight cache (updates, pickling, spawned workers)."""
+import copy
+import io
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+
+import elmo_fast
+from elmo_fast._backend import BackendUnavailableError, select_backend
+from elmo_fast.cpu import char_cnn as char_cnn_module
+from elmo_fast.cpu import char_cnn_cpu, lstmp_cpu, packed, sampled_softmax_loss_cpu
+from elmo_fast.cpu.ext import cpu_ext
+from elmo_fast.cpu.packed import PackedWeightCache
+from elmo_fast.reference import char_cnn_reference, lstmp_reference
+from elmo_fast.testing import write_random_model
+
+SENTS = [["The", "cat", "sat", "on", "the", "mat", "."], ["A", "dog", "."], ["the", "the", "the"]]
+
+
+@pytest.fixture
+def nan_poison(monkeypatch):
+    """Uninitialised allocations come back NaN-filled, so an element a backend forgets to write shows up."""
+    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def poisoned(fn):
+        def wrapper(*a, **k):
+            t = fn(*a, **k)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return wrapper
+
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(new_empty))
+
+
+SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(params=["onednn", "torch.mm"])
+def gemm_path(request, monkeypatch):
+    """Both product paths of the cpu backend at test sizes: packed oneDNN weights (normally only for weights of
+    1 MiB and more) and plain torch.mm."""
+    if request.param == "onednn":
+        monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    else:
+        monkeypatch.setattr(packed, "_ONEDNN_OK", False)
+    return request.param
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar", "torch-ops"])
+def gate_path(request, monkeypatch):
+    """Every gate-math path: the compiled kernels (elmo_fast._cpu, when built) in each instruction set this CPU
+    has, and torch ops."""
+    if request.param == "torch-ops":
+        monkeypatch.setenv("ELMO_FAST_CPU_EXT", "0")
+        yield request.param
+        return
+    ext = cpu_ext()
+    if ext is None:
+        pytest.skip("elmo_fast._cpu is not built (no C++ compiler at install, or ELMO_FAST_CPU_EXT=0)")
+    best = ext.isa()
+    try:
+        ext.set_isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU cannot run {request.param}")
+    yield request.param
+    ext.set_isa(best)
+
+
+def assert_close_to_oracle(got, ref64, ref_low, what):
+    """|got - ref64| <= 2 |ref_low - ref64| + slack·(1 + |ref64|) elementwise: the reference run in got's dtype
+    sets the bar, plus a per-dtype slack for a different (equally valid) summation order."""
+    slack = SLACK[got.dtype]
+    got, ref64, ref_low = got.detach().double(), ref64.detach(), ref_low.detach().double()
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    err, bar = (got - ref64).abs(), 2 * (ref_low - ref64).abs() + slack * (1 + ref64.abs())
+    bad = err > bar
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, worst {float((err - bar).max()):.3g} over the bar"
+
+
+def _chain(B, T, D, H, P, proj, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype).requires_grad_()
+
+    return [rnd(B, T, D), rnd(D, 4 * H, s=D ** -0.5), rnd(P, 4 * H, s=P ** -0.5), rnd(4 * H, s=0.5),
+            rnd(H, P, s=H ** -0.5 * 3) if proj else None, rnd(B, P), rnd(B, H, s=2.0)]
+
+
+LSTMP_CASES = [
+    # B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip
+    pytest.param(5, 7, 6, 8, 6, [3, 7, 0, 5, 7], False, True, True, 0.8, 0.5, id="ragged-fwd-residual"),
+    pytest.param(5, 7, 6, 8, 6, [3, 7, 0, 5, 7], True, True, True, 0.8, 0.5, id="ragged-rev-residual"),
+    pytest.param(4, 6, 5, 7, 3, [6, 6, 6, 6], False, False, True, 1.5, 0.4, id="full-fwd"),
+    pytest.param(4, 6, 5, 7, 3, [6, 2, 6, 1], True, False, True, None, None, id="rev-no-clips"),
+    pytest.param(3, 5, 4, 6, 6, [5, 0, 3], False, False, False, 0.7, None, id="no-projection"),
+    pytest.param(3, 5, 4, 6, 6, [2, 5, 4], True, False, False, None, None, id="no-projection-rev"),
+    pytest.param(1, 1, 3, 5, 2, [1], False, False, True, 0.5, 0.5, id="one-step"),
+    pytest.param(3, 4, 3, 5, 2, [0, 0, 0], True, False, True, 0.5, 0.5, id="all-empty"),
+    pytest.param(3, 5, 4, 37, 5, [5, 2, 4], True, True, True, 0.9, 0.3, id="H37-vector-and-tail"),
+]
+
+
+def _run_lstmp(fn, args, lengths, up, **kw):
+    outs = fn(*args, torch.tensor(lengths), **kw)
+    ins = [a for a in args if a is not None]
+    return outs, torch.autograd.grad(outs, ins, up, allow_unused=True)
+
+
+@pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B, T, D, H, P, lengths, reverse,
+                                     residual, proj, cell_clip, proj_clip):
+    if residual:
+        D = P
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual, forget_bias=1.0)
+    args = _chain(B, T, D, H, P, proj, dtype, seed=B * 100 + T)
+    args64 = [a.detach().double().requires_grad_() if a is not None else None for a in args]
+    up = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
+    ref64, gref64 = _run_lstmp(lstmp_reference, args64, lengths, [u.double() for u in up], **kw)
+    ref, gref = _run_lstmp(lstmp_reference, args, lengths, up, **kw)
+    got, ggot = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
+    names = ["x", "w_in", "w_rec", "bias", "w_proj", "h0", "c0"]
+    names = [n for n, a in zip(names, args) if a is not None]
+    for what, g, r64, r in zip(["y", "h_n", "c_n"], got, ref64, ref):
+        assert_close_to_oracle(g, r64, r, what)
+    for what, g, r64, r in zip(names, ggot, gref64, gref):
+        r64 = r64 if r64 is not None else torch.zeros(())
+        r = r if r is not None else torch.zeros(())
+        g = g if g is not None else torch.zeros(())
+        assert_close_to_oracle(g, r64, r, "d" + what)
+    with torch.no_grad():  # the inference path (no buffers saved, deduplicated rows) computes the same
+        inf = lstmp_cpu(*args, torch.tensor(lengths), **kw)
+    for what, g, r64, r in zip(["y", "h_n", "c_n"], inf, ref64, ref):
+        assert_close_to_oracle(g, r64, r, "inference " + what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_cpu_stacked_weight_gets_one_gradient(gate_path, dtype):
+    """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
+    directly (no slice gradients), and equals the reference's."""
+    B, T, D, H, P = 3, 5, 4, 17, 4
+    x, _, _, bias, w_proj, h0, c0 = _chain(B, T, D, H, P, True, dtype, seed=11)
+    w0 = (torch.randn(D + P, 4 * H, dtype=torch.float64) * 0.4).to(dtype).requires_grad_()
+    lengths = torch.tensor([5, 3, 4])
+    kw = dict(cell_clip=1.0, proj_clip=0.6, residual=True, reverse=False)
+    ups = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
+    got = lstmp_cpu(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw)
+    assert any(type(f).__name__ == "AccumulateGrad" and f.variable is w0 for f, _ in got[0].grad_fn.next_functions)
+    g_got = torch.autograd.grad(got, w0, ups)[0]
+    w64 = w0.detach().double().requires_grad_()
+    args64 = [t.detach().double() for t in (x, bias, w_proj, h0, c0)]
+    ref64 = lstmp_reference(args64[0], w64[:D], w64[D:], *args64[1:], lengths, **kw)
+    g64 = torch.autograd.grad(ref64, w64, [u.double() for u in ups])[0]
+    g_ref = torch.autograd.grad(lstmp_reference(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw), w0, ups)[0]
+    assert_close_to_oracle(g_got, g64, g_ref, "dW_0")
+
+
+def test_lstmp_cpu_gradcheck_fp64():
+    args = _chain(3, 4, 3, 4, 2, True, torch.float64, seed=7)
+    lengths = torch.tensor([4, 1, 3])
+    for reverse in (False, True):
+        assert torch.autograd.gradcheck(
+            lambda *a: lstmp_cpu(*a, lengths, cell_clip=5.0, proj_clip=5.0, reverse=reverse), args)
+
+
+def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path, gate_path):
+    """Repeated input rows take the deduplicated projection; the cached packed weights follow in-place updates."""
+    B, T, D, H, P = 4, 9, 8, 16, 8
+    args = [a.detach() for a in _chain(B, T, D, H, P, True, torch.float32, seed=3)]
+    args[0][:, 3:] = args[0][:, :1]  # most rows repeat one input vector
+    lengths = torch.tensor([9, 4, 7, 9])
+    kw = dict(cell_clip=3.0, proj_clip=3.0, residual=True, reverse=True)
+    cache = PackedWeightCache()
+    for _ in range(2):
+        got = lstmp_cpu(*args, lengths, weight_cache=cache, **kw)
+        for g, r in zip(got, lstmp_reference(*args, lengths, **kw)):
+            torch.testing.assert_close(g, r, atol=2e-6, rtol=1e-5)
+        args[2].mul_(0.5)  # an optimizer-like in-place update: the next call must see it
+    assert len(cache) == 2  # one entry per weight role, replaced when the weight changes
+
+
+needs_bf16 = pytest.mark.skipif(not packed.bf16_supported(), reason="this CPU has neither AVX512-BF16 nor AMX")
+
+
+@needs_bf16
+@pytest.mark.parametrize("reverse", [False, True])
+def test_lstmp_cpu_bf16_inference_within_budget(monkeypatch, reverse):
+    """Opt-in bf16 products (fp32 gates and cell state): the error against fp64 is at most twice the error of
+    the reference run entirely in bf16, plus a slack (performance.md's accuracy budget)."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # pack the test-sized weights too
+    B, T, D, H, P = 6, 12, 32, 48, 32
+    args = [a.detach() for a in _chain(B, T, D, H, P, True, torch.float64, seed=5)]
+    lengths = torch.tensor([12, 7, 12, 3, 0, 9])
+    kw = dict(cell_clip=3.0, proj_clip=3.0, reverse=reverse, residual=True)
+    ref64 = lstmp_reference(*args, lengths, **kw)
+    ref16 = lstmp_reference(*[a.bfloat16() for a in args], lengths, **kw)
+    with torch.no_grad():
+        got = lstmp_cpu(*[a.float() for a in args], lengths, bf16=True, **kw)
+    for what, g, r64, r16 in zip(["y", "h_n", "c_n"], got, ref64, ref16):
+        assert g.dtype == torch.float32
+        err, bar = (g.double() - r64).abs().max(), 2 * (r16.double() - r64).abs().max() + 1e-3
+        assert err <= bar, f"{what}: bf16 error {err:.3g} over the budget {bar:.3g}"
+    with pytest.raises(ValueError, match="inference only"):
+        lstmp_cpu(*[a.float().requires_grad_() for a in args], lengths, bf16=True, **kw)
+    monkeypatch.setattr("elmo_fast.cpu.lstmp.bf16_supported", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="AVX512-BF16 or AMX"):
+        lstmp_cpu(*[a.float() for a in args], lengths, bf16=True, **kw)
+
+
+@needs_bf16
+def test_bf16_opt_in_from_the_environment(tmp_path, monkeypatch):
+    """ELMO_FAST_CPU_BF16=1 switches a new model's LSTMs to bf16 products; the default stays fp32."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # the tiny model's weights are packed too
+    o, w = write_random_model(tmp_path)
+    ids = elmo_fast.batch_to_ids(SENTS)
+    fp32 = elmo_fast.ElmoBiLM(o, w, stateful=False)
+    assert not fp32._bilm.forward_lstm.cpu_bf16
+    monkeypatch.setenv("ELMO_FAST_CPU_BF16", "1")
+    bf16 = elmo_fast.ElmoBiLM(o, w, stateful=False)
+    assert bf16._bilm.forward_lstm.cpu_bf16 and bf16._bilm.backward_lstm.cpu_bf16
+    calls = []
+    real = packed.PackedLinear.__init__
+
+    def spy(self, w_, rows, dtype=None):
+        calls.append(dtype)
+        real(self, w_, rows, dtype)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", spy)
+    with torch.no_grad():
+        a, b = fp32(ids)["activations"][2], bf16(ids)["activations"][2]
+    assert torch.bfloat16 in calls
+    assert 0 < float((a - b).abs().max()) < 0.1
+
+
+def test_backend_selection():
+    assert select_backend("auto", torch.device("cpu"), "lstmp") == "cpu"
+    assert select_backend("cpu", torch.device("cpu"), "lstmp") == "cpu"
+    msg = r"backend 'cpu' for lstmp needs CPU tensors, got cuda.*\.cpu\(\)"
+    with pytest.raises(BackendUnavailableError, match=msg):
+        select_backend("cpu", torch.device("cuda"), "lstmp")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("act", ["relu", "tanh"])
+@pytest.mark.parametrize("bucket", [512, 3])
+def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
+    """Buckets of 3 tokens put short words together, so their all-padding windows take the shortcut."""
+    monkeypatch.setattr(char_cnn_module, "_BUCKET", bucket)
+    g = torch.Generator().manual_seed(0)
+    d, filters = 4, [(1, 3), (2, 4), (3, 5), (7, 6)]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+
+    emb = rnd(262, d)
+    emb.detach()[0] = 0.0  # row 0 is the "no token" row (the model prepends it to the file's table)
+    ws = [rnd(w, d, n) for w, n in filters]
+    bs = [rnd(n) for _, n in filters]
+    words = ["a", "to", "The", "internationalization", "x" * 60, "<S>", "</S>", "é", "bb", "c"]
+    ids = torch.tensor([elmo_fast.word_to_char_ids(w) for w in words] + [[0] * 50])
+    params = [emb, *ws, *bs]
+    up = torch.randn(len(ids), sum(n for _, n in filters), dtype=dtype)
+
+    def run(fn, ps):
+        out = fn(ids, ps[0], list(ps[1:5]), list(ps[5:]), act)
+        return out, torch.autograd.grad(out, ps, up)
+
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    ref64, gref64 = run(char_cnn_reference, p64)
+    ref, gref = run(char_cnn_reference, params)
+    got, ggot = run(char_cnn_cpu, params)
+    assert_close_to_oracle(got, ref64, ref, "char_cnn")
+    # row 0 is a constant in the model (prepended zeros): the cpu path never reads it, so it gets no gradient
+    ggot, gref64, gref = ([g[0][1:], *g[1:]] for g in (ggot, gref64, gref))
+    for k, (a, b, c) in enumerate(zip(ggot, gref64, gref)):
+        assert_close_to_oracle(a, b, c, f"grad {k}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduction):
+    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included."""
+    from elmo_fast.ops import log_uniform_sample
+    from elmo_fast.reference.sampled_softmax import expected_count_reference, sampled_softmax_loss_reference
+
+    g = torch.Generator().manual_seed(3)
+    N, P, V, S = 13, 7, 50, 11
+    ids, tries = log_uniform_sample(S, V, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[:3] = ids[:3]  # accidental hits
+    targets[5] = targets[6]  # a repeated target
+    q_t, q_s = expected_count_reference(targets, tries, S, V), expected_count_reference(ids, tries, S, V)
+    base = [torch.randn(N, P, generator=g, dtype=torch.float64), torch.randn(V, P, generator=g, dtype=torch.float64),
+            torch.randn(V, generator=g, dtype=torch.float64)]
+    up = torch.randn(N, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+
+    def run(fn, dt):
+        h, w, b = (t.to(dt).requires_grad_() for t in base)
+        loss = fn(h, targets, w, b, ids, q_t, q_s, reduction=reduction, sparse_grad=sparse)
+        grads = torch.autograd.grad(loss, (h, w, b), up.to(dt))
+        return loss, [gr.to_dense() for gr in grads]
+
+    ref64, g64 = run(sampled_softmax_loss_reference, torch.float64)
+    ref, gref = run(sampled_softmax_loss_reference, dtype)
+    got, ggot = run(sampled_softmax_loss_cpu, dtype)
+    assert_close_to_oracle(got, ref64, ref, "loss")
+    for what, a, b, c in zip(("dhidden", "dweight", "dbias"), ggot, g64, gref):
+        assert_close_to_oracle(a, b, c, what)
+
+
+def test_cpu_weight_cache_follows_weight_updates(tmp_path, monkeypatch):
+    """The cpu backend keeps packed weights across calls; an in-place update must invalidate them."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # pack the tiny model's weights
+    o, w = write_random_model(tmp_path)
+    model = elmo_fast.ElmoBiLM(o, w, stateful=False, backend="cpu")
+    ids = elmo_fast.batch_to_ids(SENTS)
+    with torch.no_grad():
+        first = model(ids)["activations"][2]
+        assert len(model._bilm.forward_lstm._cpu_weight_cache) > 0
+        torch.testing.assert_close(model(ids)["activations"][2], first)  # cached path == first call
+        model._bilm.forward_lstm.W_0[1].mul_(0.5)  # an in-place update bumps the version counter
+        model._bilm.backward_lstm.W_P_0[0].data.mul_(0.5)  # .data (like fused optimizers) does not: the sample does
+        changed = model(ids)["activations"][2]
+        fresh = elmo_fast.ElmoBiLM(o, w, stateful=False, backend="reference")
+        fresh.load_state_dict(model.state_dict())
+        torch.testing.assert_close(changed, fresh(ids)["activations"][2], atol=2e-6, rtol=1e-5)
+    assert not torch.allclose(changed, first)
+
+
+def _embed_in_worker(model, ids, queue):
+    with torch.no_grad():
+        queue.put(model(ids)["activations"][2].numpy())  # by value (a tensor would travel as a shared fd)
+
+
+def test_model_pickles_after_cpu_inference(tmp_path):
+    """pickle, torch.save, deepcopy and a spawned worker all work after a CPU fp32 inference filled the cache."""
+    o, w = write_random_model(tmp_path)
+    model = elmo_fast.ElmoBiLM(o, w, stateful=False)
+    ids = elmo_fast.batch_to_ids(SENTS)
+    with torch.no_grad():
+        want = model(ids)["activations"][2]
+    cache = model._bilm.forward_lstm._cpu_weight_cache
+    assert len(cache) > 0
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model), torch.load(buf, weights_only=False)]
+    for m in copies:
+        assert len(m._bilm.forward_lstm._cpu_weight_cache) == 0  # dropped, rebuilt lazily
+        with torch.no_grad():
+            torch.testing.assert_close(m(ids)["activations"][2], want)
+        assert len(m._bilm.forward_lstm._cpu_weight_cache) > 0
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_embed_in_worker, args=(model, ids, queue))
+    proc.start()
+    got = torch.from_numpy(queue.get(timeout=120))
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    torch.testing.assert_close(got, want)

@@ -1,0 +1,150 @@
+"""The training step's own code: no host synchronisation outside logging, fixed-shape softmax row sums, the row
+and dense Adagrad updates, and the tower stream (samples drawn ahead, pinned batches, exact resume)."""
+import os
+import sys
+
+import pytest
+import torch
+
+from elmo_fast.chars import Vocabulary
+from elmo_fast.training import data as D
+from elmo_fast.training.configs import tiny
+from elmo_fast.training.trainer import Trainer, TowerStream, adagrad_dense, adagrad_rows, sum_rows
+
+TRAINER_FILE = os.path.abspath(sys.modules[Trainer.__module__].__file__)
+WORDS = "the a of cat dog sat ran on mat big small red blue green yes no".split()
+
+
+def _corpus(tmp_path, n=300):
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(n):
+        k = int(torch.randint(3, 12, (1,), generator=g))
+        lines.append(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (k,), generator=g)))
+    path = tmp_path / "train.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [str(path)]
+
+
+def _trainer(tmp_path, backend="cpu"):
+    files = _corpus(tmp_path)
+    counts, _, n_tok, _ = D.count_tokens(files)
+    cfg = tiny()
+    cfg.backend, cfg.n_train_tokens, cfg.n_negative_samples_batch = backend, n_tok, 8
+    return Trainer(cfg, Vocabulary(words=D.build_vocab(counts)), files, None, str(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_train_step_code_never_syncs_with_the_host(tmp_path, monkeypatch, backend):
+    """Reading a tensor's value on the host (item, tolist, bool/int/float, nonzero) from the trainer's own code
+    would stall a GPU step; the trainer may do it only when it logs. (The ops check their own code.)"""
+    tr = _trainer(tmp_path, backend)
+    calls = []
+
+    def guard(name, fn):
+        def wrapper(*a, **k):
+            if os.path.abspath(sys._getframe(1).f_code.co_filename) == TRAINER_FILE:
+                calls.append(f"{name} at line {sys._getframe(1).f_lineno}")
+            return fn(*a, **k)
+        return wrapper
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, guard(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "nonzero", guard("torch.nonzero", torch.nonzero))
+    try:
+        losses = [tr.train_step() for _ in range(3)]
+    finally:
+        monkeypatch.undo()
+        tr.close()
+    assert not calls, f"host reads in the training step: {calls}"
+    assert all(torch.isfinite(x) for x in losses)
+
+
+def test_sum_rows_sums_duplicates_in_fixed_shapes():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 9, (40,), generator=g)
+    ids[:3] = 0  # id 0 is a real row too
+    vals = torch.randn(40, 3, generator=g, dtype=torch.float64)
+    rows, sums = sum_rows(ids, vals)
+    assert rows.shape == ids.shape and sums.shape == vals.shape
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    want = torch.zeros(len(uniq), 3, dtype=torch.float64).index_add_(0, inv, vals)
+    u = len(uniq)
+    assert torch.equal(rows[:u], uniq)
+    torch.testing.assert_close(sums[:u], want)
+    assert torch.equal(rows[u:], torch.zeros_like(rows[u:])) and not sums[u:].any()
+
+
+def test_row_adagrad_equals_dense_adagrad():
+    """Updating only the touched rows (with the padding rows of sum_rows) changes exactly what dense TF Adagrad
+    with the clipped gradient changes."""
+    g = torch.Generator().manual_seed(1)
+    V, k, lr = 11, 4, 0.3
+    ids = torch.tensor([3, 0, 3, 7, 10, 0, 3])
+    vals = torch.randn(len(ids), k, generator=g, dtype=torch.float64)
+    inv_factor = torch.tensor(2.5, dtype=torch.float64)
+    w0 = torch.randn(V, k, generator=g, dtype=torch.float64)
+    acc0 = torch.rand(V, k, generator=g, dtype=torch.float64) + 0.5
+    dense_g = torch.zeros(V, k, dtype=torch.float64).index_add_(0, ids, vals) / 2.5
+    want_acc = acc0 + dense_g * dense_g
+    want_w = w0 - lr * dense_g / want_acc.sqrt()
+    w, acc = w0.clone(), acc0.clone()
+    adagrad_rows(w, acc, *sum_rows(ids, vals), lr, inv_factor)
+    torch.testing.assert_close(acc, want_acc)
+    torch.testing.assert_close(w, want_w)
+    w, acc = [w0.clone()], [acc0.clone()]
+    adagrad_dense(w, [dense_g * 2.5], acc, lr, inv_factor)
+    torch.testing.assert_close(acc[0], want_acc)
+    torch.testing.assert_close(w[0], want_w)
+
+
+def test_updates_reach_the_packed_weights(tmp_path, monkeypatch):
+    """After an optimizer step, inference through the cpu backend (packed weights cached across calls) sees the
+    new weights: the fused Adagrad bumps the version counters it bypasses."""
+    from elmo_fast.cpu import packed
+
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)  # pack the tiny model's weights
+    tr = _trainer(tmp_path)
+    ids = torch.randint(1, 262, (2, 5, 50))
+    try:
+        tr.model.eval()
+        with torch.no_grad():
+            tr.model(ids)  # fills the packed-weight cache
+        versions = [p._version for p in tr.dense_params]
+        tr.train_step()
+        assert all(p._version > v for p, v in zip(tr.dense_params, versions))
+        tr.model.eval()
+        with torch.no_grad():
+            got = tr.model(ids)["activations"][2]
+            for stack in (tr.model.forward_lstm, tr.model.backward_lstm):
+                stack.backend = "reference"
+            want = tr.model(ids)["activations"][2]
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    finally:
+        tr.close()
+
+
+def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
+    """The GPU mode: samples drawn in the data thread, tensors pinned; the state covers the sampler."""
+    files = _corpus(tmp_path)
+    counts, _, _, _ = D.count_tokens(files)
+    vocab = Vocabulary(words=D.build_vocab(counts))
+
+    def make():
+        gen = torch.Generator().manual_seed(5)
+        return TowerStream(D.BidirectionalStream(files, vocab, 4, 6, 50, seed=1), gen, 8, len(vocab), ahead=True)
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)  # no accelerator here
+    a = make()
+    a.next_batch()
+    state = a.get_state()
+    want = a.next_batch()
+    assert len(pinned) == 2 * 5  # four arrays and the sample sets, per batch
+    assert want["sampled_ids"].shape == (2, 8) and len(want["num_tries"]) == 2
+    b = make()
+    b.set_state(state)
+    got = b.next_batch()
+    for key in (*TowerStream.KEYS, "sampled_ids"):
+        assert torch.equal(got[key], want[key]), key
+    assert got["num_tries"] == want["num_tries"]
