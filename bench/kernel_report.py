@@ -154,8 +154,10 @@ def _entry(phase, launches, args, cost) -> list[tuple]:
     return [(phase, lc, args, *cost(lc)) for lc in (launches if isinstance(launches, list) else [launches])]
 
 
-def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows=MEAN_WINDOWS, activation="relu"):
-    """The launches of ``char_cnn_triton`` (forward; with ``train`` the backward of every input too)."""
+def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows=MEAN_WINDOWS, activation="relu",
+                   ordered=False):
+    """The launches of ``char_cnn_triton`` (forward; with ``train`` the backward of every input too; ``ordered``:
+    the backward of deterministic mode)."""
     F = sum(n for _, n in filters)
     kwd = max(w for w, _ in filters) * dc
     acc = KX.acc_dtype(dtype)
@@ -169,14 +171,25 @@ def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows
                                M(arg), N, F, L_, KC.PAD_CHAR_ID),
                   lambda lc: (flops, io_bytes + (N * F if train else 0)))]
     if train:
-        bwd = KC.bwd_launch(N, F, L_, dc, kwd, dtype, target, activation=activation, need_w=True, need_emb=True)
-        # atomics: the weight tile once per token block, the window gradient once per filter block
+        bwd = KC.bwd_launch(N, F, L_, dc, kwd, dtype, target, activation=activation, need_w=True,
+                            need_emb=not ordered, ordered=ordered)
+        g_bytes = N * F * (2 * e + 1)  # upstream gradient, output, argmax
+        # atomics: the weight tile once per token block, the window gradient once per filter block; ordered: the
+        # weight and bias partials stored once per token block, the weight product only
         out.append(_entry("bwd", bwd, (M(I64), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(dtype), M(arg),
                                        M(dtype), M(acc), M(acc), M(acc), N, F, L_),
-                          lambda lc: (2 * flops, N * L_ * 8 + N * F * (2 * e + 1)
-                                      + (lc.grid[0] * kwd * F + lc.grid[1] * N * windows * kwc) * 4)))
+                          lambda lc: ((1 if ordered else 2) * flops, N * L_ * 8 + g_bytes + lc.grid[0] * kwd * F * 4
+                                      + (0 if ordered else lc.grid[1] * N * windows * kwc * 4))))
+        if ordered:
+            win = KC.win_grad_launch(N, F, L_, dc, kwd, dtype, target, activation=activation)
+            kw, dcp, slots = win.meta["KW"], win.meta["DCP"], windows + win.meta["KW"]
+            # per slot of the loop: KW products of (tokens x filters) x (filters x DCP); the program re-reads its
+            # tokens' gradient tiles and the weights once per slot (from L2, mostly: counted as traffic)
+            out.append(_entry("bwd", win, (M(dtype), M(I32), M(I32), M(dtype), M(arg), M(dtype), M(acc), N, F, L_),
+                              lambda lc: (2.0 * N * slots * F * kw * dcp,
+                                          slots * (g_bytes + lc.grid[0] * kwd * F * e) + N * L_ * dc * 4)))
         R = N * L_
-        eg, rpp = KC.embed_grad_launch(R, n_chars, dc, dtype, target)
+        eg, rpp = KC.embed_grad_launch(R, n_chars, dc, dtype, target, ordered=ordered)
         out.append(_entry("bwd", eg, (M(I64), M(acc), M(acc), R, n_chars, rpp),
                           lambda lc: (2.0 * R * lc.meta["BLOCK_V"] * lc.grid[1] * lc.meta["DCP"], R * (8 + dc * 4))))
     return out
@@ -263,6 +276,10 @@ def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
         for dt in dtypes:
             out += _cases(size, "char_cnn", dt, char_cnn_cases(size.tokens, L, FILTERS, DC, N_CHARS, dt, tg,
                                                                train=size.train))
+            if size.train:  # deterministic mode's backward (its forward is the same)
+                out += [c for c in _cases(size, "char_cnn", dt, char_cnn_cases(
+                    size.tokens, L, FILTERS, DC, N_CHARS, dt, tg, train=True, ordered=True), "det")
+                    if c.phase == "bwd"]
             out += _cases(size, "highway", dt, highway_cases(size.tokens, NF, dt, tg, train=size.train))
             for reverse in (False, True):
                 for residual in (False, True):
@@ -383,7 +400,8 @@ def estimate_us(case: Case) -> float:
     return max(case.bytes / HBM, case.flops / peak) / busy * 1e6 + LAUNCH_US
 
 
-GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_highway_fused_kernel", "_mm_kernel",
+GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",
+             "_mm_kernel",
              "_softmax_lse_fwd_kernel", "_softmax_dh_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel",
              "_bwd_cell_kernel", "_splitk_kernel"}
 # Kernels that may launch fewer than 132 programs at B >= 128, and why (none today).
@@ -392,7 +410,11 @@ NOTES = {
     "_embed_grad_kernel": "not GEMM-like: a one-hot reduction of the fp32 window gradients into the 262-row "
                           "character table, exact IEEE fp32 on purpose (its products are 0 or 1 times a value)",
     "_char_cnn_bwd_kernel": "the window gradient is added with fp32 atomics, once per 64-filter block (32-way at "
-                            "F=2048): most of its estimated bytes",
+                            "F=2048): most of its estimated bytes; variant 'det' (deterministic mode) stores "
+                            "per-token-block partials of the weight and bias gradients instead",
+    "_char_cnn_win_grad_kernel": "deterministic mode's window gradient (one writer per element): each program re-reads "
+                                 "its tokens' gradient tiles and the weights once per character slot; counted as "
+                                 "traffic, though most of it should hit L2",
 }
 # Kernels without a K loop, so with nothing to software-pipeline (the async-load rule does not apply), and why.
 NO_K_LOOP = {
@@ -467,6 +489,12 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     }
     if size.train:
         ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False)]
+        kwd = max(w for w, _ in FILTERS) * DC
+        tblocks = KC.bwd_launch(N, NF, L, DC, kwd, dt, KX.H100, activation="relu", need_w=True, need_emb=False,
+                                ordered=True).grid[0]
+        rblocks = KC.embed_grad_launch(N * L, N_CHARS, DC, dt, KX.H100, ordered=True)[0].grid[0]
+        ops["char_cnn/bwd det"] = [TorchOp("unpack, casts; partial sums (weights, bias, table) in block order", 0,
+                                           tblocks * (kwd + 1) * NF * 4 + rblocks * N_CHARS * DC * 4, 12, False)]
         ops["highway/bwd"] = [gemm("token projection dX, dW", N, NF, P, dt, 2)]
         ops["lstmp/bwd"] = [gemm("dW_in, dW_rec, dW_proj, dx (4 GEMMs)", nt, 4 * H, P, dt, 1),
                             gemm("", P, 4 * H, nt, dt, 1), gemm("", H, P, nt, dt, 1), gemm("", nt, P, 4 * H, dt, 1),
@@ -518,9 +546,12 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                             + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
                 opt = torch_us(size, dt, ["optimizer/step"])
                 total = enc + lstm + enc_b + lstm_b + soft + opt
+                cnn_det = kern(size, dt, "char_cnn", "bwd", "det") + torch_us(size, dt, ["char_cnn/bwd det"])
+                cnn = kern(size, dt, "char_cnn", "bwd") + torch_us(size, dt, ["char_cnn/bwd"])
                 row.update(encoder_fwd_bwd_us=enc + enc_b, lstm_fwd_bwd_us=lstm + lstm_b, softmax_us=soft,
                            optimizer_us=opt, train_step_us=total,
-                           train_tokens_per_s=size.B * size.T / (total * 1e-6))
+                           train_tokens_per_s=size.B * size.T / (total * 1e-6),
+                           train_step_det_us=total - cnn + cnn_det)
             rows.append(row)
     return rows
 
@@ -579,8 +610,8 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
     if sums:
         md += ["## Sums (estimated µs, no CUDA graph)", "",
                "| size | dtype | LSTM step fwd | LSTM step fwd+bwd | biLM forward | train: encoder | train: LSTMs | "
-               "train: softmax x2 | train: optimizer | training step | tokens/s |",
-               "|---|---|---|---|---|---|---|---|---|---|---|"]
+               "train: softmax x2 | train: optimizer | training step | tokens/s | deterministic training step |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         def cell(s, k, fmt="{:.0f}"):
             return fmt.format(s[k]) if k in s else ""
 
@@ -590,10 +621,13 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                                         + [cell(s, k) for k in ("bilm_forward_us", "encoder_fwd_bwd_us",
                                                                 "lstm_fwd_bwd_us", "softmax_us", "optimizer_us",
                                                                 "train_step_us")]
-                                        + [cell(s, "train_tokens_per_s", "{:,.0f}")]) + " |")
+                                        + [cell(s, "train_tokens_per_s", "{:,.0f}"), cell(s, "train_step_det_us")])
+                      + " |")
         md += ["", "biLM forward = token encoder + 4 chains x T steps (+ the torch launches around them); training "
                "step = encoder, 4 chains and two sampled softmaxes forward and backward, sampler, optimizer. "
-               "(The trainer currently feeds the softmax in fp32 even under bf16 autocast: its fp32 rows apply.)",
+               "(The trainer currently feeds the softmax in fp32 even under bf16 autocast: its fp32 rows apply.) "
+               "Deterministic training step: the same with the char-CNN backward of deterministic mode (variant "
+               "'det'; torch's deterministic algorithms and the untuned launch configurations not modelled).",
                ""]
     bad = [r for r in rows if r["violations"]]
     md += ["## Rule violations", ""]

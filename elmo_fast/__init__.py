@@ -10,6 +10,7 @@ from ._backend import BackendUnavailableError
 from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
 from .compat import (BidirectionalLanguageModel, BidirectionalLMDataset, ElmoTokenEmbedder, LMDataset,
                      UnicodeCharsVocabulary, dump_bilm_embeddings, dump_token_embeddings)
+from .determinism import deterministic, is_deterministic, set_deterministic
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM
 from .modules.scalar_mix import ScalarMix
@@ -40,6 +41,9 @@ __all__ = [
     "OptionsError",
     "WeightFileError",
     "BackendUnavailableError",
+    "set_deterministic",
+    "is_deterministic",
+    "deterministic",
     "read_weights",
     "write_weights",
     "add_sentence_boundary_token_ids",

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast._backend import triton_interpret
+from elmo_fast.determinism import is_deterministic
 
 
 @triton.jit
@@ -95,9 +96,11 @@ def tuned(candidates: list[Launch], key: tuple, *args) -> None:
     compiles every member and holds it to its rules) with ``args``. With one candidate (always so under the
     interpreter) that one; on a GPU each candidate is timed once per ``key`` on these arguments
     (``triton.testing.do_bench``) and the fastest is kept and recorded in ``CHOSEN``. Only kernels that write
-    (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind."""
+    (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind. In
+    deterministic mode (``elmo_fast.determinism``) the first candidate, untimed: timings vary from run to run,
+    and candidates with other tiles round differently."""
     choice = 0
-    if len(candidates) > 1:
+    if len(candidates) > 1 and not is_deterministic():
         k = (candidates[0].kernel.__name__, *key)
         if k not in CHOSEN:
             from triton.testing import do_bench

@@ -36,6 +36,13 @@ into the (n_chars, d_c) table gradient with one-hot products (no per-element ato
 Pad-window winners are stored with argmax = klen[t] (a real all-padding window of that token), so backward
 needs no special case. Sums use fp32 atomics: the gradients are not bitwise deterministic.
 
+Deterministic mode (``elmo_fast.determinism``) adds nothing atomically. The backward kernel stores each token
+block's weight and bias gradient as a partial (summed in block order by torch); ``_char_cnn_win_grad_kernel``
+gives every token's character slots their gradient, one program per token block looping over the filter
+blocks in order, ``gwin[t, q] = sum_k G(window q - k) · W_k^T`` (no overlapping writes); ``_embed_grad_kernel``
+stores one partial table per slot block. It costs one more launch, the partial buffers (n_tblocks x KWD x F
+fp32) and a re-read of the upstream gradient per character slot (bench/results/kernel_report.md).
+
 Ties between windows keep the first position. The reference (``amax``) splits the gradient between exact
 ties; exact ties come from windows with the same characters, whose gradients are the same, so the two
 agree.
@@ -46,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from elmo_fast.determinism import is_deterministic
 from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype
 from elmo_fast.kernels._common import dot as _dot
 from elmo_fast.reference.char_cnn import _activation
@@ -59,6 +67,15 @@ _ACTIVATIONS = {"relu": 0, "tanh": 1}
 def _tanh(x):
     # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates correctly at both ends in fp32.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _act_grad(g, y, ACT: tl.constexpr):
+    # gradient through the activation, from its output y: relu' = [y > 0], tanh' = 1 - y²
+    if ACT == 0:
+        return tl.where(y > 0.0, g, 0.0)
+    else:
+        return g * (1.0 - y * y)
 
 
 @triton.jit
@@ -174,10 +191,13 @@ def _char_cnn_bwd_kernel(
     N, F, L,
     DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-    ACT: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
+    ACT: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr, ORDERED: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
-    """Grads: gw (KWD, F) fp32 += A_p^T Gp; gb (F,) fp32 += sum_t G; gwin (N, L, DC) fp32 += Gp W^T at p."""
+    """Grads: gw (KWD, F) fp32 += A_p^T Gp; gb (F,) fp32 += sum_t G; gwin (N, L, DC) fp32 += Gp W^T at p.
+
+    ORDERED (deterministic mode; NEED_EMB off): gw (n_tblocks, KWD, F) and gb (n_tblocks, F) get this token
+    block's partials, stored, not added."""
     pid_t = tl.program_id(0)
     pid_f = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -187,13 +207,12 @@ def _char_cnn_bwd_kernel(
     fmask = rf < F
     omask = tmask[:, None] & fmask[None, :]
     offs = row[:, None] * F + rf[None, :]
-    g = tl.load(gout_ptr + offs, mask=omask, other=0.0).to(ACC)
-    y = tl.load(out_ptr + offs, mask=omask, other=0.0).to(ACC)
-    if ACT == 0:
-        g = tl.where(y > 0.0, g, 0.0)
+    g = _act_grad(tl.load(gout_ptr + offs, mask=omask, other=0.0).to(ACC),
+                  tl.load(out_ptr + offs, mask=omask, other=0.0).to(ACC), ACT)
+    if ORDERED:  # one partial row per token block, summed in block order by the host
+        tl.store(gb_ptr + pid_t.to(tl.int64) * F + rf, tl.sum(g, axis=0), mask=fmask)
     else:
-        g = g * (1.0 - y * y)
-    tl.atomic_add(gb_ptr + rf, tl.sum(g, axis=0), mask=fmask)
+        tl.atomic_add(gb_ptr + rf, tl.sum(g, axis=0), mask=fmask)
     if NEED_W or NEED_EMB:
         arg = tl.load(arg_ptr + offs, mask=omask, other=-1).to(tl.int32)
         wid = tl.load(wid_ptr + rf, mask=fmask, other=1)
@@ -217,7 +236,83 @@ def _char_cnn_bwd_kernel(
                 gw = _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
                                DC, NEED_W, NEED_EMB, UPCAST, IEEE, ACC)
         if NEED_W:
-            tl.atomic_add(gw_ptr + j[:, None] * F + rf[None, :], gw, mask=jmask[:, None] & fmask[None, :])
+            woffs = j[:, None] * F + rf[None, :]
+            wmask = jmask[:, None] & fmask[None, :]
+            if ORDERED:  # one partial tile per token block, as gb
+                tl.store(gw_ptr + pid_t.to(tl.int64) * KWD * F + woffs, gw, mask=wmask)
+            else:
+                tl.atomic_add(gw_ptr + woffs, gw, mask=wmask)
+
+
+@triton.jit
+def _win_grad_block(gout_ptr, out_ptr, arg_ptr, w_ptr, row, tmask, c, cmask, q, f0, F, acc,
+                    DC: tl.constexpr, KW: tl.constexpr, BLOCK_F: tl.constexpr, ACT: tl.constexpr,
+                    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
+    # acc (BLOCK_T, DCP) += the gradient of slot q from the filters f0 .. f0 + BLOCK_F: a filter won by the
+    # window starting at p = q - k reaches slot q through its weight row k (zero when the filter is narrower).
+    rf = f0 + tl.arange(0, BLOCK_F)
+    fmask = rf < F
+    m = tmask[:, None] & fmask[None, :]
+    offs = row[:, None] * F + rf[None, :]
+    g = _act_grad(tl.load(gout_ptr + offs, mask=m, other=0.0).to(ACC),
+                  tl.load(out_ptr + offs, mask=m, other=0.0).to(ACC), ACT)
+    arg = tl.load(arg_ptr + offs, mask=m, other=-1).to(tl.int32)
+    wmask = fmask[:, None] & cmask[None, :]
+    for k in tl.static_range(KW):
+        wk = tl.load(w_ptr + (k * DC + c)[None, :] * F + rf[:, None], mask=wmask, other=0.0)  # W_k^T (BLOCK_F, DCP)
+        gk = tl.where((arg == q - k) & (q >= k), g, 0.0).to(wk.dtype)
+        acc += _dot(gk, wk, UPCAST, IEEE).to(ACC)
+    return acc
+
+
+@triton.jit
+def _char_cnn_win_grad_kernel(
+    w_ptr, perm_ptr, bound_ptr, out_ptr, arg_ptr, gout_ptr, gwin_ptr,
+    N, F, L,
+    DC: tl.constexpr, DCP: tl.constexpr, KW: tl.constexpr, BLOCK_T: tl.constexpr, BOUND_T: tl.constexpr,
+    BLOCK_F: tl.constexpr, ACT: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
+):
+    """Deterministic mode's window gradient: gwin (N, L, DC) fp32, every element written once, by the program
+    of its token, summed over the filters in block order (no atomics):
+
+        gwin[t, q, c] = sum_f sum_{k < KW} [arg[t, f] = q - k] G[t, f] W[k·DC + c, f]
+
+    Tokens in the forward's order (perm); ``bound`` holds the forward's per-block loop bounds (BOUND_T tokens a
+    block; winners start at p <= bound, so slots q >= bound + KW get zeros)."""
+    pid = tl.program_id(0)
+    rt = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = rt < N
+    row = tl.load(perm_ptr + rt, mask=tmask, other=0).to(tl.int64)
+    c = tl.arange(0, DCP)
+    cmask = c < DC
+    smask = tmask[:, None] & cmask[None, :]
+    slot = gwin_ptr + row[:, None] * (L * DC) + c[None, :]
+    q_end = tl.minimum(tl.load(bound_ptr + (pid * BLOCK_T) // BOUND_T) + KW, L)
+    zero = tl.zeros((BLOCK_T, DCP), ACC)
+    if WHILE_LOOPS:  # the interpreter takes no runtime range() bounds
+        q = 0
+        while q < q_end:
+            acc = zero
+            f0 = 0
+            while f0 < F:
+                acc = _win_grad_block(gout_ptr, out_ptr, arg_ptr, w_ptr, row, tmask, c, cmask, q, f0, F, acc,
+                                      DC, KW, BLOCK_F, ACT, UPCAST, IEEE, ACC)
+                f0 += BLOCK_F
+            tl.store(slot + q * DC, acc, mask=smask)
+            q += 1
+        while q < L:
+            tl.store(slot + q * DC, zero, mask=smask)
+            q += 1
+    else:
+        for q in range(0, q_end):
+            acc = zero
+            for f0 in range(0, F, BLOCK_F):
+                acc = _win_grad_block(gout_ptr, out_ptr, arg_ptr, w_ptr, row, tmask, c, cmask, q, f0, F, acc,
+                                      DC, KW, BLOCK_F, ACT, UPCAST, IEEE, ACC)
+            tl.store(slot + q * DC, acc, mask=smask)
+        for q in range(q_end, L):
+            tl.store(slot + q * DC, zero, mask=smask)
 
 
 @triton.jit
@@ -236,12 +331,13 @@ def _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC: tl.constexpr, 
 def _embed_grad_kernel(
     ids_ptr, gwin_ptr, gemb_ptr, R, V, rows_per_prog,
     DC: tl.constexpr, DCP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr,
+    ORDERED: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
     """gemb (V, DC) fp32 += sum over character slots r with ids[r] == v of gwin[r, :] (R = N·L slots).
 
     Each program owns ``rows_per_prog`` slots and ``BLOCK_V`` table rows; it reduces with one-hot products
-    in registers (exact fp32 products: the one-hot factor is 0 or 1) and adds to the table once.
+    in registers (exact fp32 products: the one-hot factor is 0 or 1) and adds to the table once. ORDERED
+    (deterministic mode): gemb (n_rblocks, V, DC) gets each slot block's partial table, stored, not added.
     """
     pid_r = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -258,7 +354,12 @@ def _embed_grad_kernel(
     else:  # an scf.for: software-pipelined loads
         for r0 in range(start, stop, BLOCK_R):
             acc = _embed_grad_step(ids_ptr, gwin_ptr, rv, c, r0, stop, acc, DC, BLOCK_R, ACC)
-    tl.atomic_add(gemb_ptr + rv[:, None] * DC + c[None, :], acc, mask=(rv < V)[:, None] & (c < DC)[None, :])
+    offs = rv[:, None] * DC + c[None, :]
+    mask = (rv < V)[:, None] & (c < DC)[None, :]
+    if ORDERED:  # summed in block order by the host
+        tl.store(gemb_ptr + pid_r.to(tl.int64) * V * DC + offs, acc, mask=mask)
+    else:
+        tl.atomic_add(gemb_ptr + offs, acc, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -287,24 +388,44 @@ def fwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, ta
 
 
 def bwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
-               activation: str, need_w: bool, need_emb: bool) -> Launch:
+               activation: str, need_w: bool, need_emb: bool, ordered: bool = False) -> Launch:
     """Launch of ``_char_cnn_bwd_kernel`` (same tiling as the forward: its token order and ``bound``)."""
     t = _tiles(dtype, target, backward=True)
     return Launch(_char_cnn_bwd_kernel, (triton.cdiv(N, t["BLOCK_T"]), triton.cdiv(F, t["BLOCK_F"])), dict(
         DC=dc, KWD=kwd, KWC=_kwc(kwd), **t, ACT=_ACTIVATIONS[activation], NEED_W=need_w, NEED_EMB=need_emb,
-        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
+        ORDERED=ordered, ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret, **dot_flags(dtype, target)))
 
 
-def embed_grad_launch(R: int, V: int, dc: int, dtype: torch.dtype, target: Target) -> tuple[Launch, int]:
-    """Launch of ``_embed_grad_kernel`` over R = N·L character slots and V table rows, and its rows per program."""
+def win_grad_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
+                    activation: str) -> Launch:
+    """Launch of ``_char_cnn_win_grad_kernel`` (deterministic mode) over the forward's token order and bounds.
+    On a GPU 32 tokens a program: each program owns its tokens' slots and loops over all filters, so smaller
+    token blocks than the other kernels' keep enough programs in flight."""
+    t = _tiles(dtype, target, backward=True)
+    bound_t = t["BLOCK_T"]
+    if not target.interpret:
+        t = dict(BLOCK_T=32, BLOCK_F=32, num_warps=4)
+    return Launch(_char_cnn_win_grad_kernel, (triton.cdiv(N, t["BLOCK_T"]),), dict(
+        DC=dc, DCP=max(16, triton.next_power_of_2(dc)), KW=kwd // dc, BOUND_T=bound_t, **t,
+        ACT=_ACTIVATIONS[activation], ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret,
+        **dot_flags(dtype, target)))
+
+
+def _embed_tiles(R: int, V: int, target: Target) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_V, slot blocks) of ``_embed_grad_kernel``."""
     if target.interpret:  # few, large numpy ops
-        block_r, block_v, n_r = 256, max(16, triton.next_power_of_2(V)), 1
-    else:
-        block_r, block_v, n_r = 64, 64, min(triton.cdiv(R, 64), 128)
+        return 256, max(16, triton.next_power_of_2(V)), 1
+    return 64, 64, min(triton.cdiv(R, 64), 128)
+
+
+def embed_grad_launch(R: int, V: int, dc: int, dtype: torch.dtype, target: Target,
+                      ordered: bool = False) -> tuple[Launch, int]:
+    """Launch of ``_embed_grad_kernel`` over R = N·L character slots and V table rows, and its rows per program."""
+    block_r, block_v, n_r = _embed_tiles(R, V, target)
     rows_per_prog = triton.cdiv(triton.cdiv(R, n_r), block_r) * block_r
     return Launch(_embed_grad_kernel, (triton.cdiv(R, rows_per_prog), triton.cdiv(V, block_v)), dict(
         DC=dc, DCP=max(16, triton.next_power_of_2(dc)), BLOCK_R=block_r, BLOCK_V=block_v,
-        ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret)), rows_per_prog
+        ACC=tl_acc_dtype(dtype), ORDERED=ordered, WHILE_LOOPS=target.interpret)), rows_per_prog
 
 
 def _pack_weights(conv_weights: list[torch.Tensor], kw: int, dc: int) -> torch.Tensor:
@@ -353,7 +474,10 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
                  need_w: bool, need_emb: bool):
     """Returns (grad char_embed (V, d_c) or None, grad w_packed (KWD, F) or None, grad bias (F,)).
 
-    All in fp32 (fp64 for fp64 inputs); the caller casts them to the parameters' dtypes.
+    All in fp32 (fp64 for fp64 inputs); the caller casts them to the parameters' dtypes. Sums use fp32 atomics
+    (the order of the additions varies from run to run), except in deterministic mode
+    (``elmo_fast.determinism``): partial sums per block, added in block order, and the window gradient from
+    ``_char_cnn_win_grad_kernel`` (one writer per element).
     """
     N, L = ids.shape
     F = w_packed.shape[1]
@@ -362,18 +486,28 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
     dev = ids.device
     target = target_of(dev)
     acc = acc_dtype(char_embed.dtype)
-    gw = torch.zeros((kwd, F), device=dev, dtype=acc)
-    gb = torch.zeros((F,), device=dev, dtype=acc)
-    gwin = torch.zeros((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
-    bwd_launch(N, F, L, dc, kwd, char_embed.dtype, target, activation=activation, need_w=need_w,
-               need_emb=need_emb)(ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin,
-                                  N, F, L)
+    ordered = is_deterministic()
+    new = torch.empty if ordered else torch.zeros  # ordered kernels write every element they own
+    launch = bwd_launch(N, F, L, dc, kwd, char_embed.dtype, target, activation=activation, need_w=need_w,
+                        need_emb=need_emb and not ordered, ordered=ordered)
+    parts = launch.grid[:1] if ordered else ()
+    gw = new((*parts, kwd, F) if need_w else (1,), device=dev, dtype=acc)
+    gb = new((*parts, F), device=dev, dtype=acc)
+    gwin = new((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
+    launch(ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin, N, F, L)
+    if ordered:
+        gw, gb = (gw.sum(0) if need_w else gw), gb.sum(0)
+        if need_emb:
+            win_grad_launch(N, F, L, dc, kwd, char_embed.dtype, target, activation=activation)(
+                w_packed, perm, bound, out, arg, grad_out, gwin, N, F, L)
     gemb = None
     if need_emb:
-        gemb = torch.zeros((V, dc), device=dev, dtype=acc)
         R = N * L
-        launch, rows_per_prog = embed_grad_launch(R, V, dc, char_embed.dtype, target)
+        launch, rows_per_prog = embed_grad_launch(R, V, dc, char_embed.dtype, target, ordered=ordered)
+        gemb = new((*(launch.grid[:1] if ordered else ()), V, dc), device=dev, dtype=acc)
         launch(ids, gwin, gemb, R, V, rows_per_prog)
+        if ordered:
+            gemb = gemb.sum(0)
     return gemb, (gw if need_w else None), gb
 
 

@@ -56,6 +56,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "auto"  # auto | reference | cpu | triton | cuda (elmo_fast kernels)
     bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
+    deterministic: bool = False  # elmo_fast.determinism during steps: no atomics, torch's deterministic algorithms
     queue_size: int = 8
     num_threads: int | None = None  # torch intra-op threads (None: torch's default); 1 is best for tiny models
     vocab_min_count: int = 1
@@ -175,6 +176,7 @@ FIELD_HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "backend": "kernel backend",
     "bf16": "bfloat16 autocast on a GPU (ignored on the CPU)",
+    "deterministic": "deterministic mode: bit-identical runs on a GPU too (ordered sums instead of atomics; slower)",
     "queue_size": "batches the loader thread reads ahead",
     "num_threads": "torch intra-op threads (null: torch's default)",
     "vocab_min_count": "fewest occurrences of a word in a vocabulary built from the corpus",

@@ -27,6 +27,7 @@ Design notes
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from ..chars import Vocabulary
 from ..cpu.memory import keep_freed_memory
+from ..determinism import deterministic
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
 from ..modules.sampled_softmax import SampledSoftmaxLoss
@@ -171,6 +173,15 @@ def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
     return shards[gid::n_towers] if len(shards) >= n_towers else list(shards)
 
 
+def _in_mode(method):
+    """Run a Trainer method in deterministic mode when the configuration asks for it (the previous mode after)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with deterministic() if self.cfg.deterministic else contextlib.nullcontext():
+            return method(self, *args, **kwargs)
+    return wrapped
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, vocab: Vocabulary, train_shards: list[str], heldout_shards: list[str] | None,
                  save_dir: str, dinfo: DistInfo | None = None, device: torch.device | None = None,
@@ -288,6 +299,7 @@ class Trainer:
         tw.h, tw.c = h_n.detach().float(), c_n.detach().float()
         return loss.detach()
 
+    @_in_mode
     def train_step(self) -> torch.Tensor:
         """One optimisation step over all towers. Returns the mean (over towers) sampled loss, as a tensor.
 
@@ -371,6 +383,7 @@ class Trainer:
                 dist.broadcast(t, 0)
 
     # ------------------------------------------------------------------ held-out perplexity
+    @_in_mode
     @torch.no_grad()
     def evaluate(self, shards: list[str] | None = None, batch_size: int | None = None, unroll_steps: int | None = None,
                  max_batches: int | None = -1) -> dict:
