@@ -178,8 +178,8 @@ _SELF_CHECKED: dict[tuple[str, str], bool] = {}
 
 def triton_self_check(op: str, device: torch.device) -> bool:
     """Once per (op, device): the Triton kernel of ``op`` against the reference at a small shape (forward and
-    gradients, fp32). On disagreement or error: one warning naming the op and the error, and False (auto then
-    takes the reference path for that op on that device)."""
+    gradients, fp32 and bf16 under autocast: ``elmo_fast.ops._selfcheck``). On disagreement or error: one warning
+    naming the op and the error, and False (auto then takes the reference path for that op on that device)."""
     key = (op, str(torch.device(device)))
     ok = _SELF_CHECKED.get(key)
     if ok is None:
