@@ -9,7 +9,8 @@ patching the calls that make them; torch operator calls beside, each about one m
 * ``forward``: ``ElmoBiLM`` inference, batch 1 x 20 tokens (22 LSTM steps with the boundaries), eager;
 * ``forward-graph`` (GPU only): the same call replayed from a CUDA graph (``cuda_graph=True``);
 * ``train-step``: one ``Trainer.train_step`` at the original configuration's structure (2 layers, 7 filter
-  widths, 2 highway layers, 20 steps, sampled softmax per direction).
+  widths, 2 highway layers, 20 steps, sampled softmax per direction);
+* ``train-step-det``: the same in deterministic mode (``deterministic: true``, ``elmo_fast.determinism``).
 
 The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
 small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
@@ -31,21 +32,24 @@ import elmo_fast  # noqa: E402
 from elmo_fast.probes import probe  # noqa: E402
 from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 
-# Ceilings of this design, counted under the interpreter (before it, at d7c2cef, the same probe counted: forward
-# 179 launches, 11 syncs, 4 pageable uploads; training step 335 launches, 20 syncs, 12 uploads).
+# Ceilings of this design: what the code makes, counted under the interpreter (TRITON_INTERPRET=1 python
+# bench/bench_launches.py; before this design, at d7c2cef, the same probe counted: forward 179 launches, 11 syncs,
+# 4 pageable uploads; training step 335 launches, 20 syncs, 12 uploads).
 # * forward: 4 chains x 22 steps x 3 launches (cell, split-K projection, ordered reduce: kernels/lstmp.py) + char
-#   CNN + 2 highway = 267 Triton launches (a CUDA-graph replay
-#   makes them one launch); 2 syncs: the char-id range check (one per call, before any work) and the token
+#   CNN + 2 highway = 267 Triton launches (a CUDA-graph replay makes them one); 2 syncs, both once per call:
+#   the char-id range check before any work (models/elmo.py: one aminmax read on the host) and the token
 #   encoder's deduplication (torch.unique sizes its output on the host; the graph path encodes every token
 #   instead); no upload (constants are uploaded once and reused).
 # * train-step: 501 launches (4 chains x (20 steps x 6 (3 fwd + 3 bwd) + 1 backward prologue) + encoder + 2 x 3
-#   softmax); 5 syncs: the
-#   sampler's one per sample set (x2: num_tries is a host int), the lengths check of run_lstms, the token
-#   encoder's deduplication, the trainer's sparse-row merge (torch.equal); 4 uploads: the trainer's batch arrays
-#   (pageable: training/trainer.py, to be pinned by its owner).
+#   softmax); 3 syncs: the sampler's one per sample set (x2: num_tries is a host int; this count runs the trainer
+#   on the CPU, where the step draws its samples itself -- on a GPU the data thread draws them ahead from its CPU
+#   generator, off the step) and the token encoder's deduplication (torch.unique); no upload (the trainer's
+#   batch arrays are pinned by the data thread on a GPU and copied with non_blocking; on the CPU nothing moves).
+# * train-step-det: one launch more (the char CNN's window-gradient kernel), no sync more.
 BUDGET = {
     "forward": {"launches": 267, "syncs": 2, "uploads": 0},
-    "train-step": {"launches": 501, "syncs": 5, "uploads": 4},
+    "train-step": {"launches": 501, "syncs": 3, "uploads": 0},
+    "train-step-det": {"launches": 502, "syncs": 3, "uploads": 0},
 }
 
 
@@ -72,7 +76,7 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
     return _row("forward-graph" if cuda_graph else "forward", counts)
 
 
-def measure_train_step(device: torch.device) -> dict:
+def measure_train_step(device: torch.device, deterministic: bool = False) -> dict:
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
@@ -83,6 +87,7 @@ def measure_train_step(device: torch.device) -> dict:
     cfg.filters = opts["char_cnn"]["filters"]
     cfg.lstm_dim, cfg.projection_dim = opts["lstm"]["dim"], opts["lstm"]["projection_dim"]
     cfg.batch_size, cfg.n_negative_samples_batch, cfg.backend, cfg.check_memory = 2, 64, "triton", False
+    cfg.deterministic = deterministic
     words = [f"w{i}" for i in range(300)]
     with tempfile.TemporaryDirectory() as d:
         corpus = Path(d) / "train.txt"
@@ -95,7 +100,7 @@ def measure_train_step(device: torch.device) -> dict:
                 trainer.train_step()
         finally:
             trainer.close()
-    return _row("train-step", counts)
+    return _row("train-step-det" if deterministic else "train-step", counts)
 
 
 def _row(case: str, counts) -> dict:
@@ -107,7 +112,7 @@ def _row(case: str, counts) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--cases", default="forward,forward-graph,train-step")
+    ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     rows = []
@@ -115,7 +120,8 @@ def main(argv=None) -> int:
         if case == "forward-graph" and dev.type != "cuda":
             continue
         fn = {"forward": lambda: measure_forward(dev), "forward-graph": lambda: measure_forward(dev, True),
-              "train-step": lambda: measure_train_step(dev)}[case]
+              "train-step": lambda: measure_train_step(dev),
+              "train-step-det": lambda: measure_train_step(dev, deterministic=True)}[case]
         rows.append(fn())
         r = rows[-1]
         budget = BUDGET.get(case, {})

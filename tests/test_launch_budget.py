@@ -1,5 +1,6 @@
 """Launches, host syncs and pageable uploads per biLM forward (batch 1 x 20 tokens) and per training step (the
-original configuration's structure) stay within the design's budget (bench/bench_launches.py, BUDGET)."""
+original configuration's structure; also in deterministic mode) stay within the design's budget
+(bench/bench_launches.py, BUDGET)."""
 import sys
 from pathlib import Path
 
@@ -14,10 +15,13 @@ import bench_launches  # noqa: E402
 pytestmark = [pytest.mark.triton, requires_triton]
 
 
-@pytest.mark.parametrize("case", ["forward", "train-step"])
+@pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det"])
 def test_launches_and_syncs_within_budget(case):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    row = bench_launches.measure_forward(dev) if case == "forward" else bench_launches.measure_train_step(dev)
+    if case == "forward":
+        row = bench_launches.measure_forward(dev)
+    else:
+        row = bench_launches.measure_train_step(dev, deterministic=case == "train-step-det")
     budget = bench_launches.BUDGET[case]
     assert row["triton_launches"] <= budget["launches"], row
     assert row["host_syncs"] <= budget["syncs"], row
