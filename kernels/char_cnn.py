@@ -399,12 +399,14 @@ def bwd_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, ta
 def win_grad_launch(N: int, F: int, L: int, dc: int, kwd: int, dtype: torch.dtype, target: Target, *,
                     activation: str) -> Launch:
     """Launch of ``_char_cnn_win_grad_kernel`` (deterministic mode) over the forward's token order and bounds.
-    On a GPU 32 tokens a program: each program owns its tokens' slots and loops over all filters, so smaller
-    token blocks than the other kernels' keep enough programs in flight."""
+    Each program owns its tokens' slots and loops over all the filters, re-reading the weights once per slot: on
+    a GPU 64 tokens a program (wgmma; half the weight traffic) where that still gives every SM a program, else 32
+    (fp32: always 32, 64 spills)."""
     t = _tiles(dtype, target, backward=True)
     bound_t = t["BLOCK_T"]
     if not target.interpret:
-        t = dict(BLOCK_T=32, BLOCK_F=32, num_warps=4)
+        wide = dtype != torch.float32 and triton.cdiv(N, 64) >= target.sms
+        t = dict(BLOCK_T=64 if wide else 32, BLOCK_F=32, num_warps=4)
     return Launch(_char_cnn_win_grad_kernel, (triton.cdiv(N, t["BLOCK_T"]),), dict(
         DC=dc, DCP=max(16, triton.next_power_of_2(dc)), KW=kwd // dc, BOUND_T=bound_t, **t,
         ACT=_ACTIVATIONS[activation], ACC=tl_acc_dtype(dtype), WHILE_LOOPS=target.interpret,
