@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import requires_triton
+from test_kernel_report import _check, spy  # noqa: F401 - spy: the launch-recording fixture
 
 from elmo_fast.determinism import deterministic, is_deterministic, set_deterministic
 
@@ -46,11 +47,11 @@ def atomics(monkeypatch):
     b = interpreter.interpreter_builder
     seen = []
     for name in ("create_atomic_rmw", "create_atomic_cas"):
-        def spy(*args, _real=getattr(b, name), **kwargs):
+        def record(*args, _real=getattr(b, name), **kwargs):
             seen.append(_real)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(b, name, spy)
+        monkeypatch.setattr(b, name, record)
     return seen
 
 
@@ -209,29 +210,19 @@ def test_ordered_kernels_write_every_element(monkeypatch, small_blocks):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_ordered_launches_match_report(dtype, monkeypatch):
+def test_ordered_launches_match_report(dtype, spy):  # noqa: F811 - the fixture
     """What deterministic mode launches is what bench/kernel_report.py compiles as its 'det' variant."""
     import kernel_report
     from test_char_cnn_triton import make_ids, make_params
-    from test_kernel_report import _check
 
     from elmo_fast.kernels import char_cnn
     from elmo_fast.kernels._common import INTERPRETER
 
-    calls = []
-    for name in dir(char_cnn):
-        k = getattr(char_cnn, name)
-        if name.endswith("_kernel") and hasattr(k, "run"):
-            def run(*args, grid, warmup, _k=k, _real=k.run, **kwargs):
-                calls.append((_k, tuple(grid), kwargs, list(args)))
-                return _real(*args, grid=grid, warmup=warmup, **kwargs)
-
-            monkeypatch.setattr(k, "run", run)
     emb, ws, bs, _ = make_params(filters=FILTERS, seed=2)
     p = [t.to(dtype).requires_grad_() for t in (emb, *ws, *bs)]
     with deterministic():
         char_cnn.char_cnn_triton(make_ids(37, 10, seed=1), p[0], p[1:6], p[6:], "relu").float().sum().backward()
-    _check(calls, kernel_report.char_cnn_cases(37, 10, FILTERS, 4, 262, dtype, INTERPRETER, train=True,
+    _check(spy, kernel_report.char_cnn_cases(37, 10, FILTERS, 4, 262, dtype, INTERPRETER, train=True,
                                                ordered=True))
 
 
@@ -318,11 +309,11 @@ def test_trainer_step_in_deterministic_mode_is_order_free(monkeypatch, atomics):
     seen = []
     real_sum_rows = trainer_mod.sum_rows
 
-    def spy(*a):
+    def mode_at_sum_rows(*a):
         seen.append(is_deterministic())
         return real_sum_rows(*a)
 
-    monkeypatch.setattr(trainer_mod, "sum_rows", spy)
+    monkeypatch.setattr(trainer_mod, "sum_rows", mode_at_sum_rows)
     results = []
     for order in (contextlib.nullcontext, programs_backwards):
         with tempfile.TemporaryDirectory() as d, order():

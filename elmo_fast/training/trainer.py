@@ -23,6 +23,8 @@ Design notes
   softmax only the touched rows' weights and accumulators change, which is exactly what dense Adagrad would do
   for them (the other rows' gradient is 0).
 * **State carry.** The final (h, c) of every layer/direction/tower is detached and fed into the next batch.
+* **Determinism.** With ``deterministic`` a step and an evaluation run in ``elmo_fast.determinism``'s mode (no
+  atomics, torch's deterministic algorithms), so GPU runs and resumes are bit-identical too (README).
 """
 from __future__ import annotations
 
