@@ -1,9 +1,10 @@
 """Deterministic mode (elmo_fast.determinism): the ordered char-CNN backward, untuned launches, the trainer's option.
 
 Under TRITON_INTERPRET=1 the programs of a launch run one after another, so atomics never race here. The
-``programs_backwards`` context runs every grid backwards (the interpreter hands out the program ids last to first):
-the ordered kernels must give the same bits either way, and the atomic ones do not (a check that the fixture
-really changes the order). The ``atomics`` fixture records every atomic operation the interpreter executes.
+``programs_backwards`` context runs every grid backwards (the interpreter hands out the program ids last to
+first): the ordered kernels must give the same bits either way, and the atomic ones do not (a check that the
+context really changes the order). The ``atomics`` fixture records every atomic operation the interpreter
+executes. On a GPU (``gpu`` marker): two deterministic training runs give the same bits.
 """
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import triton_available
 from test_kernel_report import _check, spy  # noqa: F401 - spy: the launch-recording fixture
 
+from elmo_fast._backend import triton_interpret
 from elmo_fast.determinism import deterministic, is_deterministic, set_deterministic
+
+# these tests run the kernels on CPU tensors and steer the interpreter's program order
+requires_interpreter = pytest.mark.skipif(not (triton_available() and triton_interpret()),
+                                          reason="needs triton and TRITON_INTERPRET=1 (make test sets it)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -130,7 +136,7 @@ def test_tuned_launches_the_first_candidate_untimed(monkeypatch):
 # ------------------------------------------------------------------------------------------------ char CNN
 
 
-@requires_triton
+@requires_interpreter
 @pytest.mark.parametrize("act", ["relu", "tanh"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
 def test_ordered_backward_matches_reference(dtype, act, small_blocks):
@@ -142,7 +148,7 @@ def test_ordered_backward_matches_reference(dtype, act, small_blocks):
         _check_cnn(make_ids(37, 10, seed=1), make_params(filters=FILTERS, seed=2), act, dtype, "cpu")
 
 
-@requires_triton
+@requires_interpreter
 def test_ordered_backward_default_tiles_matches_reference():
     from test_char_cnn_triton import _check_cnn, make_ids, make_params
 
@@ -150,7 +156,7 @@ def test_ordered_backward_default_tiles_matches_reference():
         _check_cnn(make_ids(12, 12, seed=3), make_params(seed=4), "relu", torch.float32, "cpu")
 
 
-@requires_triton
+@requires_interpreter
 def test_ordered_backward_is_bitwise_repeatable_in_any_program_order(small_blocks, atomics):
     from test_char_cnn_triton import make_ids
 
@@ -165,7 +171,7 @@ def test_ordered_backward_is_bitwise_repeatable_in_any_program_order(small_block
     assert not atomics
 
 
-@requires_triton
+@requires_interpreter
 def test_programs_backwards_does_change_atomic_sums(small_blocks):
     """The harness has teeth: the default (atomic) backward's bits change when the programs run backwards."""
     from test_char_cnn_triton import make_ids
@@ -178,7 +184,7 @@ def test_programs_backwards_does_change_atomic_sums(small_blocks):
     assert any(not torch.equal(a, b) for a, b in zip(forwards[1:], backwards[1:]))
 
 
-@requires_triton
+@requires_interpreter
 def test_ordered_kernels_write_every_element(monkeypatch, small_blocks):
     """torch.empty* NaN-filled (ints 99): the ordered partials, window and table gradients are all written."""
     from test_char_cnn_triton import make_ids, make_params
@@ -208,7 +214,7 @@ def test_ordered_kernels_write_every_element(monkeypatch, small_blocks):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-@requires_triton
+@requires_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_ordered_launches_match_report(dtype, spy):  # noqa: F811 - the fixture
     """What deterministic mode launches is what bench/kernel_report.py compiles as its 'det' variant."""
@@ -229,7 +235,7 @@ def test_ordered_launches_match_report(dtype, spy):  # noqa: F811 - the fixture
 # ------------------------------------------------------------------------------------------------ every op
 
 
-@requires_triton
+@requires_interpreter
 def test_deterministic_mode_reaches_every_op(atomics):
     """Every Triton op forward and backward (char CNN, highway, LSTMP, sampled and full softmax) executes no
     atomic operation in deterministic mode; outside it the char CNN does (the spy works)."""
@@ -281,18 +287,18 @@ def test_trainer_config_and_cli_option():
     assert "(default: --no-deterministic)" in " ".join(p.format_help().split())
 
 
-def _trainer(d, backend="triton", deterministic=True):
+def _trainer(d, device="cpu"):
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
 
     cfg = configs.tiny()
-    cfg.backend, cfg.check_memory, cfg.deterministic = backend, False, deterministic
+    cfg.backend, cfg.check_memory, cfg.deterministic = "triton", False, True
     words = [f"w{i}" for i in range(60)]
     corpus = Path(d) / "train.txt"
     corpus.write_text("\n".join(" ".join(words[(7 * i + j * j) % 60] for j in range(9)) for i in range(100)))
     return Trainer(cfg, Vocabulary(words=["<S>", "</S>", "<UNK>"] + words), [str(corpus)], None, d,
-                   device=torch.device("cpu"))
+                   device=torch.device(device))
 
 
 def _state(tr) -> list[torch.Tensor]:
@@ -300,7 +306,7 @@ def _state(tr) -> list[torch.Tensor]:
                                                                    tr.acc_W.clone()]
 
 
-@requires_triton
+@requires_interpreter
 def test_trainer_step_in_deterministic_mode_is_order_free(monkeypatch, atomics):
     """A Triton training step with ``deterministic: true``: torch's switch is on during the step (and off after),
     no atomic runs, and the step's parameters and accumulators are bit-identical when every grid runs backwards."""
@@ -327,3 +333,21 @@ def test_trainer_step_in_deterministic_mode_is_order_free(monkeypatch, atomics):
     assert seen and all(seen) and not atomics
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"tensor {i} depends on the order of the programs"
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_training_runs_are_bit_identical():
+    """On a GPU: two runs of three Triton training steps (bf16 autocast) in deterministic mode, the same bits; no
+    op raises under torch's deterministic algorithms."""
+    results = []
+    for _ in range(2):
+        with tempfile.TemporaryDirectory() as d:
+            tr = _trainer(d, "cuda")
+            try:
+                for _ in range(3):
+                    tr.train_step()
+                results.append(_state(tr))
+            finally:
+                tr.close()
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"tensor {i} differs between two deterministic runs"
