@@ -482,7 +482,7 @@ TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4),
     ("fwd_proj", "16bit", 384): Tile(128, 128, 32, 4, 4),
     ("fwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
-    ("bwd_cell", "16bit", 384): Tile(128, 32, 64, 8, 4),
+    ("bwd_cell", "16bit", 384): Tile(128, 16, 64, 8, 4),
     ("bwd_rec", "16bit", 384): Tile(128, 256, 32, 8, 4),
     ("bwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
     ("fwd_cell", "fp32", 1): Tile(16, 16, 16, 4, 4),
