@@ -5,12 +5,14 @@ import contextlib
 import threading
 
 import torch
+from torch.library import custom_op
 
 from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
 from ..cpu.lstmp import lstmp_cpu
 from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
+from ._library import qualname
 
 _trusted = threading.local()
 
@@ -28,7 +30,12 @@ def trusted_lengths():
 
 
 def check_lengths(lengths: torch.Tensor, T: int, what: str = "lstmp") -> None:
-    """lengths must lie in [0, T]: one host sync (the only one of a call; skipped under :func:`trusted_lengths`)."""
+    """lengths must lie in [0, T]: one host sync (the only one of a call; skipped under :func:`trusted_lengths`).
+    While ``torch.compile`` / ``torch.export`` trace, the check is an assert in the graph instead (no host sync;
+    on a GPU a device-side assert)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(((lengths >= 0) & (lengths <= T)).all(), f"{what}: lengths must lie in [0, T]")
+        return
     if lengths.numel() and not getattr(_trusted, "on", False):
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())
         if lo < 0 or hi > T:
@@ -94,8 +101,54 @@ def lstmp(
             y, h_n, c_n = lstmp_cpu(x, w_in, w_rec, b, w_proj, s0, s1, lengths, weight_cache=cpu_weight_cache,
                                     bf16=cpu_bf16, **kw)
         else:
-            y, h_n, c_n = lstmp_reference(x, w_in, w_rec, b, w_proj, s0, s1, lengths, **kw)
+            y, h_n, c_n = _lstmp_reference_op(x, w_in, w_rec, b, w_proj, s0, s1, lengths, _opt(cell_clip),
+                                              _opt(proj_clip), float(forget_bias), bool(reverse), bool(residual))
         return y, h_n.to(h0.dtype), c_n.to(c0.dtype)
+
+
+# --------------------------------------------------------------------------- the reference as an operator
+Tensor = torch.Tensor
+
+
+def _opt(v) -> float | None:
+    return None if v is None else float(v)
+
+
+@custom_op(qualname("lstmp_reference"), mutates_args=())
+def _lstmp_reference_op(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor | None, h0: Tensor,
+                        c0: Tensor, lengths: Tensor, cell_clip: float | None, proj_clip: float | None,
+                        forget_bias: float, reverse: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``lstmp_reference`` as an operator: (y, h_n, c_n). Its gradient is autograd through the same code, run
+    again in backward (the operator keeps no autograd graph between forward and backward)."""
+    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
+                           proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
+
+
+@_lstmp_reference_op.register_fake
+def _(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual):
+    B, T, _ = x.shape
+    return x.new_empty(B, T, h0.shape[1]), torch.empty_like(h0), torch.empty_like(c0)
+
+
+def _reference_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:8])
+    ctx.flags = inputs[8:]
+
+
+def _reference_backward(ctx, dy, dh_n, dc_n):
+    *tensors, lengths = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    cell_clip, proj_clip, forget_bias, reverse, residual = ctx.flags
+    with torch.enable_grad():
+        leaves = [t if t is None else t.detach().requires_grad_(need[i]) for i, t in enumerate(tensors)]
+        out = lstmp_reference(*leaves, lengths, cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias,
+                              reverse=reverse, residual=residual)
+        wanted = [t for i, t in enumerate(leaves) if need[i] and t is not None]
+        got = iter(torch.autograd.grad(out, wanted, (dy, dh_n, dc_n), allow_unused=True) if wanted else ())
+    return tuple(next(got) if need[i] and t is not None else None for i, t in enumerate(leaves)) + (None,) * 6
+
+
+_lstmp_reference_op.register_autograd(_reference_backward, setup_context=_reference_setup)
 
 
 def _check_dtypes(x, w_in, w_rec, w_proj):
