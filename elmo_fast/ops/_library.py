@@ -39,3 +39,12 @@ def nothing(like: torch.Tensor) -> torch.Tensor:
     """The placeholder an operator returns for an output it did not compute (an operator cannot return None, nor
     an alias of an input or of another output): a fresh empty tensor of ``like``'s dtype and device."""
     return like.new_empty(0)
+
+
+@torch.compiler.assume_constant_result
+def backend_for(backend: str | None, device: torch.device, op: str) -> str:
+    """``elmo_fast._backend.select_backend``; while torch.compile traces, evaluated once per call site and
+    treated as a constant of the graph (it reads the environment and probes imports, which dynamo cannot trace)."""
+    from .._backend import select_backend
+
+    return select_backend(backend, device, op)

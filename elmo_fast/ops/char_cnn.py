@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import select_backend
+from ._library import backend_for
 from ..cpu.char_cnn import char_cnn_cpu
 from ..reference.char_cnn import char_cnn_reference, highway_reference
 from . import _precision as prec
@@ -38,7 +38,7 @@ def char_cnn(
             )
     low = prec.compute_dtype(char_embed)
     char_embed, *conv_weights = prec.weights(low, char_embed, *conv_weights)
-    be = select_backend(backend, char_ids.device, "char_cnn")
+    be = backend_for(backend, char_ids.device, "char_cnn")
     with prec.no_autocast(char_ids.device):
         if be == "triton":
             from ..kernels.char_cnn import char_cnn_triton
@@ -70,7 +70,7 @@ def highway(
     low = prec.compute_dtype(x)
     (x,) = prec.activations(low, x)
     w_carry, w_transform = prec.weights(low, w_carry, w_transform)
-    be = select_backend(backend, x.device, "highway")
+    be = backend_for(backend, x.device, "highway")
     with prec.no_autocast(x.device):
         if be == "triton":
             from ..kernels.highway import highway_triton

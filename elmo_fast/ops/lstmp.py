@@ -7,12 +7,12 @@ import threading
 import torch
 from torch.library import custom_op
 
-from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
+from .._backend import BackendUnavailableError, check_backend_name, triton_import_error
 from ..cpu.lstmp import lstmp_cpu
 from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
-from ._library import qualname
+from ._library import backend_for, qualname
 
 _trusted = threading.local()
 
@@ -79,7 +79,7 @@ def lstmp(
     w_in, w_rec, w_proj = prec.weights(low, w_in, w_rec, w_proj)
     _check_dtypes(x, w_in, w_rec, w_proj)
     check_lengths(lengths, x.shape[1])
-    be = select_backend(backend, x.device, "lstmp")
+    be = backend_for(backend, x.device, "lstmp")
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
     with prec.no_autocast(x.device):
         if be == "cuda":
