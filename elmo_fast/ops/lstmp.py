@@ -5,14 +5,13 @@ import contextlib
 import threading
 
 import torch
-from torch.library import custom_op
 
 from .._backend import BackendUnavailableError, check_backend_name, triton_import_error
 from ..cpu.lstmp import lstmp_cpu
 from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
-from ._library import backend_for, qualname
+from ._library import CompositeOp, backend_for
 
 _trusted = threading.local()
 
@@ -114,41 +113,20 @@ def _opt(v) -> float | None:
     return None if v is None else float(v)
 
 
-@custom_op(qualname("lstmp_reference"), mutates_args=())
-def _lstmp_reference_op(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor | None, h0: Tensor,
-                        c0: Tensor, lengths: Tensor, cell_clip: float | None, proj_clip: float | None,
-                        forget_bias: float, reverse: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``lstmp_reference`` as an operator: (y, h_n, c_n). Its gradient is autograd through the same code, run
-    again in backward (the operator keeps no autograd graph between forward and backward)."""
+def _lstmp_reference_fn(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor | None, h0: Tensor,
+                       c0: Tensor, lengths: Tensor, cell_clip: float | None, proj_clip: float | None,
+                       forget_bias: float, reverse: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
     return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
                            proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
 
 
-@_lstmp_reference_op.register_fake
+_lstmp_reference_op = CompositeOp("lstmp_reference", _lstmp_reference_fn)
+
+
+@_lstmp_reference_op.op.register_fake
 def _(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual):
     B, T, _ = x.shape
     return x.new_empty(B, T, h0.shape[1]), torch.empty_like(h0), torch.empty_like(c0)
-
-
-def _reference_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:8])
-    ctx.flags = inputs[8:]
-
-
-def _reference_backward(ctx, dy, dh_n, dc_n):
-    *tensors, lengths = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    cell_clip, proj_clip, forget_bias, reverse, residual = ctx.flags
-    with torch.enable_grad():
-        leaves = [t if t is None else t.detach().requires_grad_(need[i]) for i, t in enumerate(tensors)]
-        out = lstmp_reference(*leaves, lengths, cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias,
-                              reverse=reverse, residual=residual)
-        wanted = [t for i, t in enumerate(leaves) if need[i] and t is not None]
-        got = iter(torch.autograd.grad(out, wanted, (dy, dh_n, dc_n), allow_unused=True) if wanted else ())
-    return tuple(next(got) if need[i] and t is not None else None for i, t in enumerate(leaves)) + (None,) * 6
-
-
-_lstmp_reference_op.register_autograd(_reference_backward, setup_context=_reference_setup)
 
 
 def _check_dtypes(x, w_in, w_rec, w_proj):
