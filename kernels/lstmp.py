@@ -101,7 +101,7 @@ from elmo_fast.kernels._common import launch as launch_kernel
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
-__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction", "launch_plan", "Launch", "Tile", "Target",
+__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "launch_plan", "Launch", "Tile", "Target",
            "device_target", "fwd_setup", "bwd_setup", "H100", "TUNED"]
 
 

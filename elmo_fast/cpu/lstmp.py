@@ -326,7 +326,7 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
 @_lstmp_cpu_backward.register_fake
 def _(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0, lengths, xs, gates, c_pre, tc, m_all, h_pre, hs, T,
       cell_clip, proj_clip, reverse, residual, needs):
-    B, D, P = h0.shape[0], xs.shape[1], hs.shape[1]
+    B, D = h0.shape[0], xs.shape[1]
     like = [xs.new_empty(B, T, D), w_in, w_rec, w_stack, xs.new_empty(gates.shape[1]), w_proj]
     grads = [torch.empty_like(t) if need and t is not None else nothing(xs) for t, need in zip(like, needs)]
     return (*grads, torch.empty_like(h0), torch.empty_like(c0))

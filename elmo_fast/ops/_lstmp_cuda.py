@@ -3,9 +3,9 @@
 The extension is loaded lazily through ``elmo_fast._backend.cuda_ext`` (never at import time).
 
 * Inference (no gradient needed): ``_C.lstmp`` runs the forward kernel without caches.
-* Training: the operator ``elmo_fast::lstmp_cuda`` runs ``_C.lstmp_forward``, which also returns the caches backward needs
-  (haste-style training cache, not recomputation): gate activations (B, T, 4H) in the input dtype, the
-  unclipped cell (B, T, H) fp32 and the unclipped projection (B, T, P) fp32. ``_C.lstmp_backward`` runs the
+* Training: the operator ``elmo_fast::lstmp_cuda`` runs ``_C.lstmp_forward``, which also returns the caches
+  backward needs (haste-style training cache, not recomputation): gate activations (B, T, 4H) in the input
+  dtype, the unclipped cell (B, T, H) fp32 and the unclipped projection (B, T, P) fp32. ``_C.lstmp_backward`` runs the
   backward time loop on chip, then the weight gradients as large GEMMs (``elmo_fast::lstmp_cuda_backward``).
 
 Cast policy (elmo_fast.ops._precision): x and the three weight matrices share one dtype (float32 or bfloat16);
