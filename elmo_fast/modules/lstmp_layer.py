@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .. import ops
 from .._backend import check_backend_name
@@ -271,7 +271,7 @@ class LSTMP(nn.Module):
                 inp = out + inp if self.residual and layer > 0 else out
         h_n, c_n = torch.stack(h_n), torch.stack(c_n)
         if packed:
-            return _repack(inp, lengths, input), (h_n, c_n)
+            return _repack(inp, input), (h_n, c_n)
         if unbatched:
             return inp[0], (h_n[:, 0], c_n[:, 0])
         return (inp if self.batch_first else inp.transpose(0, 1)), (h_n, c_n)
@@ -335,10 +335,17 @@ def _describe(v) -> str:
     return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
 
 
-def _repack(out: torch.Tensor, lengths: torch.Tensor, like: PackedSequence) -> PackedSequence:
-    """``out`` (B, T, ·), batch in the original order, packed exactly as ``like`` is (its batch sizes and order)."""
+def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:
+    """``out`` (B, T, ·), batch in the original order, packed exactly as ``like`` is (its batch sizes and order):
+    packed row j holds (batch entry b_j, step t_j), step-major, the entries of a step in ``like``'s sorted order.
+    Every size is known from ``like`` (no data-dependent shape, so torch.compile keeps it in its graph)."""
+    B, T = out.shape[0], out.shape[1]
+    dev = out.device
+    sizes = like.batch_sizes.to(dev)
+    N = like.data.shape[0]
+    t = torch.repeat_interleave(torch.arange(T, device=dev), sizes, output_size=N)
+    b = torch.arange(N, device=dev) - (torch.cumsum(sizes, 0) - sizes).index_select(0, t)
     if like.sorted_indices is not None:
-        out = out.index_select(0, like.sorted_indices)
-        lengths = lengths.index_select(0, like.sorted_indices)
-    data = pack_padded_sequence(out, lengths.cpu(), batch_first=True).data
+        b = like.sorted_indices.index_select(0, b)
+    data = out.reshape(B * T, -1).index_select(0, b * T + t)
     return PackedSequence(data, like.batch_sizes, like.sorted_indices, like.unsorted_indices)
