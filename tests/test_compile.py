@@ -172,3 +172,20 @@ def test_trainer_model_step_compiles_whole_and_matches_eager(trainer):
     got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"))
     assert tr.softmax_W.grad is None
     _close(got, want, atol=1e-6)
+
+
+def test_autocast_compiles_whole_and_matches_eager(tiny_model):
+    """Under torch.autocast the weight casts (cached per version eagerly) are part of the graph."""
+    lstmp = elmo_fast.LSTMP(5, 8, num_layers=2, proj_size=4)
+    bilm = elmo_fast.ElmoBiLM(*tiny_model, stateful=False, requires_grad=True)
+    x, ids = torch.randn(6, 3, 5), elmo_fast.batch_to_ids(BATCHES[0])
+
+    def run(x, ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lstmp(x)[0], *bilm(ids)["activations"]
+
+    _no_breaks(run, x, ids)
+    got = torch.compile(run, fullgraph=True, backend="aot_eager")(x, ids)
+    want = run(x, ids)
+    assert got[0].dtype == torch.bfloat16
+    _close(got, want, atol=0)  # the same ops in the same order: equal
