@@ -2,9 +2,10 @@
 
 ELMO_FAST_BUILD_CUDA=1 builds the extension (opt-in: it has never run on a GPU, see BACKEND_STATUS in
 elmo_fast/_backend.py; a failed build is an error); unset or any other value installs pure Python. Honours
-TORCH_CUDA_ARCH_LIST (default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile time) and MAX_JOBS;
-uses ninja. Without a GPU, `make cuda-compile-check` (csrc/compile_check.sh) compiles every source; for development
-`python csrc/jit_build.py` builds the same sources with torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
+TORCH_CUDA_ARCH_LIST (default "9.0a": the persistent kernels need sm_90a and refuse other targets at compile
+time) and MAX_JOBS; uses ninja. Without a GPU, `make cuda-compile-check` (csrc/compile_check.sh) compiles every
+source; for development `python csrc/jit_build.py` builds the same sources with
+torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
 
 ELMO_FAST_BUILD_CPU: the optional CPU extension ``elmo_fast._cpu`` (csrc/cpu/: the fused LSTMP gate math of the
 cpu backend; C++ only, no nvcc). "1" requires it, "0" skips it, unset = build it when torch and a C++ compiler

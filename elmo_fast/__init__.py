@@ -4,7 +4,8 @@ Public API (AllenNLP names and contracts; code written for AllenNLP ports by cha
 ``batch_to_ids``, ``Elmo``, ``ElmoBiLM``, ``ScalarMix``, ``remove_sentence_boundaries``,
 ``add_sentence_boundary_token_ids``; bilm-tf's ``Batcher``, ``TokenBatcher``, ``Vocabulary``,
 ``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset``; the biLM itself (``BiLM``), its options
-and weight files. Importing this package never imports triton or compiles anything.
+and weight files; ``LSTMP``, a drop-in ``torch.nn.LSTM`` on elmo_fast's LSTMP chain. Importing this package never
+imports triton or compiles anything.
 """
 from ._backend import BackendUnavailableError
 from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
@@ -13,6 +14,7 @@ from .compat import (BidirectionalLanguageModel, BidirectionalLMDataset, ElmoTok
 from .determinism import deterministic, is_deterministic, set_deterministic
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM
+from .modules.lstmp_layer import LSTMP
 from .modules.scalar_mix import ScalarMix
 from .options import ElmoOptions, OptionsError
 from .util import add_sentence_boundary_token_ids, remove_sentence_boundaries
@@ -32,6 +34,7 @@ __all__ = [
     "Elmo",
     "ElmoBiLM",
     "BiLM",
+    "LSTMP",
     "BidirectionalLanguageModel",
     "ElmoTokenEmbedder",
     "dump_token_embeddings",

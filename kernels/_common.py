@@ -19,9 +19,12 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op, wrap_triton
 
 from elmo_fast._backend import triton_interpret
 from elmo_fast.determinism import is_deterministic
+from elmo_fast.ops._library import qualname, tracing
 
 
 @triton.jit
@@ -85,7 +88,37 @@ class Launch:
     meta: dict = field(default_factory=dict)
 
     def __call__(self, *args):
-        return self.kernel[self.grid](*args, **self.meta)
+        launch(self.kernel, self.grid, args, self.meta)
+
+
+def launch(kernel, grid: tuple, args, kwargs: dict) -> None:
+    """Every kernel launch of the package goes through here.
+
+    Eagerly it is the plain launch (``torch.library.wrap_triton`` returns the kernel itself inside a triton_op
+    called with real tensors). While ``torch.compile`` / ``torch.export`` trace an operator the launch goes through
+    ``wrap_triton``, which records it in the graph. The interpreter's kernels (``TRITON_INTERPRET=1``) cannot be
+    recorded: there the operators stay opaque to the compiler (``triton_operator``), and a launch on fake tensors
+    (their fake implementation, which only needs the output shapes) does nothing."""
+    if tracing(*args):
+        if triton_interpret():
+            return
+        kernel = wrap_triton(kernel)
+    kernel[grid](*args, **kwargs)
+
+
+def triton_operator(name: str, fn):
+    """``fn`` as the ``torch.library.triton_op`` ``elmo_fast::name`` (fn's own tracing is its fake implementation).
+
+    Under the interpreter the operator is kept whole where torch.compile would trace into it (its kernels cannot be
+    recorded there), like a ``custom_op``: the compiled graph calls it with real tensors."""
+    op = triton_op(qualname(name), fn, mutates_args=())
+    if triton_interpret():
+        op.register_torch_dispatch(FunctionalTensorMode, _opaque)
+    return op
+
+
+def _opaque(mode, op, types, args, kwargs):
+    return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
 CHOSEN: dict[tuple, dict] = {}  # (kernel, shape key) -> the configuration ``tuned`` picked on this GPU
@@ -98,17 +131,18 @@ def tuned(candidates: list[Launch], key: tuple, *args) -> None:
     (``triton.testing.do_bench``) and the fastest is kept and recorded in ``CHOSEN``. Only kernels that write
     (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind. In
     deterministic mode (``elmo_fast.determinism``) the first candidate, untimed: timings vary from run to run,
-    and candidates with other tiles round differently."""
+    and candidates with other tiles round differently. While torch.compile / torch.export trace (nothing can
+    be timed) the choice already made for ``key``, else the first candidate."""
     choice = 0
     if len(candidates) > 1 and not is_deterministic():
         k = (candidates[0].kernel.__name__, *key)
-        if k not in CHOSEN:
+        if k not in CHOSEN and not tracing(*args):
             from triton.testing import do_bench
 
             times = [do_bench(lambda c=c: c(*args), warmup=3, rep=15) for c in candidates]
             best = min(range(len(times)), key=times.__getitem__)
             CHOSEN[k] = dict(candidates[best].meta, index=best, grid=candidates[best].grid, ms=times[best])
-        choice = CHOSEN[k]["index"]
+        choice = CHOSEN[k]["index"] if k in CHOSEN else 0
     candidates[choice](*args)
 
 

@@ -54,8 +54,9 @@ import triton
 import triton.language as tl
 
 from elmo_fast.determinism import is_deterministic
-from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype
+from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype, triton_operator
 from elmo_fast.kernels._common import dot as _dot
+from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.char_cnn import _activation
 
 PAD_CHAR_ID = 261  # inference id of the in-word padding character (see elmo_fast.reference.char_cnn)
@@ -518,7 +519,10 @@ _WIDTHS: dict = {}
 
 def _filter_widths(groups: tuple, device: torch.device) -> torch.Tensor:
     """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Uploaded once per
-    filter layout and device, then reused (no host->device copy per call)."""
+    filter layout and device, then reused (no host->device copy per call; a constant of the graph while
+    torch.compile / torch.export trace)."""
+    if tracing():
+        return torch.cat([torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups])
     key = (groups, torch.device(device))
     wid = _WIDTHS.get(key)
     if wid is None:
@@ -527,49 +531,75 @@ def _filter_widths(groups: tuple, device: torch.device) -> torch.Tensor:
     return wid
 
 
-class CharCNNFunction(torch.autograd.Function):
-    """Saves ids, the packed weights, the output and the argmax (int8) -- never the convolution maps."""
+# ------------------------------------------------------------------------------------------ operators
+Tensor = torch.Tensor
 
-    @staticmethod
-    def forward(ctx, char_ids, char_embed, activation, n_groups, *params):
-        weights, biases = list(params[:n_groups]), list(params[n_groups:])
-        ids = char_ids.contiguous()
-        dtype = char_embed.dtype
-        emb = char_embed.contiguous()
-        dc = emb.shape[1]
-        widths = [int(w.shape[0]) for w in weights]
-        kw = max(widths)
-        w_packed = _pack_weights([w.to(dtype) for w in weights], kw, dc)
-        bias = torch.cat([b.to(dtype) for b in biases]).contiguous()
-        wid = _filter_widths(tuple((wi, int(w.shape[2])) for w, wi in zip(weights, widths)), ids.device)
-        need_grad = any(ctx.needs_input_grad[1:])
-        out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=need_grad)
-        if need_grad:
-            ctx.save_for_backward(ids, emb, w_packed, wid, out, arg, perm, bound)
-        ctx.activation = activation
-        ctx.shapes = [(int(w.shape[0]), int(w.shape[1]), int(w.shape[2])) for w in weights]
-        ctx.dtypes = [(w.dtype, b.dtype) for w, b in zip(weights, biases)]
-        ctx.n_groups = n_groups
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        ids, emb, w_packed, wid, out, arg, perm, bound = ctx.saved_tensors
-        n = ctx.n_groups
-        need_emb = ctx.needs_input_grad[1]
-        need_w = any(ctx.needs_input_grad[4:4 + n])
-        gemb, gw, gb = char_cnn_bwd(ids, emb, w_packed, wid, out, arg, perm, bound, grad_out.contiguous(),
-                                    ctx.activation, need_w, need_emb)
-        dc = emb.shape[1]
-        gws, gbs = [], []
-        col = 0
-        for i, (w_i, _, n_i) in enumerate(ctx.shapes):
-            wdt, bdt = ctx.dtypes[i]
-            gws.append(gw[: w_i * dc, col:col + n_i].reshape(w_i, dc, n_i).to(wdt)
-                       if gw is not None and ctx.needs_input_grad[4 + i] else None)
-            gbs.append(gb[col:col + n_i].to(bdt) if ctx.needs_input_grad[4 + n + i] else None)
-            col += n_i
-        return (None, gemb.to(emb.dtype) if gemb is not None else None, None, None, *gws, *gbs)
+def _groups(conv_weights) -> tuple:
+    return tuple((int(w.shape[0]), int(w.shape[2])) for w in conv_weights)
+
+
+def _forward_op(char_ids: Tensor, char_embed: Tensor, conv_weights: list[Tensor], conv_biases: list[Tensor],
+                activation: str, save: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out (N, F), w_packed, arg, perm, bound): with ``save`` what backward needs besides the inputs (the packed
+    weights, the argmax (int8), the token order), else placeholders. Never the convolution maps."""
+    ids = char_ids.contiguous()
+    emb = char_embed.contiguous()
+    dtype = emb.dtype
+    groups = _groups(conv_weights)
+    w_packed = _pack_weights([w.to(dtype) for w in conv_weights], max(g[0] for g in groups), emb.shape[1])
+    bias = torch.cat([b.to(dtype) for b in conv_biases]).contiguous()
+    wid = _filter_widths(groups, ids.device)
+    out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=save)
+    if not save:
+        return out, *(nothing(out) for _ in range(4))
+    return out, w_packed, arg, perm, bound
+
+
+def _backward_op(char_ids: Tensor, char_embed: Tensor, w_packed: Tensor, out: Tensor, arg: Tensor, perm: Tensor,
+                 bound: Tensor, grad_out: Tensor, groups: list[int], activation: str, need_w: bool, need_emb: bool
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad char_embed (V, d_c), grad w_packed (KWD, F), grad bias (F,)) in fp32 (fp64 for fp64 inputs); the
+    first two are placeholders unless needed. ``groups``: (width, n_filters) of each filter group, flattened."""
+    wid = _filter_widths(tuple(zip(groups[::2], groups[1::2])), char_ids.device)
+    gemb, gw, gb = char_cnn_bwd(char_ids.contiguous(), char_embed.contiguous(), w_packed, wid, out, arg, perm, bound,
+                                grad_out.contiguous(), activation, need_w, need_emb)
+    return (nothing(gb) if gemb is None else gemb), (nothing(gb) if gw is None else gw), gb
+
+
+_char_cnn_op = triton_operator("char_cnn_triton", _forward_op)
+_char_cnn_backward_op = triton_operator("char_cnn_triton_backward", _backward_op)
+
+
+def _setup_context(ctx, inputs, output):
+    char_ids, char_embed, conv_weights, conv_biases, activation, save = inputs
+    ctx.saved = save
+    ctx.activation = activation
+    ctx.groups = [v for g in _groups(conv_weights) for v in g]
+    ctx.dtypes = [(w.dtype, b.dtype) for w, b in zip(conv_weights, conv_biases)]
+    if save:
+        ctx.save_for_backward(char_ids, char_embed, output[0], *output[1:])
+
+
+def _backward(ctx, grad_out, *_):
+    if not ctx.saved:
+        raise RuntimeError("char_cnn (triton): this call ran without save=True and kept nothing for backward")
+    ids, emb, out, w_packed, arg, perm, bound = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_emb, need_w = need[1], any(need[2])
+    gemb, gw, gb = _char_cnn_backward_op(ids, emb, w_packed, out, arg, perm, bound, grad_out, ctx.groups,
+                                         ctx.activation, need_w, need_emb)
+    dc = emb.shape[1]
+    gws, gbs = [], []
+    col = 0
+    for i, ((w_i, n_i), (wdt, bdt)) in enumerate(zip(zip(ctx.groups[::2], ctx.groups[1::2]), ctx.dtypes)):
+        gws.append(gw[: w_i * dc, col:col + n_i].reshape(w_i, dc, n_i).to(wdt) if need[2][i] else None)
+        gbs.append(gb[col:col + n_i].to(bdt) if need[3][i] else None)
+        col += n_i
+    return None, gemb.to(emb.dtype) if need_emb else None, gws, gbs, None, None
+
+
+_char_cnn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def char_cnn_triton(
@@ -582,7 +612,8 @@ def char_cnn_triton(
     """char_ids (N, L) int inference ids -> (N, F) = act(max_p conv(embed(ids)) + bias), fused (see module doc).
 
     char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
-    Output dtype = char_embed's (fp32, bf16, fp16 or fp64); products accumulate in fp32.
+    Output dtype = char_embed's (fp32, bf16, fp16 or fp64); products accumulate in fp32. The operator
+    ``elmo_fast::char_cnn_triton``, its backward ``elmo_fast::char_cnn_triton_backward``.
     """
     _activation(activation)  # validates the name (ValueError), like the reference
     N, L = char_ids.shape
@@ -592,4 +623,6 @@ def char_cnn_triton(
             raise ValueError(f"tokens of {L} characters are shorter than a filter of width {int(w.shape[0])}")
     if N == 0:
         return char_embed.new_zeros(0, F)
-    return CharCNNFunction.apply(char_ids, char_embed, activation, len(conv_weights), *conv_weights, *conv_biases)
+    params = (char_embed, *conv_weights, *conv_biases)
+    save = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    return _char_cnn_op(char_ids, char_embed, list(conv_weights), list(conv_biases), activation, save)[0]

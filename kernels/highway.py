@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_acc, dot_flags, target_of, tl_acc_dtype, tuned
+from elmo_fast.kernels._common import (Launch, Target, acc_dtype, dot_acc, dot_flags, target_of, tl_acc_dtype,
+                                       triton_operator, tuned)
+from elmo_fast.ops._library import nothing
 
 
 @triton.jit
@@ -215,7 +217,7 @@ def highway_fwd(x, wc, bc, wt, bt):
 
 
 def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype: torch.dtype | None = None):
-    """Returns (dx or None, dWc, dbc, dWt, dbt) (weights' grads None unless need_w).
+    """Returns (dx or None, dW (2, F, F) = (dWc, dWt), db (2, F) = (dbc, dbt)) (weights' grads None unless need_w).
 
     dx has x's dtype; the weight and bias grads ``w_grad_dtype`` (default x's).
     """
@@ -233,7 +235,7 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
         tuned(dx_launch(M, F, x.dtype, target), ("dx", M, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
               M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
-    dwc = dbc = dwt = dbt = None
+    dw = db = None
     if need_w:
         gdt = w_grad_dtype or x.dtype
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
@@ -241,33 +243,46 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
         tuned(dw_launch(M, F, x.dtype, target), ("dw", M, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
               F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
-        dwc, dwt = dw[0], dw[1]
-        dbc, dbt = db[0], db[1]
-    return dx, dwc, dbc, dwt, dbt
+    return dx, dw, db
 
 
-class HighwayFunction(torch.autograd.Function):
-    """Saves only the inputs; backward recomputes both products in its fused kernel."""
+# ------------------------------------------------------------------------------------------ operators
+Tensor = torch.Tensor
 
-    @staticmethod
-    def forward(ctx, x, wc, bc, wt, bt):
-        dt = x.dtype
-        ws = [t.to(dt).contiguous() for t in (wc, bc, wt, bt)]
-        x = x.contiguous()
-        y = highway_fwd(x, *ws)
-        ctx.save_for_backward(x, *ws)
-        ctx.pdtypes = [t.dtype for t in (wc, bc, wt, bt)]
-        return y
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, wc, bc, wt, bt = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dx, dwc, dbc, dwt, dbt = highway_bwd(x, wc, bc, wt, bt, dy.contiguous().to(x.dtype), need[0],
-                                             any(need[1:]), ctx.pdtypes[0])
-        grads = [dwc, dbc, dwt, dbt]
-        grads = [g.to(d) if (g is not None and n) else None for g, d, n in zip(grads, ctx.pdtypes, need[1:])]
-        return (dx, *grads)
+def _forward_op(x: Tensor, wc: Tensor, bc: Tensor, wt: Tensor, bt: Tensor) -> Tensor:
+    """x (M, F) -> y (M, F); the parameters run in x's dtype."""
+    dt = x.dtype
+    return highway_fwd(x.contiguous(), *(t.to(dt).contiguous() for t in (wc, bc, wt, bt)))
+
+
+def _backward_op(x: Tensor, wc: Tensor, bc: Tensor, wt: Tensor, bt: Tensor, dy: Tensor, need_x: bool, need_w: bool,
+                 w_grad_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx or a placeholder, dW (2, F, F) = (dW_carry, dW_transform), db (2, F)) -- the weight gradients in
+    ``w_grad_dtype``, placeholders unless ``need_w``. Backward recomputes both products in its fused kernel."""
+    dt = x.dtype
+    ws = [t.to(dt).contiguous() for t in (wc, bc, wt, bt)]
+    dx, dw, db = highway_bwd(x.contiguous(), *ws, dy.contiguous().to(dt), need_x, need_w, w_grad_dtype)
+    return tuple(nothing(x) if g is None else g for g in (dx, dw, db))
+
+
+_highway_op = triton_operator("highway_triton", _forward_op)
+_highway_backward_op = triton_operator("highway_triton_backward", _backward_op)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # only the inputs
+
+
+def _backward(ctx, dy):
+    x, wc, bc, wt, bt = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dw, db = _highway_backward_op(x, wc, bc, wt, bt, dy, need[0], any(need[1:]), wc.dtype)
+    grads = [(dw[0], wc), (db[0], bc), (dw[1], wt), (db[1], bt)]
+    return (dx if need[0] else None, *(g.to(p.dtype) if n else None for (g, p), n in zip(grads, need[1:])))
+
+
+_highway_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def highway_triton(
@@ -279,11 +294,12 @@ def highway_triton(
 ) -> torch.Tensor:
     """x (..., F) -> (..., F): g = σ(x·W_carry + b_carry); y = g·relu(x·W_transform + b_transform) + (1−g)·x.
 
-    W_carry, W_transform (F, F) in the TF layout (x·W); fused forward and backward (see module doc).
+    W_carry, W_transform (F, F) in the TF layout (x·W); fused forward and backward (see module doc): the
+    operator ``elmo_fast::highway_triton``, its backward ``elmo_fast::highway_triton_backward``.
     """
     lead = x.shape[:-1]
     F = x.shape[-1]
     x2 = x.reshape(-1, F)
     if x2.shape[0] == 0:
         return x.clone()
-    return HighwayFunction.apply(x2, w_carry, b_carry, w_transform, b_transform).reshape(*lead, F)
+    return _highway_op(x2, w_carry, b_carry, w_transform, b_transform).reshape(*lead, F)

@@ -95,12 +95,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
-from elmo_fast.kernels._common import H100, Target, acc_dtype, tl_acc_dtype
+from elmo_fast.kernels._common import H100, Target, acc_dtype, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import launch as launch_kernel
+from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
-__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "LSTMPFunction", "launch_plan", "Launch", "Tile", "Target",
+__all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "launch_plan", "Launch", "Tile", "Target",
            "device_target", "fwd_setup", "bwd_setup", "H100", "TUNED"]
 
 
@@ -647,8 +648,8 @@ def device_target(device: torch.device) -> Target:
 def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:
     """Launch with the tensors named in ``launch.args``; ``constexprs`` override (bwd_reduce's HAS_PART)."""
     args = [s if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
-    launch.kernel[launch.grid](*args, **{**launch.constexprs, **constexprs}, num_warps=launch.num_warps,
-                               num_stages=launch.num_stages)
+    launch_kernel(launch.kernel, launch.grid, args, {**launch.constexprs, **constexprs,
+                                                     "num_warps": launch.num_warps, "num_stages": launch.num_stages})
 
 
 def _check_dtypes(plan: dict, bufs: dict, prefix: str) -> None:
@@ -666,9 +667,12 @@ _CONSTS: dict = {}
 def _consts(forget_bias, cell_clip, proj_clip, acc, dev) -> torch.Tensor:
     """(forget bias, cell clip, projection clip) as a device tensor in the accumulation dtype (a float kernel
     argument is fp32, which would round e.g. a clip of 0.3 and break fp64 agreement), uploaded once per
-    (device, dtype, values) and then reused: no host-to-device copy per call."""
+    (device, dtype, values) and then reused: no host-to-device copy per call (a constant of the graph while
+    torch.compile / torch.export trace)."""
     vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
                                     0.0 if proj_clip is None else proj_clip))
+    if tracing():
+        return torch.tensor(vals, dtype=acc, device=dev)
     key = (dev, acc, vals)
     t = _CONSTS.get(key)
     if t is None:
@@ -710,8 +714,10 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
         # Buffers a variant never touches (no projection: HAS_PROJ=False; inference: SAVE=False) alias others.
         part=torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev) if "fwd_proj" in plan else hn,
-        cpre=torch.empty(B, T, H, dtype=acc, device=dev) if save else c,
-        hpre=torch.empty(B, T, P, dtype=acc, device=dev) if save else hn,
+        # zeros: the kernels leave the padded positions of these two caches unwritten, and an operator's outputs
+        # (they are outputs of elmo_fast::lstmp_triton) must not depend on what memory held before
+        cpre=torch.zeros(B, T, H, dtype=acc, device=dev) if save else c,
+        hpre=torch.zeros(B, T, P, dtype=acc, device=dev) if save else hn,
         hprev=torch.empty(B, T, P, dtype=op, device=dev) if save else hop,
     )
     _check_dtypes(plan, bufs, "fwd")
@@ -793,57 +799,72 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
     return dx, dw_in, dw_rec, dbias, dw_proj, bufs["dh"], bufs["dc"]
 
 
-# -------------------------------------------------------------------------------------- autograd glue
-class LSTMPFunction(torch.autograd.Function):
-    """Autograd wrapper: forward saves the step caches (see the module docstring), backward runs BPTT."""
+# ------------------------------------------------------------------------------------------ operators
+Tensor = torch.Tensor
 
-    @staticmethod
-    def forward(ctx, x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse,
-                residual):
-        y, h_n, c_n, cache = lstmp_fwd(
-            x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip, proj_clip=proj_clip,
-            forget_bias=forget_bias, reverse=reverse, residual=residual, save=True,
-        )
-        ctx.save_for_backward(x, w_in, w_rec, w_proj, h0, c0, *cache)
-        ctx.flags = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual)
-        ctx.bias_dtype = bias.dtype
-        return y, h_n, c_n
 
-    @staticmethod
-    @once_differentiable  # backward is not itself differentiable: double backward raises instead of lying
-    def backward(ctx, dy, dh_n, dc_n):
-        x, w_in, w_rec, w_proj, h0, c0, *cache = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros(x.shape[0], x.shape[1], h0.shape[1], dtype=x.dtype, device=x.device)
-        if dh_n is None:
-            dh_n = torch.zeros_like(h0)
-        if dc_n is None:
-            dc_n = torch.zeros_like(c0)
-        dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0 = lstmp_bwd(
-            dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, tuple(cache), needs=ctx.needs_input_grad[:5], **ctx.flags,
-        )
+def _forward_op(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor | None, h0: Tensor,
+                c0: Tensor, lengths: Tensor, cell_clip: float | None, proj_clip: float | None, forget_bias: float,
+                reverse: bool, residual: bool, save: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, h_n, c_n, z, cpre, hpre, hprev, m): the step caches of training (placeholders without ``save``)."""
+    y, h_n, c_n, cache = lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
+                                   proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
+                                   save=save)
+    return (y, h_n, c_n, *(cache[:5] if save else (nothing(x) for _ in range(5))))
 
-        def cast(i, g, dtype):
-            return g.to(dtype) if ctx.needs_input_grad[i] and g is not None else None
 
-        return (
-            cast(0, dx, x.dtype),
-            cast(1, dw_in, w_in.dtype),
-            cast(2, dw_rec, w_rec.dtype),
-            cast(3, dbias, ctx.bias_dtype),
-            cast(4, dw_proj, w_proj.dtype if w_proj is not None else None),
-            cast(5, dh0, h0.dtype),
-            cast(6, dc0, c0.dtype),
-            None, None, None, None, None, None,
-        )
+def _backward_op(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | None, x: Tensor, w_in: Tensor,
+                 w_rec: Tensor, w_proj: Tensor | None, h0: Tensor, c0: Tensor, lengths: Tensor, z: Tensor,
+                 cpre: Tensor, hpre: Tensor, hprev: Tensor, m: Tensor, cell_clip: float | None,
+                 proj_clip: float | None, reverse: bool, residual: bool, needs: list[bool]
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0) in the operand / accumulation dtypes; ``needs`` flags
+    (x, w_in, w_rec, bias, w_proj): a gradient not needed is a placeholder."""
+    if dy is None:
+        dy = torch.zeros(x.shape[0], x.shape[1], h0.shape[1], dtype=x.dtype, device=x.device)
+    dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
+    dc_n = torch.zeros_like(c0) if dc_n is None else dc_n
+    cache = (z, cpre, hpre, hprev, m, _lengths(lengths, x.device))
+    grads = lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, cell_clip=cell_clip, proj_clip=proj_clip,
+                      reverse=reverse, residual=residual, needs=needs)
+    return tuple(nothing(x) if g is None else g for g in grads)
+
+
+_lstmp_op = triton_operator("lstmp_triton", _forward_op)
+_lstmp_backward_op = triton_operator("lstmp_triton_backward", _backward_op)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual, save = inputs
+    ctx.saved = save
+    ctx.flags = (cell_clip, proj_clip, reverse, residual)
+    ctx.dtypes = [None if t is None else t.dtype for t in (x, w_in, w_rec, bias, w_proj, h0, c0)]
+    ctx.set_materialize_grads(False)
+    if save:
+        ctx.save_for_backward(x, w_in, w_rec, w_proj, h0, c0, lengths, *output[3:])
+
+
+def _backward(ctx, dy, dh_n, dc_n, *_):
+    """Backward through time from the step caches of forward (see the module docstring); gradients in the
+    inputs' dtypes."""
+    if not ctx.saved:
+        raise RuntimeError("lstmp (triton): this call ran without save=True and kept nothing for backward")
+    need = ctx.needs_input_grad
+    grads = _lstmp_backward_op(dy, dh_n, dc_n, *ctx.saved_tensors, *ctx.flags, list(need[:5]))
+    grads = [g.to(dt) if need[i] and dt is not None else None for i, (g, dt) in enumerate(zip(grads, ctx.dtypes))]
+    return (*grads, *(None,) * 7)
+
+
+_lstmp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, proj_clip=None,
                  forget_bias=1.0, reverse=False, residual=False):
     """Triton LSTMP chain with the arguments and results of ``lstmp_reference`` (see there for shapes).
 
-    Differentiable w.r.t. x, w_in, w_rec, bias, w_proj, h0 and c0. Inference (no grad needed) skips the
-    backward caches.
+    Differentiable w.r.t. x, w_in, w_rec, bias, w_proj, h0 and c0 (the operator ``elmo_fast::lstmp_triton``,
+    its backward ``elmo_fast::lstmp_triton_backward``). Inference (no grad needed) skips the backward caches.
     """
     B, T, _ = x.shape
     if B == 0 or T == 0:  # nothing for a kernel to do; the reference handles the degenerate shapes
@@ -854,10 +875,8 @@ def lstmp_triton(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=Non
     x, w_in, w_rec, bias, h0, c0 = (t.contiguous() for t in (x, w_in, w_rec, bias, h0, c0))
     w_proj = w_proj.contiguous() if w_proj is not None else None
     tensors = [t for t in (x, w_in, w_rec, bias, w_proj, h0, c0) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return LSTMPFunction.apply(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip,
-                                   forget_bias, reverse, residual)
-    y, h_n, c_n, _ = lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
-                               proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
-                               save=False)
-    return y, h_n, c_n
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    out = _lstmp_op(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, None if cell_clip is None else float(cell_clip),
+                    None if proj_clip is None else float(proj_clip), float(forget_bias), bool(reverse),
+                    bool(residual), train)
+    return out[0], out[1], out[2]

@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of, tuned
+from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of, triton_operator, tuned
 from elmo_fast.kernels._common import dot_acc
+from elmo_fast.ops._library import nothing
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -376,79 +377,109 @@ def _rows_grad(ids, values, V, shape, dtype, sparse):
     return torch.zeros(shape, dtype=dtype, device=vals.device).index_add_(0, ids, vals)
 
 
-class SampledSoftmaxFunction(torch.autograd.Function):
-    """Fused TF sampled softmax. Saves hidden, the sample/target ids, fp32 offsets and the row LSE; backward
-    recomputes logit tiles (no N × S tensor is ever stored)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, sampled_ids, true_expected, sampled_expected,
-                remove_accidental_hits, reduction, sparse_grad):
-        _check_inputs(hidden, weight, bias)
-        hidden = hidden.contiguous()
-        weight = weight.contiguous()
-        targets = targets.contiguous()
-        sampled_ids = sampled_ids.contiguous()
-        bias32 = bias.to(torch.float32)
-        samp_off = (bias32.index_select(0, sampled_ids) - torch.log(sampled_expected).to(torch.float32))
-        true_off = (bias32.index_select(0, targets) - torch.log(true_expected).to(torch.float32))
-        lse_s, true_logit = softmax_lse_fwd(hidden, weight, sampled_ids, samp_off.contiguous(), targets,
-                                            true_off.contiguous(), mask_hits=remove_accidental_hits)
-        lse = torch.logaddexp(lse_s, true_logit)  # the true class is column 0 of TF's logit row
-        loss = lse - true_logit
-        ctx.save_for_backward(hidden, weight, targets, sampled_ids, samp_off, lse, true_logit)
-        ctx.flags = (remove_accidental_hits, reduction, sparse_grad, bias.dtype, bias.shape[0])
-        return _reduce(loss, reduction, hidden.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, sampled_ids, samp_off, lse, true_logit = ctx.saved_tensors
-        mask_hits, reduction, sparse, bias_dtype, V = ctx.flags
-        N, P = hidden.shape
-        g = _row_scale(grad_out, N, reduction)
-        dh, dws, doff = softmax_grad(hidden, weight, sampled_ids, samp_off, targets, lse, g,
-                                     mask_hits=mask_hits, sub_target=False)
-        # the true column: dlogit_true = g (p_true − 1), an O(N·P) gather/scatter
-        d_true = g * torch.expm1(true_logit - lse)
-        w_t = weight.index_select(0, targets).to(torch.float32)
-        dh.addcmul_(d_true.unsqueeze(1), w_t)
-        grad_h = dh.to(hidden.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:
-            ids = torch.cat([sampled_ids, targets])
-            vals = torch.cat([dws, d_true.unsqueeze(1) * hidden.to(torch.float32)])
-            grad_w = _rows_grad(ids, vals, V, (V, P), weight.dtype, sparse)
-        if ctx.needs_input_grad[2]:
-            ids = torch.cat([sampled_ids, targets])
-            grad_b = _rows_grad(ids, torch.cat([doff, d_true]), V, (V,), bias_dtype, sparse)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+# ------------------------------------------------------------------------------------------ operators
+Tensor = torch.Tensor
 
 
-class FullSoftmaxNLLFunction(torch.autograd.Function):
-    """Exact NLL over V in vocabulary tiles; backward recomputes logits per tile (memory O(N·P + V·P))."""
+def _sampled_fwd(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, sampled_ids: Tensor,
+                 true_expected: Tensor, sampled_expected: Tensor, remove_accidental_hits: bool, reduction: str,
+                 sparse_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, samp_off, lse, true_logit): the fp32 sample offsets and the row statistics backward reads (it
+    recomputes logit tiles; no N × S tensor is ever stored). ``sparse_grad`` is for backward only."""
+    _check_inputs(hidden, weight, bias)
+    hidden, weight, targets, sampled_ids = (t.contiguous() for t in (hidden, weight, targets, sampled_ids))
+    bias32 = bias.to(torch.float32)
+    samp_off = (bias32.index_select(0, sampled_ids) - torch.log(sampled_expected).to(torch.float32))
+    true_off = (bias32.index_select(0, targets) - torch.log(true_expected).to(torch.float32))
+    lse_s, true_logit = softmax_lse_fwd(hidden, weight, sampled_ids, samp_off.contiguous(), targets,
+                                        true_off.contiguous(), mask_hits=remove_accidental_hits)
+    lse = torch.logaddexp(lse_s, true_logit)  # the true class is column 0 of TF's logit row
+    return _reduce(lse - true_logit, reduction, hidden.dtype), samp_off, lse, true_logit
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, reduction):
-        _check_inputs(hidden, weight, bias)
-        hidden = hidden.contiguous()
-        weight = weight.contiguous()
-        targets = targets.contiguous()
-        off = bias.to(torch.float32).contiguous()
-        true_off = off.index_select(0, targets).contiguous()
-        lse, tgt_logit = softmax_lse_fwd(hidden, weight, None, off, targets, true_off, mask_hits=False)
-        ctx.save_for_backward(hidden, weight, targets, off, lse)
-        ctx.flags = (reduction, bias.dtype)
-        return _reduce(lse - tgt_logit, reduction, hidden.dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, targets, off, lse = ctx.saved_tensors
-        reduction, bias_dtype = ctx.flags
-        N = hidden.shape[0]
-        g = _row_scale(grad_out, N, reduction)
-        dh, dw, db = softmax_grad(hidden, weight, None, off, targets, lse, g, mask_hits=False, sub_target=True)
-        return (dh.to(hidden.dtype) if ctx.needs_input_grad[0] else None,
-                dw.to(weight.dtype) if ctx.needs_input_grad[1] else None,
-                db.to(bias_dtype) if ctx.needs_input_grad[2] else None, None, None)
+def _sampled_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor, sampled_ids: Tensor,
+                 samp_off: Tensor, lse: Tensor, true_logit: Tensor, remove_accidental_hits: bool, reduction: str,
+                 need_rows: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh fp32 (N, P), rows_w fp32, rows_b fp32): the weight / bias gradient rows of ``cat(sampled_ids,
+    targets)`` (placeholders unless ``need_rows``)."""
+    hidden, weight, targets, sampled_ids = (t.contiguous() for t in (hidden, weight, targets, sampled_ids))
+    N, P = hidden.shape
+    g = _row_scale(grad_out, N, reduction)
+    dh, dws, doff = softmax_grad(hidden, weight, sampled_ids, samp_off, targets, lse, g,
+                                 mask_hits=remove_accidental_hits, sub_target=False)
+    # the true column: dlogit_true = g (p_true − 1), an O(N·P) gather/scatter
+    d_true = g * torch.expm1(true_logit - lse)
+    w_t = weight.index_select(0, targets).to(torch.float32)
+    dh.addcmul_(d_true.unsqueeze(1), w_t)
+    if not need_rows:
+        return dh, nothing(dh), nothing(dh)
+    return dh, torch.cat([dws, d_true.unsqueeze(1) * hidden.to(torch.float32)]), torch.cat([doff, d_true])
+
+
+def _full_fwd(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, reduction: str
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, off, lse): the fp32 bias and the row log-sum-exp, which backward reads."""
+    _check_inputs(hidden, weight, bias)
+    hidden, weight, targets = (t.contiguous() for t in (hidden, weight, targets))
+    off = bias.to(torch.float32).contiguous()
+    if off is bias:  # an output must not be an input
+        off = off.clone()
+    true_off = off.index_select(0, targets).contiguous()
+    lse, tgt_logit = softmax_lse_fwd(hidden, weight, None, off, targets, true_off, mask_hits=False)
+    return _reduce(lse - tgt_logit, reduction, hidden.dtype), off, lse
+
+
+def _full_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor, off: Tensor, lse: Tensor,
+              reduction: str) -> tuple[Tensor, Tensor, Tensor]:
+    """fp32 (dh (N, P), dW (V, P), db (V,))."""
+    hidden, weight, targets = (t.contiguous() for t in (hidden, weight, targets))
+    g = _row_scale(grad_out, hidden.shape[0], reduction)
+    return softmax_grad(hidden, weight, None, off, targets, lse, g, mask_hits=False, sub_target=True)
+
+
+_sampled_op = triton_operator("sampled_softmax_triton", _sampled_fwd)
+_sampled_backward_op = triton_operator("sampled_softmax_triton_backward", _sampled_bwd)
+_full_op = triton_operator("full_softmax_triton", _full_fwd)
+_full_backward_op = triton_operator("full_softmax_triton_backward", _full_bwd)
+
+
+def _sampled_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, sampled_ids, _, _, remove_hits, reduction, sparse = inputs
+    ctx.save_for_backward(hidden, weight, targets, sampled_ids, *output[1:])
+    ctx.flags = (remove_hits, reduction, sparse, bias.dtype, bias.shape[0])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _sampled_backward(ctx, grad_out, *_):
+    hidden, weight, targets, sampled_ids, samp_off, lse, true_logit = ctx.saved_tensors
+    mask_hits, reduction, sparse, bias_dtype, V = ctx.flags
+    need = ctx.needs_input_grad
+    dh, rows_w, rows_b = _sampled_backward_op(grad_out, hidden, weight, targets, sampled_ids, samp_off, lse,
+                                              true_logit, mask_hits, reduction, need[1] or need[2])
+    ids = torch.cat([sampled_ids, targets])
+    grad_w = _rows_grad(ids, rows_w, V, (V, hidden.shape[1]), weight.dtype, sparse) if need[1] else None
+    grad_b = _rows_grad(ids, rows_b, V, (V,), bias_dtype, sparse) if need[2] else None
+    return dh.to(hidden.dtype) if need[0] else None, grad_w, grad_b, *(None,) * 7
+
+
+def _full_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, reduction = inputs
+    ctx.save_for_backward(hidden, weight, targets, *output[1:])
+    ctx.flags = (reduction, bias.dtype)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _full_backward(ctx, grad_out, *_):
+    hidden, weight, targets, off, lse = ctx.saved_tensors
+    reduction, bias_dtype = ctx.flags
+    need = ctx.needs_input_grad
+    dh, dw, db = _full_backward_op(grad_out, hidden, weight, targets, off, lse, reduction)
+    return (dh.to(hidden.dtype) if need[0] else None, dw.to(weight.dtype) if need[1] else None,
+            db.to(bias_dtype) if need[2] else None, None, None)
+
+
+_sampled_op.register_autograd(_sampled_backward, setup_context=_sampled_setup)
+_full_op.register_autograd(_full_backward, setup_context=_full_setup)
 
 
 def sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_expected, sampled_expected, *,
@@ -457,16 +488,15 @@ def sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true
     """TF sampled softmax loss, fused (see module docstring). hidden (N, P), targets (N,), weight (V, P),
     bias (V,), sampled_ids (S,), true_expected (N,), sampled_expected (S,) expected counts (any float dtype).
     With ``sparse_grad`` the weight and bias gradients are sparse COO tensors (uncoalesced) over
-    ``sampled_ids ∪ targets``."""
-    return SampledSoftmaxFunction.apply(hidden, weight, bias, targets.long(), sampled_ids.long(), true_expected,
-                                        sampled_expected, bool(remove_accidental_hits), reduction,
-                                        bool(sparse_grad))
+    ``sampled_ids ∪ targets``. The operator ``elmo_fast::sampled_softmax_triton`` and its backward."""
+    return _sampled_op(hidden, weight, bias, targets.long(), sampled_ids.long(), true_expected, sampled_expected,
+                       bool(remove_accidental_hits), reduction, bool(sparse_grad))[0]
 
 
 def full_softmax_nll_triton(hidden, targets, weight, bias, *, reduction: str = "mean") -> torch.Tensor:
-    """Exact NLL over the whole vocabulary without materialising N × V; differentiable."""
-    return FullSoftmaxNLLFunction.apply(hidden, weight, bias, targets.long(), reduction)
+    """Exact NLL over the whole vocabulary without materialising N × V; differentiable (the operator
+    ``elmo_fast::full_softmax_triton`` and its backward)."""
+    return _full_op(hidden, weight, bias, targets.long(), reduction)[0]
 
 
-__all__ = ["sampled_softmax_loss_triton", "full_softmax_nll_triton", "SampledSoftmaxFunction",
-           "FullSoftmaxNLLFunction", "softmax_lse_fwd", "softmax_grad"]
+__all__ = ["sampled_softmax_loss_triton", "full_softmax_nll_triton", "softmax_lse_fwd", "softmax_grad"]

@@ -32,11 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
+
+from torch.library import custom_op
 
 from .ext import cpu_ext
 from .._backend import BackendUnavailableError
-from .packed import PackedLinear, PackedWeightCache, bf16_supported
+from ..ops._library import nothing, qualname, tracing
+from .packed import PackedLinear, PackedWeightCache, bf16_supported, cache_by_id
+
+_SAVED = ("xs", "gates", "c_pre", "tc", "m_all", "h_pre", "hs")  # the packed buffers training keeps for backward
 
 
 @dataclass
@@ -157,14 +161,24 @@ def _clip(t: torch.Tensor, clip: float | None) -> torch.Tensor:
 
 def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, proj_clip, forget_bias, residual,
              cache, save: bool, dtype=None):
-    """The time loop. Returns (y, h_n, c_n, saved): ``saved`` holds the packed buffers backward needs (or None)."""
+    """The time loop. Returns (y, h_n, c_n, saved): ``saved`` holds the packed buffers backward needs (``_SAVED``:
+    (B*T, ·) tensors whose first N rows are used, None for ``h_pre`` without a projection), or None."""
     B, T, D = x.shape
     H, P, N = c0.shape[1], h0.shape[1], plan.N
     bias_f = bias.clone()
     bias_f[2 * H : 3 * H] += forget_bias
-    xs = x.reshape(B * T, D).index_select(0, plan.flat)  # (N, D) packed inputs
+    # Training keeps its packed buffers for backward in (B*T, ·) tensors of which the first N rows are used (the
+    # others zero), so that their shapes follow from the arguments' (the operator's fake implementation).
+    full = dict.fromkeys(_SAVED)
+
+    def packed(name, width):
+        full[name] = x.new_empty(B * T if save else N, width)
+        full[name][N:].zero_()
+        return full[name][:N]
+
+    xs = torch.index_select(x.reshape(B * T, D), 0, plan.flat, out=packed("xs", D))  # (N, D) packed inputs
     # the (N, 4H) input projections: saved for backward in training, a reused scratch buffer in inference
-    out = cache.scratch((N, 4 * H), x.dtype) if cache is not None and not save else None
+    out = cache.scratch((N, 4 * H), x.dtype) if cache is not None and not save else packed("gates", 4 * H)
     if dtype is None:
         def project(rows, out=None):
             return torch.addmm(bias_f, rows, w_in, out=out)
@@ -183,10 +197,10 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
     # Training packs nothing for forward: the weights change every step, and packing w_rec for oneDNN's forward
     # product is a 32 MiB transpose (30 ms on 2 cores, more than it saves at B=16); backward's packing is cheap.
     rec, proj = _weights(w_rec, w_proj, B, cache, dtype, pack=not save)
-    hs = x.new_empty(N, P)  # the (clipped) outputs h_t, packed
+    hs = packed("hs", P)  # the (clipped) outputs h_t, packed
     if save:
-        c_pre, tc, m_all = (x.new_empty(N, H) for _ in range(3))
-        h_pre = x.new_empty(N, P) if proj is not None else None
+        c_pre, tc, m_all = (packed(k, H) for k in ("c_pre", "tc", "m_all"))
+        h_pre = packed("h_pre", P) if proj is not None else None
     h_fin, c_fin = plan.sort(h0), plan.sort(c0)
     h, c = h_fin, c_fin
     for s, (n, o) in enumerate(zip(plan.n, plan.off)):
@@ -209,71 +223,135 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
             c_fin[e:n] = c[e:]
     out = hs + xs if residual else hs
     y = out.new_zeros(B * T, P).index_copy_(0, plan.flat, out).view(B, T, P)
-    saved = (xs, gates, c_pre, tc, m_all, h_pre, hs) if save else None
-    return y, plan.unsort(h_fin), plan.unsort(c_fin), saved
+    return y, plan.unsort(h_fin), plan.unsort(c_fin), tuple(full[k] for k in _SAVED) if save else None
 
 
-class _LSTMPFunction(torch.autograd.Function):
-    """The chain with its own backward through time (see the module docstring).
+# ------------------------------------------------------------------------------------------ the operators
+Tensor = torch.Tensor
+
+
+@custom_op(qualname("lstmp_cpu"), mutates_args=())
+def _lstmp_cpu_op(x: Tensor, w_in: Tensor | None, w_rec: Tensor | None, w_stack: Tensor | None, bias: Tensor,
+                  w_proj: Tensor | None, h0: Tensor, c0: Tensor, lengths: Tensor, cell_clip: float | None,
+                  proj_clip: float | None, forget_bias: float, reverse: bool, residual: bool, save: bool,
+                  cache_id: int, bf16: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, h_n, c_n, *saved): ``saved`` are the packed buffers of ``_SAVED``, (B*T, ·) of which the first
+    N = Σ lengths rows hold the positions (placeholders without ``save``, and ``h_pre`` without a projection).
 
     ``w_stack``: when w_in and w_rec are the two row blocks of one (D+P, 4H) tensor (the model's ``W_0``), that
-    tensor is the input instead (w_in and w_rec are then None), and its gradient is one GEMM,
-    ``[x ; h_prev]ᵀ dz``, with no slice gradients to expand and add."""
-
-    @staticmethod
-    def forward(ctx, x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, plan, kw):
-        if w_stack is not None:
-            w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
-        # weights change every training step: packed afresh, never from the inference cache
+    tensor instead (w_in and w_rec are then None): its gradient is then one GEMM, ``[x ; h_prev]ᵀ dz``, with no
+    slice gradients to expand and add. ``cache_id``: the ``PackedWeightCache`` (by its id) that keeps packed
+    weights across inference calls, -1 for none; ``bf16``: inference with bf16 products."""
+    if w_stack is not None:
+        w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
+    plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
+    if save:  # weights change every training step: packed afresh, never from the inference cache
         y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=None, save=True, **kw)
-        ctx.plan, ctx.kw = plan, kw
-        ctx.save_for_backward(w_in, w_rec, w_proj, h0, c0, *saved)
-        return y, h_n, c_n
+        saved = [nothing(x) if t is None else t for t in saved]
+    else:
+        y, h_n, c_n, _ = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=cache_by_id(cache_id),
+                                  save=False, dtype=torch.bfloat16 if bf16 else None, **kw)
+        saved = [nothing(x) for _ in _SAVED]
+    return (y, h_n, c_n, *saved)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dh_n, dc_n):
-        w_in, w_rec, w_proj, h0, c0, xs, gates, c_pre, tc, m_all, h_pre, hs = ctx.saved_tensors
-        plan, kw = ctx.plan, ctx.kw
-        cell_clip, proj_clip = kw["cell_clip"], kw["proj_clip"]
-        B, T, D = dy.shape[0], dy.shape[1], xs.shape[1]
-        N, P = hs.shape
-        dys = dy.reshape(B * T, P).index_select(0, plan.flat)  # (N, P) packed
-        carry_h, carry_c = plan.sort(dh_n), plan.sort(dc_n)  # gradients w.r.t. the state after the current step
-        c_init = plan.sort(c0)
-        dz = torch.empty_like(gates)
-        dh_all = torch.empty_like(hs) if w_proj is not None else None
-        rec_t, proj_t = _weights(w_rec, w_proj, B, None, transposed=True)
-        for s in range(len(plan.n) - 1, -1, -1):
-            n, o = plan.n[s], plan.off[s]
-            blk = slice(o, o + n)
-            dh = dys[blk] + carry_h[:n]
-            if proj_t is not None:
-                if proj_clip is not None:
-                    dh.masked_fill_(h_pre[blk].abs() > proj_clip, 0.0)
-                dh_all[blk] = dh
-                dh = proj_t(dh)
-            po = plan.off[s - 1] if s else 0
-            c_prev = _clip(c_pre[po : po + n], cell_clip) if s else c_init[:n]
-            carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
-            carry_h[:n] = rec_t(dz[blk])
-        need = ctx.needs_input_grad
-        dx = dw_in = dw_rec = dw_stack = db = dw_proj = None
-        if need[0]:
-            dxs = torch.addmm(dys, dz, w_in.t()) if kw["residual"] else torch.mm(dz, w_in.t())
-            dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
-        h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(need[1:4]) else None
-        if need[3]:
-            dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
-        if need[1]:
-            dw_in = torch.mm(xs.t(), dz)
-        if need[2]:
-            dw_rec = torch.mm(h_prev.t(), dz)
-        if need[4]:
-            db = dz.sum(0)
-        if need[5] and w_proj is not None:
-            dw_proj = torch.mm(m_all.t(), dh_all)
-        return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c), None, None
+
+@_lstmp_cpu_op.register_fake
+def _(x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual,
+      save, cache_id, bf16):
+    B, T, D = x.shape
+    H, P = c0.shape[1], h0.shape[1]
+    widths = dict(xs=D, gates=4 * H, c_pre=H, tc=H, m_all=H, h_pre=P if w_proj is not None else None, hs=P)
+    saved = [x.new_empty(B * T, widths[k]) if save and widths[k] is not None else nothing(x) for k in _SAVED]
+    return (x.new_empty(B, T, P), h0.new_empty(B, P), c0.new_empty(B, H), *saved)
+
+
+@custom_op(qualname("lstmp_cpu_backward"), mutates_args=())
+def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | None, w_in: Tensor | None,
+                        w_rec: Tensor | None, w_stack: Tensor | None, w_proj: Tensor | None, h0: Tensor, c0: Tensor,
+                        lengths: Tensor, xs: Tensor, gates: Tensor, c_pre: Tensor, tc: Tensor, m_all: Tensor,
+                        h_pre: Tensor, hs: Tensor, T: int, cell_clip: float | None, proj_clip: float | None,
+                        reverse: bool, residual: bool, needs: list[bool]
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward through time (see the module docstring): (dx, dw_in, dw_rec, dw_stack, db, dw_proj, dh0, dc0);
+    ``needs`` flags (x, w_in, w_rec, w_stack, bias, w_proj), a gradient not needed is a placeholder."""
+    plan = _Plan.build(lengths.cpu(), T, reverse)
+    N = plan.N
+    B, D, P = h0.shape[0], xs.shape[1], hs.shape[1]
+    xs, gates, c_pre, tc, m_all, hs = (t[:N] for t in (xs, gates, c_pre, tc, m_all, hs))
+    h_pre = h_pre[:N] if w_proj is not None else None
+    if w_stack is not None:
+        w_in, w_rec = w_stack[:D], w_stack[D:]
+    dy = dy if dy is not None else xs.new_zeros(B, T, P)
+    dys = dy.reshape(B * T, P).index_select(0, plan.flat)  # (N, P) packed
+    # gradients w.r.t. the state after the current step
+    carry_h = plan.sort(dh_n) if dh_n is not None else torch.zeros_like(h0)
+    carry_c = plan.sort(dc_n) if dc_n is not None else torch.zeros_like(c0)
+    c_init = plan.sort(c0)
+    dz = torch.empty_like(gates)
+    dh_all = torch.empty_like(hs) if w_proj is not None else None
+    rec_t, proj_t = _weights(w_rec, w_proj, B, None, transposed=True)
+    for s in range(len(plan.n) - 1, -1, -1):
+        n, o = plan.n[s], plan.off[s]
+        blk = slice(o, o + n)
+        dh = dys[blk] + carry_h[:n]
+        if proj_t is not None:
+            if proj_clip is not None:
+                dh.masked_fill_(h_pre[blk].abs() > proj_clip, 0.0)
+            dh_all[blk] = dh
+            dh = proj_t(dh)
+        po = plan.off[s - 1] if s else 0
+        c_prev = _clip(c_pre[po : po + n], cell_clip) if s else c_init[:n]
+        carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
+        carry_h[:n] = rec_t(dz[blk])
+    dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
+    if needs[0]:
+        dxs = torch.addmm(dys, dz, w_in.t()) if residual else torch.mm(dz, w_in.t())
+        dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
+    h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
+    if needs[3]:
+        dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
+    if needs[1]:
+        dw_in = torch.mm(xs.t(), dz)
+    if needs[2]:
+        dw_rec = torch.mm(h_prev.t(), dz)
+    if needs[4]:
+        db = dz.sum(0)
+    if needs[5] and w_proj is not None:
+        dw_proj = torch.mm(m_all.t(), dh_all)
+    return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c)
+
+
+@_lstmp_cpu_backward.register_fake
+def _(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0, lengths, xs, gates, c_pre, tc, m_all, h_pre, hs, T,
+      cell_clip, proj_clip, reverse, residual, needs):
+    B, D = h0.shape[0], xs.shape[1]
+    like = [xs.new_empty(B, T, D), w_in, w_rec, w_stack, xs.new_empty(gates.shape[1]), w_proj]
+    grads = [torch.empty_like(t) if need and t is not None else nothing(xs) for t, need in zip(like, needs)]
+    return (*grads, torch.empty_like(h0), torch.empty_like(c0))
+
+
+def _setup_context(ctx, inputs, output):
+    (x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual,
+     save, cache_id, bf16) = inputs
+    ctx.flags = (x.shape[1], cell_clip, proj_clip, reverse, residual)
+    ctx.saved = save
+    ctx.set_materialize_grads(False)
+    if save:
+        ctx.save_for_backward(w_in, w_rec, w_stack, w_proj, h0, c0, lengths, *output[3:])
+
+
+def _backward(ctx, dy, dh_n, dc_n, *_):
+    if not ctx.saved:
+        raise RuntimeError("lstmp (cpu): this call ran without save=True and kept nothing for backward")
+    needs = list(ctx.needs_input_grad[:6])  # x, w_in, w_rec, w_stack, bias, w_proj
+    grads = _lstmp_cpu_backward(dy, dh_n, dc_n, *ctx.saved_tensors, *ctx.flags, needs)
+    need = ctx.needs_input_grad
+    return tuple(g if need[i] else None for i, g in enumerate(grads)) + (None,) * 9
+
+
+_lstmp_cpu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _stack_of(w_in: torch.Tensor, w_rec: torch.Tensor) -> torch.Tensor | None:
@@ -305,17 +383,18 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
         raise BackendUnavailableError("lstmp: bf16 on the cpu backend needs a CPU with AVX512-BF16 or AMX and "
                                       "torch's oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False "
                                       "here); unset ELMO_FAST_CPU_BF16 / cpu_bf16 to run in fp32")
-    plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
-    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        if bf16:
-            raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
-        stack = _stack_of(w_in, w_rec)
-        if stack is not None:
-            return _LSTMPFunction.apply(x, None, None, stack, bias, w_proj, h0, c0, plan, kw)
-        return _LSTMPFunction.apply(x, w_in, w_rec, None, bias, w_proj, h0, c0, plan, kw)
-    with torch.no_grad():
-        y, h_n, c_n, _ = _forward(*tensors, plan, cache=weight_cache, save=False,
-                                  dtype=torch.bfloat16 if bf16 else None, **kw)
-    return y, h_n, c_n
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if train and bf16:
+        raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
+    stack = _stack_of(w_in, w_rec) if train and not tracing(x) else None
+    if stack is not None:
+        w_in = w_rec = None
+    out = _lstmp_cpu_op(x, w_in, w_rec, stack, bias, w_proj, h0, c0, lengths, _opt_float(cell_clip),
+                        _opt_float(proj_clip), float(forget_bias), bool(reverse), bool(residual), train,
+                        -1 if weight_cache is None else weight_cache.id, bool(bf16))
+    return out[0], out[1], out[2]
+
+
+def _opt_float(v) -> float | None:
+    return None if v is None else float(v)

@@ -11,7 +11,9 @@ turns it off for the rest of the process, so a torch build without a working one
 """
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 
 import torch
 
@@ -87,11 +89,16 @@ class PackedWeightCache:
     optimizers) change every element, so they are caught too. Training never uses the cache (the autograd path
     packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops
     the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on the next call.
+
+    ``id``: the number by which the cpu backend's operator (``elmo_fast::lstmp_cpu``, which takes only tensors and
+    plain scalars) finds the cache (:func:`cache_by_id`) while the cache lives.
     """
 
     def __init__(self):
         self._entries: dict = {}
         self._scratch: torch.Tensor | None = None
+        self.id = next(_IDS)
+        _LIVE[self.id] = self
 
     def scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A buffer of ``shape`` reused across calls (grown when too small): for temporaries that never leave a
@@ -126,3 +133,12 @@ class PackedWeightCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__init__()
+
+
+_IDS = itertools.count()
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def cache_by_id(cache_id: int) -> PackedWeightCache | None:
+    """The live cache with this ``id`` (None for -1, or for a cache that no longer exists)."""
+    return _LIVE.get(cache_id)

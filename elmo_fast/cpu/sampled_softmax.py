@@ -1,65 +1,111 @@
 """CPU backend of the sampled softmax loss (``elmo_fast.reference.sampled_softmax`` is the oracle).
 
-One autograd Function instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled
-block by one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in
-place, and the softmax kept for backward in the same buffer; backward is two GEMMs (``dh``, ``dW`` of the sample
-rows) plus row sums. The weight and bias gradients are sparse COO over ``cat(targets, samples)`` (uncoalesced,
-fixed size: no host read), or dense.
+One operator pair instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled block by
+one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in place, and the
+softmax kept for backward in the same buffer; backward is two GEMMs (``dh``, ``dW`` of the sample rows) plus row
+sums. The weight and bias gradients are sparse COO over ``cat(targets, samples)`` (uncoalesced, fixed size: no
+host read), or dense.
 """
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch.library import custom_op
+
+from ..ops._library import nothing, qualname
+
+Tensor = torch.Tensor
 
 
-class _SampledSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, sampled_ids, true_logq, samp_logq, remove_hits, reduction,
-                sparse):
-        w_t, w_s = weight.index_select(0, targets), weight.index_select(0, sampled_ids)
-        N, S = hidden.shape[0], sampled_ids.shape[0]
-        logits = hidden.new_empty(N, 1 + S)
-        torch.addmm(bias.index_select(0, sampled_ids) - samp_logq, hidden, w_s.t(), out=logits[:, 1:])
-        logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
-        if remove_hits:
-            logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0), torch.finfo(hidden.dtype).min)
-        lse = torch.logsumexp(logits, dim=1)
-        loss = lse - logits[:, 0]
-        probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' buffer
-        ctx.save_for_backward(hidden, w_t, w_s, probs, targets, sampled_ids)
-        ctx.flags = (reduction, sparse, weight.shape, bias.shape)
-        if reduction == "mean":
-            return loss.mean()
-        return loss.sum() if reduction == "sum" else loss
+@custom_op(qualname("sampled_softmax_cpu"), mutates_args=())
+def _sampled_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, sampled_ids: Tensor,
+                        true_logq: Tensor, samp_logq: Tensor, remove_hits: bool, reduction: str, sparse: bool
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, w_t, w_s, probs): the target and sample rows of ``weight`` and the (N, 1+S) softmax, which backward
+    reads. ``sparse`` is for backward only (the form of the weight and bias gradients)."""
+    w_t, w_s = weight.index_select(0, targets), weight.index_select(0, sampled_ids)
+    N, S = hidden.shape[0], sampled_ids.shape[0]
+    logits = hidden.new_empty(N, 1 + S)
+    torch.addmm(bias.index_select(0, sampled_ids) - samp_logq, hidden, w_s.t(), out=logits[:, 1:])
+    logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
+    if remove_hits:
+        logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0), torch.finfo(hidden.dtype).min)
+    lse = torch.logsumexp(logits, dim=1)
+    loss = lse - logits[:, 0]
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' buffer
+    if reduction == "mean":
+        loss = loss.mean()
+    elif reduction == "sum":
+        loss = loss.sum()
+    return loss, w_t, w_s, probs
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        hidden, w_t, w_s, probs, targets, sampled_ids = ctx.saved_tensors
-        reduction, sparse, w_shape, b_shape = ctx.flags
-        N = hidden.shape[0]
-        g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
-        d = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
-        d[:, 0] -= g
-        d_true, d_samp = d[:, 0], d[:, 1:]
-        dh = torch.addmm(d_true.unsqueeze(1) * w_t, d_samp, w_s) if ctx.needs_input_grad[0] else None
-        dw = db = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ids = torch.cat([targets, sampled_ids])
-            rows_w = torch.cat([d_true.unsqueeze(1) * hidden, torch.mm(d_samp.t(), hidden)])
-            rows_b = torch.cat([d_true, d_samp.sum(0)])
-            if sparse:
-                dw = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_w, w_shape, check_invariants=False)
-                db = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_b, b_shape, check_invariants=False)
-            else:
-                dw = rows_w.new_zeros(w_shape).index_add_(0, ids, rows_w)
-                db = rows_b.new_zeros(b_shape).index_add_(0, ids, rows_b)
-        return dh, dw, db, None, None, None, None, None, None, None
+
+@_sampled_softmax_op.register_fake
+def _(hidden, weight, bias, targets, sampled_ids, true_logq, samp_logq, remove_hits, reduction, sparse):
+    N, S = hidden.shape[0], sampled_ids.shape[0]
+    loss = hidden.new_empty(N) if reduction == "none" else hidden.new_empty(())
+    return (loss, weight.new_empty(N, weight.shape[1]), weight.new_empty(S, weight.shape[1]),
+            hidden.new_empty(N, 1 + S))
+
+
+@custom_op(qualname("sampled_softmax_cpu_backward"), mutates_args=())
+def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Tensor, probs: Tensor,
+                              reduction: str, need_h: bool, need_rows: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, rows_w, rows_b): the gradient of ``hidden`` and the weight / bias gradient rows of
+    ``cat(targets, sampled_ids)`` (placeholders where not needed)."""
+    N = hidden.shape[0]
+    g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
+    d = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
+    d[:, 0] -= g
+    d_true, d_samp = d[:, 0], d[:, 1:]
+    dh = torch.addmm(d_true.unsqueeze(1) * w_t, d_samp, w_s) if need_h else nothing(hidden)
+    rows_w, rows_b = nothing(hidden), nothing(hidden)
+    if need_rows:
+        rows_w = torch.cat([d_true.unsqueeze(1) * hidden, torch.mm(d_samp.t(), hidden)])
+        rows_b = torch.cat([d_true, d_samp.sum(0)])
+    return dh, rows_w, rows_b
+
+
+@_sampled_softmax_backward.register_fake
+def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_rows):
+    N, S = hidden.shape[0], w_s.shape[0]
+    rows = (hidden.new_empty(N + S, hidden.shape[1]), hidden.new_empty(N + S)) if need_rows else (
+        nothing(hidden), nothing(hidden))
+    return (torch.empty_like(hidden) if need_h else nothing(hidden)), *rows
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, sampled_ids, true_logq, samp_logq, remove_hits, reduction, sparse = inputs
+    ctx.save_for_backward(hidden, targets, sampled_ids, *output[1:])
+    ctx.flags = (reduction, sparse, weight.shape, bias.shape)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _backward(ctx, grad, *_):
+    hidden, targets, sampled_ids, w_t, w_s, probs = ctx.saved_tensors
+    reduction, sparse, w_shape, b_shape = ctx.flags
+    need = ctx.needs_input_grad
+    dh, rows_w, rows_b = _sampled_softmax_backward(grad, hidden, w_t, w_s, probs, reduction, need[0],
+                                                   need[1] or need[2])
+    dw = db = None
+    if need[1] or need[2]:
+        ids = torch.cat([targets, sampled_ids])
+        if sparse:
+            dw = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_w, w_shape, check_invariants=False)
+            db = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_b, b_shape, check_invariants=False)
+        else:
+            dw = rows_w.new_zeros(w_shape).index_add_(0, ids, rows_w)
+            db = rows_b.new_zeros(b_shape).index_add_(0, ids, rows_b)
+    return dh if need[0] else None, dw if need[1] else None, db if need[2] else None, *(None,) * 7
+
+
+_sampled_softmax_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def sampled_softmax_loss_cpu(hidden, targets, weight, bias, sampled_ids, true_expected, sampled_expected, *,
                              remove_accidental_hits=True, reduction="mean", sparse_grad=False):
-    """Arguments and result of ``sampled_softmax_loss_reference`` (expected counts in float64, as there)."""
+    """Arguments and result of ``sampled_softmax_loss_reference`` (expected counts in float64, as there): the
+    operator ``elmo_fast::sampled_softmax_cpu``, its backward ``elmo_fast::sampled_softmax_cpu_backward``."""
     dt = hidden.dtype
-    return _SampledSoftmax.apply(hidden, weight, bias, targets, sampled_ids, torch.log(true_expected).to(dt),
-                                 torch.log(sampled_expected).to(dt), remove_accidental_hits, reduction, sparse_grad)
+    return _sampled_softmax_op(hidden, weight, bias, targets, sampled_ids, torch.log(true_expected).to(dt),
+                               torch.log(sampled_expected).to(dt), bool(remove_accidental_hits), reduction,
+                               bool(sparse_grad))[0]

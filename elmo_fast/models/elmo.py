@@ -31,7 +31,10 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
         raise ValueError("empty batch: char ids have 0 sentences")
     if char_ids.device != device:
         raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
-    if char_ids.numel():
+    if torch.compiler.is_compiling():  # an assert in the graph (on a GPU a device-side one): no host sync
+        torch._assert_async(((char_ids >= 0) & (char_ids <= MAX_CHAR_ID)).all(),
+                            f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding)")
+    elif char_ids.numel():
         lo, hi = torch.stack(torch.aminmax(char_ids)).tolist()  # one host sync
         if lo < 0 or hi > MAX_CHAR_ID:
             raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")

@@ -17,7 +17,8 @@ class CharCNNTokenEncoder(nn.Module):
     Parameters (names mirror the hdf5 datasets): ``char_embed`` (261, d_c) — the zero row for id 0 is
     prepended at run time, so training updates only the 261 real rows; ``conv_w[i]`` (w_i, d_c, n_i);
     ``conv_b[i]``; ``highway[k].{W_carry,b_carry,W_transform,b_transform}``; ``W_proj`` (F, P), ``b_proj``.
-    Each distinct token of a batch is encoded once and scattered back (forward and backward).
+    Each distinct token of a batch is encoded once and scattered back (forward and backward); under
+    torch.compile / torch.export every token is encoded (the same values: the encoder is context-free).
     """
 
     def __init__(self, opts: CharCNNOptions, projection_dim: int, with_projection: bool | None = None,
@@ -94,6 +95,8 @@ class CharCNNTokenEncoder(nn.Module):
         flat = char_ids.reshape(-1, L)
         if flat.shape[0] == 0:
             return self.char_embed.new_zeros(*lead, self.output_dim)
+        if torch.compiler.is_compiling():  # the number of distinct tokens would be a data-dependent shape
+            return self.encode_unique(flat).reshape(*lead, self.output_dim)
         uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)
         out = self.encode_unique(uniq).index_select(0, inverse.reshape(-1))
         return out.reshape(*lead, self.output_dim)

@@ -3,10 +3,10 @@
 The extension is loaded lazily through ``elmo_fast._backend.cuda_ext`` (never at import time).
 
 * Inference (no gradient needed): ``_C.lstmp`` runs the forward kernel without caches.
-* Training: ``_LSTMPCudaFunction`` runs ``_C.lstmp_forward``, which also returns the caches backward needs
-  (haste-style training cache, not recomputation): gate activations (B, T, 4H) in the input dtype, the
-  unclipped cell (B, T, H) fp32 and the unclipped projection (B, T, P) fp32. ``_C.lstmp_backward`` runs the
-  backward time loop on chip, then the weight gradients as large GEMMs.
+* Training: the operator ``elmo_fast::lstmp_cuda`` runs ``_C.lstmp_forward``, which also returns the caches
+  backward needs (haste-style training cache, not recomputation): gate activations (B, T, 4H) in the input
+  dtype, the unclipped cell (B, T, H) fp32 and the unclipped projection (B, T, P) fp32. ``_C.lstmp_backward`` runs the
+  backward time loop on chip, then the weight gradients as large GEMMs (``elmo_fast::lstmp_cuda_backward``).
 
 Cast policy (elmo_fast.ops._precision): x and the three weight matrices share one dtype (float32 or bfloat16);
 bias, h0 and c0 may be float32 beside bfloat16 operands (autocast keeps them fp32); h_n, c_n come back in h0's
@@ -15,9 +15,10 @@ and c0's dtypes, every gradient in its input's dtype.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch.library import custom_op
 
 from .._backend import cuda_ext
+from ._library import nothing, qualname
 
 
 def unsupported_reason(
@@ -33,43 +34,80 @@ def unsupported_reason(
     return reason or None
 
 
-class _LSTMPCudaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse,
-                residual):
-        flags = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse,
-                     residual=residual)
-        y, h_n, c_n, gates, cpre, hpre = cuda_ext().lstmp_forward(x, w_in, w_rec, bias, w_proj, h0, c0, lengths,
-                                                                  **flags)
-        ctx.save_for_backward(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, gates, cpre, hpre)
-        ctx.flags = flags
-        return y, h_n, c_n
+Tensor = torch.Tensor
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dh_n, dc_n):
-        x, w_in, w_rec, bias, w_proj, h0, c0, lengths, gates, cpre, hpre = ctx.saved_tensors
-        dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0 = cuda_ext().lstmp_backward(
-            x, w_in, w_rec, bias, w_proj, h0, c0, lengths, gates, cpre, hpre,
-            None if dy is None else dy.contiguous(),
-            None if dh_n is None else dh_n.contiguous(),
-            None if dc_n is None else dc_n.contiguous(),
-            **ctx.flags,
-        )
-        need = ctx.needs_input_grad
-        grads = (dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0)
-        return tuple(g if need[i] else None for i, g in enumerate(grads)) + (None,) * 6
+
+@custom_op(qualname("lstmp_cuda"), mutates_args=())
+def _lstmp_cuda_op(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor, h0: Tensor, c0: Tensor,
+                   lengths: Tensor, cell_clip: float | None, proj_clip: float | None, forget_bias: float,
+                   reverse: bool, residual: bool, save: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y, h_n, c_n, gates, cpre, hpre): the training caches of ``_C.lstmp_forward`` with ``save``, else
+    placeholders (``_C.lstmp``, the forward kernel without caches)."""
+    flags = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse,
+                 residual=residual)
+    if save:
+        return tuple(cuda_ext().lstmp_forward(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **flags))
+    y, h_n, c_n = cuda_ext().lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **flags)
+    return y, h_n, c_n, nothing(x), nothing(x), nothing(x)
+
+
+@_lstmp_cuda_op.register_fake
+def _(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual, save):
+    B, T, _ = x.shape
+    G, P = w_in.shape[1], h0.shape[1]
+    f32 = dict(dtype=torch.float32)
+    caches = ((x.new_empty(B, T, G), x.new_empty(B, T, G // 4, **f32), x.new_empty(B, T, P, **f32)) if save
+              else (nothing(x), nothing(x), nothing(x)))
+    return (x.new_empty(B, T, P), torch.empty_like(h0), torch.empty_like(c0), *caches)
+
+
+@custom_op(qualname("lstmp_cuda_backward"), mutates_args=())
+def _lstmp_cuda_backward(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor, h0: Tensor,
+                         c0: Tensor, lengths: Tensor, gates: Tensor, cpre: Tensor, hpre: Tensor, dy: Tensor | None,
+                         dh_n: Tensor | None, dc_n: Tensor | None, cell_clip: float | None, proj_clip: float | None,
+                         forget_bias: float, reverse: bool, residual: bool
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``_C.lstmp_backward``: (dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0), each in its input's dtype."""
+    return tuple(cuda_ext().lstmp_backward(
+        x, w_in, w_rec, bias, w_proj, h0, c0, lengths, gates, cpre, hpre,
+        None if dy is None else dy.contiguous(), None if dh_n is None else dh_n.contiguous(),
+        None if dc_n is None else dc_n.contiguous(), cell_clip=cell_clip, proj_clip=proj_clip,
+        forget_bias=forget_bias, reverse=reverse, residual=residual))
+
+
+@_lstmp_cuda_backward.register_fake
+def _(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, gates, cpre, hpre, dy, dh_n, dc_n, cell_clip, proj_clip,
+      forget_bias, reverse, residual):
+    return tuple(torch.empty_like(t) for t in (x, w_in, w_rec, bias, w_proj, h0, c0))
+
+
+def _setup_context(ctx, inputs, output):
+    *tensors, cell_clip, proj_clip, forget_bias, reverse, residual, save = inputs
+    ctx.flags = (cell_clip, proj_clip, forget_bias, reverse, residual)
+    ctx.saved = save
+    ctx.set_materialize_grads(False)
+    if save:
+        ctx.save_for_backward(*tensors, *output[3:])
+
+
+def _backward(ctx, dy, dh_n, dc_n, *_):
+    if not ctx.saved:
+        raise RuntimeError("lstmp (cuda): this call ran without save=True and kept nothing for backward")
+    grads = _lstmp_cuda_backward(*ctx.saved_tensors, dy, dh_n, dc_n, *ctx.flags)
+    need = ctx.needs_input_grad
+    return tuple(g if need[i] else None for i, g in enumerate(grads)) + (None,) * 7
+
+
+_lstmp_cuda_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, proj_clip=None, forget_bias=1.0,
                reverse=False, residual=False):
     """Same contract as ``elmo_fast.ops.lstmp`` (returns y, h_n, c_n); shapes already validated there."""
-    cell_clip = None if cell_clip is None else float(cell_clip)
-    proj_clip = None if proj_clip is None else float(proj_clip)
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _LSTMPCudaFunction.apply(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip,
-                                        float(forget_bias), bool(reverse), bool(residual))
-    return cuda_ext().lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
-                            proj_clip=proj_clip, forget_bias=float(forget_bias), reverse=bool(reverse),
-                            residual=bool(residual))
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    out = _lstmp_cuda_op(*tensors, lengths, None if cell_clip is None else float(cell_clip),
+                         None if proj_clip is None else float(proj_clip), float(forget_bias), bool(reverse),
+                         bool(residual), train)
+    return out[0], out[1], out[2]

@@ -22,6 +22,8 @@ import contextlib
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._library import tracing
+
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -67,10 +69,13 @@ def cast_weight(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """``w`` in ``dtype`` (None: ``w`` itself), cast once per version of ``w``.
 
     Leaves (parameters) and views of leaves are cached, keyed by the leaf and the view's geometry and
-    invalidated by the shared version counter; any other tensor (a product of autograd) is cast per call.
+    invalidated by the shared version counter; any other tensor (a product of autograd) is cast per call, and so
+    is every tensor while torch.compile / torch.export trace (the cast is then part of the graph).
     """
     if dtype is None or w.dtype == dtype:
         return w
+    if tracing(w):
+        return w.to(dtype)
     base = w._base if w._base is not None else w
     if not base.is_leaf:
         return w.to(dtype)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import select_backend
+from ._library import CompositeOp, backend_for
 from ..cpu.char_cnn import char_cnn_cpu
 from ..reference.char_cnn import char_cnn_reference, highway_reference
 from . import _precision as prec
@@ -38,16 +38,15 @@ def char_cnn(
             )
     low = prec.compute_dtype(char_embed)
     char_embed, *conv_weights = prec.weights(low, char_embed, *conv_weights)
-    be = select_backend(backend, char_ids.device, "char_cnn")
+    be = backend_for(backend, char_ids.device, "char_cnn")
     with prec.no_autocast(char_ids.device):
         if be == "triton":
             from ..kernels.char_cnn import char_cnn_triton
 
             return char_cnn_triton(char_ids, char_embed, conv_weights, conv_biases, activation)
         conv_biases = list(prec.reference_inputs(char_embed.dtype, *conv_biases))
-        if be == "cpu":
-            return char_cnn_cpu(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
-        return char_cnn_reference(char_ids.long(), char_embed, conv_weights, conv_biases, activation)
+        op = _char_cnn_cpu_op if be == "cpu" else _char_cnn_reference_op
+        return op(char_ids.long(), char_embed, list(conv_weights), conv_biases, activation)
 
 
 def highway(
@@ -70,11 +69,46 @@ def highway(
     low = prec.compute_dtype(x)
     (x,) = prec.activations(low, x)
     w_carry, w_transform = prec.weights(low, w_carry, w_transform)
-    be = select_backend(backend, x.device, "highway")
+    be = backend_for(backend, x.device, "highway")
     with prec.no_autocast(x.device):
         if be == "triton":
             from ..kernels.highway import highway_triton
 
             return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
         args = prec.reference_inputs(x.dtype, w_carry, b_carry, w_transform, b_transform)
-        return highway_reference(x, *args)
+        return _highway_reference_op(x, *args)
+
+
+# ----------------------------------------------------------------------------- composite paths as operators
+Tensor = torch.Tensor
+
+
+def _char_cnn_reference_fn(char_ids: Tensor, char_embed: Tensor, conv_weights: list[Tensor],
+                           conv_biases: list[Tensor], activation: str) -> Tensor:
+    return char_cnn_reference(char_ids, char_embed, conv_weights, conv_biases, activation)
+
+
+def _char_cnn_cpu_fn(char_ids: Tensor, char_embed: Tensor, conv_weights: list[Tensor], conv_biases: list[Tensor],
+                     activation: str) -> Tensor:
+    return char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation)
+
+
+def _highway_reference_fn(x: Tensor, w_carry: Tensor, b_carry: Tensor, w_transform: Tensor,
+                          b_transform: Tensor) -> Tensor:
+    return highway_reference(x, w_carry, b_carry, w_transform, b_transform)
+
+
+_char_cnn_reference_op = CompositeOp("char_cnn_reference", _char_cnn_reference_fn)
+_char_cnn_cpu_op = CompositeOp("char_cnn_cpu", _char_cnn_cpu_fn)
+_highway_reference_op = CompositeOp("highway_reference", _highway_reference_fn)
+
+
+def _char_cnn_fake(char_ids, char_embed, conv_weights, conv_biases, activation):
+    F_ = sum(b.shape[0] for b in conv_biases)
+    return char_embed.new_empty(char_ids.shape[0], F_, dtype=torch.promote_types(char_embed.dtype,
+                                                                                 conv_weights[0].dtype))
+
+
+_char_cnn_reference_op.op.register_fake(_char_cnn_fake)
+_char_cnn_cpu_op.op.register_fake(_char_cnn_fake)
+_highway_reference_op.op.register_fake(lambda x, *params: torch.empty_like(x))

@@ -6,11 +6,12 @@ import threading
 
 import torch
 
-from .._backend import BackendUnavailableError, check_backend_name, select_backend, triton_import_error
+from .._backend import BackendUnavailableError, check_backend_name, triton_import_error
 from ..cpu.lstmp import lstmp_cpu
 from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
+from ._library import CompositeOp, backend_for
 
 _trusted = threading.local()
 
@@ -28,7 +29,12 @@ def trusted_lengths():
 
 
 def check_lengths(lengths: torch.Tensor, T: int, what: str = "lstmp") -> None:
-    """lengths must lie in [0, T]: one host sync (the only one of a call; skipped under :func:`trusted_lengths`)."""
+    """lengths must lie in [0, T]: one host sync (the only one of a call; skipped under :func:`trusted_lengths`).
+    While ``torch.compile`` / ``torch.export`` trace, the check is an assert in the graph instead (no host sync;
+    on a GPU a device-side assert)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(((lengths >= 0) & (lengths <= T)).all(), f"{what}: lengths must lie in [0, T]")
+        return
     if lengths.numel() and not getattr(_trusted, "on", False):
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())
         if lo < 0 or hi > T:
@@ -72,7 +78,7 @@ def lstmp(
     w_in, w_rec, w_proj = prec.weights(low, w_in, w_rec, w_proj)
     _check_dtypes(x, w_in, w_rec, w_proj)
     check_lengths(lengths, x.shape[1])
-    be = select_backend(backend, x.device, "lstmp")
+    be = backend_for(backend, x.device, "lstmp")
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
     with prec.no_autocast(x.device):
         if be == "cuda":
@@ -94,8 +100,33 @@ def lstmp(
             y, h_n, c_n = lstmp_cpu(x, w_in, w_rec, b, w_proj, s0, s1, lengths, weight_cache=cpu_weight_cache,
                                     bf16=cpu_bf16, **kw)
         else:
-            y, h_n, c_n = lstmp_reference(x, w_in, w_rec, b, w_proj, s0, s1, lengths, **kw)
+            y, h_n, c_n = _lstmp_reference_op(x, w_in, w_rec, b, w_proj, s0, s1, lengths, _opt(cell_clip),
+                                              _opt(proj_clip), float(forget_bias), bool(reverse), bool(residual))
         return y, h_n.to(h0.dtype), c_n.to(c0.dtype)
+
+
+# --------------------------------------------------------------------------- the reference as an operator
+Tensor = torch.Tensor
+
+
+def _opt(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _lstmp_reference_fn(x: Tensor, w_in: Tensor, w_rec: Tensor, bias: Tensor, w_proj: Tensor | None, h0: Tensor,
+                       c0: Tensor, lengths: Tensor, cell_clip: float | None, proj_clip: float | None,
+                       forget_bias: float, reverse: bool, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return lstmp_reference(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
+                           proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
+
+
+_lstmp_reference_op = CompositeOp("lstmp_reference", _lstmp_reference_fn)
+
+
+@_lstmp_reference_op.op.register_fake
+def _(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual):
+    B, T, _ = x.shape
+    return x.new_empty(B, T, h0.shape[1]), torch.empty_like(h0), torch.empty_like(c0)
 
 
 def _check_dtypes(x, w_in, w_rec, w_proj):

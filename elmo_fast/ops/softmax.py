@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import select_backend
+from ._library import CompositeOp, backend_for, tracing
 from ..cpu.sampled_softmax import sampled_softmax_loss_cpu
 from . import _precision as prec
 from ..reference.sampled_softmax import (
@@ -118,7 +118,7 @@ def sampled_softmax_loss(
     true_q = expected_count_reference(targets, num_tries, S, V)
     samp_q = expected_count_reference(sampled_ids, num_tries, S, V)
     hidden, weight = _low_precision(hidden, weight)
-    be = select_backend(backend, hidden.device, "sampled_softmax")
+    be = backend_for(backend, hidden.device, "sampled_softmax")
     kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
     with prec.no_autocast(hidden.device):
         if be == "triton":
@@ -126,8 +126,14 @@ def sampled_softmax_loss(
 
             return sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
         (bias,) = prec.reference_inputs(hidden.dtype, bias)
-        fn = sampled_softmax_loss_cpu if be == "cpu" else sampled_softmax_loss_reference
-        return fn(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
+        if be == "cpu":
+            return sampled_softmax_loss_cpu(hidden, targets, weight, bias, sampled_ids, true_q, samp_q, **kw)
+        if sparse_grad and tracing(hidden):
+            raise NotImplementedError("sampled_softmax_loss: sparse_grad=True on the reference backend cannot be "
+                                      "compiled or exported (its operator's gradient is dense); use backend 'cpu' "
+                                      "or 'triton', or sparse_grad=False")
+        return _sampled_reference_op(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
+                                     bool(remove_accidental_hits), reduction, bool(sparse_grad))
 
 
 def _low_precision(hidden, weight):
@@ -148,11 +154,40 @@ def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.
     _check_common(hidden, targets, weight, bias, reduction)
     targets = targets.long()
     hidden, weight = _low_precision(hidden, weight)
-    be = select_backend(backend, hidden.device, "full_softmax")
+    be = backend_for(backend, hidden.device, "full_softmax")
     with prec.no_autocast(hidden.device):
         if be == "triton":
             from ..kernels.softmax import full_softmax_nll_triton
 
             return full_softmax_nll_triton(hidden, targets, weight, bias, reduction=reduction)
         (bias,) = prec.reference_inputs(hidden.dtype, bias)
-        return full_softmax_nll_reference(hidden, targets, weight, bias, reduction=reduction)
+        return _full_reference_op(hidden, targets, weight, bias, reduction)
+
+
+# ----------------------------------------------------------------------------- the reference as operators
+Tensor = torch.Tensor
+
+
+def _sampled_reference_fn(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor, sampled_ids: Tensor,
+                          true_expected: Tensor, sampled_expected: Tensor, remove_accidental_hits: bool,
+                          reduction: str, sparse_grad: bool) -> Tensor:
+    return sampled_softmax_loss_reference(hidden, targets, weight, bias, sampled_ids, true_expected,
+                                          sampled_expected, remove_accidental_hits=remove_accidental_hits,
+                                          reduction=reduction, sparse_grad=sparse_grad)
+
+
+def _full_reference_fn(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor, reduction: str) -> Tensor:
+    return full_softmax_nll_reference(hidden, targets, weight, bias, reduction=reduction)
+
+
+_sampled_reference_op = CompositeOp("sampled_softmax_reference", _sampled_reference_fn)
+_full_reference_op = CompositeOp("full_softmax_reference", _full_reference_fn)
+
+
+def _loss_fake(hidden, targets, *args):
+    reduction = next(a for a in args if isinstance(a, str))
+    return hidden.new_empty(hidden.shape[0]) if reduction == "none" else hidden.new_empty(())
+
+
+_sampled_reference_op.op.register_fake(_loss_fake)
+_full_reference_op.op.register_fake(_loss_fake)

@@ -258,8 +258,16 @@ class Trainer:
     def run_batch(self, batch: dict, h0: torch.Tensor, c0: torch.Tensor, training: bool):
         """Token encoder + both LSTM stacks on a packed batch. Returns (top_fwd (B,T,P), top_bwd (B,T,P), h_n, c_n,
         targets_fwd (B,T), targets_bwd (B,T), outputs) where the backward tensors are in reversed-stream order."""
+        return self.run_model(*self.batch_tensors(batch), h0, c0, training)
+
+    def batch_tensors(self, batch: dict) -> tuple[torch.Tensor, ...]:
+        """The batch's arrays on the device: (chars fwd, chars bwd (B, T, L), targets fwd, targets bwd (B, T))."""
+        return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) for k in TowerStream.KEYS)
+
+    def run_model(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
+                  c0: torch.Tensor, training: bool):
+        """``run_batch`` on the batch's tensors (``batch_tensors``)."""
         dev = self.device
-        cf, cb, tf, tb = (torch.as_tensor(batch[k]).to(dev, non_blocking=True) for k in TowerStream.KEYS)
         B, T = tf.shape
         emb = self.model.token_encoder(torch.cat([cf, cb], 0).long())
         ef, eb = emb[:B], emb[B:]
@@ -278,25 +286,36 @@ class Trainer:
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 
+    def model_loss(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
+                   c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None):
+        """The model step of training, forward and loss of one tower batch: (loss, h_n, c_n). The batch's tensors
+        (``batch_tensors``), the LSTM states, and with the sampled softmax the two sample sets (ids (2, S) on the
+        device, num_tries of each). No host work: this is the function to hand to ``torch.compile``."""
+        top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
+        hf = top_f.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
+        hb = top_b.reshape(-1, self.P)
+        tf, tb = tf.reshape(-1), tb.reshape(-1)
+        sm = self.softmax
+        if samples is not None:
+            ids, tries = samples
+            lf = sm(hf, tf, samples=(ids[0], tries[0]))
+            lb = sm(hb, tb, samples=(ids[1], tries[1]))
+        else:
+            lf, lb = sm(hf, tf), sm(hb, tb)
+        return 0.5 * (lf.float() + lb.float()), h_n, c_n
+
     def _tower_step(self, tw: Tower, batch: dict, scale: float):
         cfg = self.cfg
         torch.manual_seed(_mix_seed(cfg.seed, self.step, tw.gid))  # dropout masks: same for any tower layout
+        inputs = self.batch_tensors(batch)
+        samples = None
+        if cfg.sample_softmax:
+            ids, tries = (batch["sampled_ids"], batch["num_tries"]) if tw.stream.ahead else tw.stream.draw()
+            samples = (ids.to(self.device, non_blocking=True), tries)
+        self.softmax.train()
         ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
-            top_f, top_b, h_n, c_n, tf, tb, _ = self.run_batch(batch, tw.h, tw.c, training=True)
-            hf = top_f.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
-            hb = top_b.reshape(-1, self.P)
-            tf, tb = tf.reshape(-1), tb.reshape(-1)
-            sm = self.softmax
-            sm.train()
-            if cfg.sample_softmax:
-                ids, tries = (batch["sampled_ids"], batch["num_tries"]) if tw.stream.ahead else tw.stream.draw()
-                ids = ids.to(self.device, non_blocking=True)
-                lf = sm(hf, tf, samples=(ids[0], tries[0]))
-                lb = sm(hb, tb, samples=(ids[1], tries[1]))
-            else:
-                lf, lb = sm(hf, tf), sm(hb, tb)
-            loss = 0.5 * (lf.float() + lb.float())
+            loss, h_n, c_n = self.model_loss(*inputs, tw.h, tw.c, samples)
         (loss * (cfg.unroll_steps * scale)).backward()
         tw.h, tw.c = h_n.detach().float(), c_n.detach().float()
         return loss.detach()

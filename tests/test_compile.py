@@ -1,0 +1,191 @@
+"""torch.compile and torch.export see elmo_fast's ops: ``torch.compile(m, fullgraph=True)`` of LSTMP, ElmoBiLM,
+Elmo and the trainer's model step runs with zero graph breaks (``torch._dynamo.explain``) and matches eager
+(outputs, carried states and every gradient); ``torch.export.export`` of LSTMP and ElmoBiLM(stateful=False) gives a
+program that runs and matches. CI compiles with ``aot_eager`` (dynamo + AOT autograd, no code generation); one test
+each runs inductor (C++ code generation on the CPU)."""
+import pathlib
+import sys
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import elmo_fast
+from conftest import triton_available
+
+BACKENDS = ["reference", "cpu", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
+    not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1")])]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _no_breaks(fn, *args):
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def _close(got, want, atol):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m, i=i: f"item {i}: {m}")
+
+
+def _lstmp_outputs(module, x, params):
+    y, (h_n, c_n) = module(x)
+    data = y.data if hasattr(y, "batch_sizes") else y
+    loss = (data * data.detach().sin()).sum() + h_n.sum() * 1.5 + c_n.sum() * 0.5
+    return [data, h_n, c_n, *torch.autograd.grad(loss, params)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lstmp_compiles_whole_and_matches_eager(backend):
+    torch.manual_seed(0)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, cell_clip=3.0, backend=backend)
+    x = torch.randn(6, 3, 5)
+    _no_breaks(model, x)
+    params = list(model.parameters())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _close(_lstmp_outputs(compiled, x, params), _lstmp_outputs(model, x, params), atol=1e-6)
+
+
+def test_lstmp_compiles_with_packed_input():
+    """A PackedSequence input: dynamo does not trace torch's pad_packed_sequence (a graph break, as for nn.LSTM);
+    the rest compiles and the results are eager's."""
+    torch.manual_seed(0)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4)
+    x = pack_padded_sequence(torch.randn(6, 3, 5), torch.tensor([6, 2, 4]), enforce_sorted=False)
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend="aot_eager")
+    _close(_lstmp_outputs(compiled, x, params), _lstmp_outputs(model, x, params), atol=1e-6)
+
+
+def test_lstmp_inductor():
+    torch.manual_seed(1)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, proj_size=4, batch_first=True)
+    x = torch.randn(3, 6, 5)
+    params = list(model.parameters())
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    _close(_lstmp_outputs(compiled, x, params), _lstmp_outputs(model, x, params), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lstmp_exports(backend):
+    torch.manual_seed(2)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, backend=backend)
+    x = torch.randn(6, 3, 5)
+    program = torch.export.export(model, (x,))
+    ops = {n.target.name() for n in program.graph.nodes if n.op == "call_function"
+           and hasattr(n.target, "name") and n.target.name().startswith("elmo_fast::")}
+    assert ops == {f"elmo_fast::lstmp_{backend}"}
+    x2 = torch.randn(6, 3, 5)
+    y, (h_n, c_n) = program.module()(x2)
+    want_y, (want_h, want_c) = model(x2)
+    _close([y, h_n, c_n], [want_y, want_h, want_c], atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- the biLM, Elmo
+BATCHES = [[["The", "cat", "sat", "."], ["Hello", "world"]], [["A", "b"], ["c"], ["d", "e", "f"]],
+           [["x", "y", "z", "w", "v"]]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stateful_bilm_compiles_whole_and_matches_eager(tiny_model, backend):
+    eager = elmo_fast.ElmoBiLM(*tiny_model, backend=backend)
+    model = elmo_fast.ElmoBiLM(*tiny_model, backend=backend)
+    ids = [elmo_fast.batch_to_ids(b) for b in BATCHES]
+    _no_breaks(elmo_fast.ElmoBiLM(*tiny_model, backend=backend), ids[0])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for batch in ids:  # the LSTM states carried from call to call, batch sizes changing
+        want, got = eager(batch), compiled(batch)
+        _close(got["activations"], want["activations"], atol=1e-5)
+        assert torch.equal(got["mask"], want["mask"])
+    _close(model._bilm._states, eager._bilm._states, atol=1e-5)
+
+
+def test_elmo_compiles_whole_and_matches_eager_with_gradients(tiny_model):
+    eager = elmo_fast.Elmo(*tiny_model, 2, dropout=0.0, requires_grad=True)
+    model = elmo_fast.Elmo(*tiny_model, 2, dropout=0.0, requires_grad=True)
+    ids = elmo_fast.batch_to_ids(BATCHES[0])
+    _no_breaks(elmo_fast.Elmo(*tiny_model, 2, dropout=0.5, requires_grad=True), ids)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for m, fn in ((eager, eager), (model, compiled)):
+        out = fn(ids)
+        reps = out["elmo_representations"]
+        loss = sum((r * torch.linspace(-1, 1, r.shape[-1])).sum() for r in reps)
+        m.result = [*reps, *torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad])]
+    _close(model.result, eager.result, atol=1e-5)
+
+
+def test_compiled_elmo_rejects_bad_char_ids(tiny_model):
+    compiled = torch.compile(elmo_fast.ElmoBiLM(*tiny_model), fullgraph=True, backend="aot_eager")
+    ids = elmo_fast.batch_to_ids(BATCHES[0])
+    compiled(ids)
+    ids[0, 0, 0] = 300
+    with pytest.raises(RuntimeError, match=r"char ids must lie in \[0, 261\]"):
+        compiled(ids)
+
+
+def test_bilm_exports(tiny_model):
+    model = elmo_fast.ElmoBiLM(*tiny_model, stateful=False)
+    program = torch.export.export(model, (elmo_fast.batch_to_ids(BATCHES[0]),))
+    for batch in (BATCHES[0], [["Other", "words", "here", "now"], ["a"]]):  # the example's shape, other tokens
+        ids = elmo_fast.batch_to_ids(batch)
+        got, want = program.module()(ids), model(ids)
+        _close(got["activations"], want["activations"], atol=1e-5)
+        assert torch.equal(got["mask"], want["mask"])
+
+
+# ---------------------------------------------------------------------------------------- the trainer's step
+@pytest.fixture
+def trainer(tmp_path):
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import test_training
+
+    train_glob, _ = test_training._grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = test_training._trainer(tmp_path, train_glob, None, batch_size=4, unroll_steps=5, dropout=0.1,
+                                   backend="cpu")
+    yield tr
+    tr.close()
+
+
+def test_trainer_model_step_compiles_whole_and_matches_eager(trainer):
+    tr = trainer
+    tower = tr.towers[0]
+    inputs = (*tr.batch_tensors(next(tower.loader)), tower.h, tower.c, tower.stream.draw())
+    tr.model.train()
+    tr.softmax.train()
+    _no_breaks(tr.model_loss, *inputs)
+    params = [*tr.dense_params, tr.softmax_W, tr.softmax_b]
+
+    def step(fn):
+        torch.manual_seed(3)  # the same dropout masks (aot_eager draws them with eager's generator)
+        loss, h_n, c_n = fn(*inputs)
+        return [loss, h_n, c_n, *(g.to_dense() for g in torch.autograd.grad(loss, params))]
+
+    want = step(tr.model_loss)
+    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"))
+    assert tr.softmax_W.grad is None
+    _close(got, want, atol=1e-6)
+
+
+def test_autocast_compiles_whole_and_matches_eager(tiny_model):
+    """Under torch.autocast the weight casts (cached per version eagerly) are part of the graph."""
+    lstmp = elmo_fast.LSTMP(5, 8, num_layers=2, proj_size=4)
+    bilm = elmo_fast.ElmoBiLM(*tiny_model, stateful=False, requires_grad=True)
+    x, ids = torch.randn(6, 3, 5), elmo_fast.batch_to_ids(BATCHES[0])
+
+    def run(x, ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return lstmp(x)[0], *bilm(ids)["activations"]
+
+    _no_breaks(run, x, ids)
+    got = torch.compile(run, fullgraph=True, backend="aot_eager")(x, ids)
+    want = run(x, ids)
+    assert got[0].dtype == torch.bfloat16
+    _close(got, want, atol=0)  # the same ops in the same order: equal

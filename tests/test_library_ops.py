@@ -1,0 +1,182 @@
+"""Every fused op is a ``torch.library`` operator in the ``elmo_fast::`` namespace with a fake implementation and
+its autograd: ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch with dynamic
+shapes) on the CPU for the reference and cpu paths, and for the Triton paths under the interpreter."""
+import pytest
+import torch
+
+from conftest import requires_triton
+from elmo_fast.cpu.lstmp import _lstmp_cpu_backward, _lstmp_cpu_op
+from elmo_fast.cpu.sampled_softmax import _sampled_softmax_backward, _sampled_softmax_op
+from elmo_fast.ops.char_cnn import _char_cnn_cpu_op, _char_cnn_reference_op, _highway_reference_op
+from elmo_fast.ops.lstmp import _lstmp_reference_op
+from elmo_fast.ops.softmax import _full_reference_op, _sampled_reference_op
+from elmo_fast.reference.sampled_softmax import expected_count_reference
+
+B, T, D, H, P = 3, 5, 8, 16, 8
+F_, L = 24, 12
+
+
+def _t(*shape, dtype=torch.float64, grad=True, scale=0.5):
+    return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_(grad)
+
+
+def _lstmp_args(projection=True, dtype=torch.float64):
+    P_ = P if projection else H
+    return [_t(B, T, D if projection else H, dtype=dtype), _t(D if projection else H, 4 * H, dtype=dtype),
+            _t(P_, 4 * H, dtype=dtype), _t(4 * H, dtype=dtype), _t(H, P, dtype=dtype) if projection else None,
+            _t(B, P_, dtype=dtype), _t(B, H, dtype=dtype), torch.tensor([T, 2, 0])]
+
+
+LSTMP_FLAGS = [pytest.param((0.5, 0.3, 1.0, True, True), id="clips-reverse-residual"),
+               pytest.param((None, None, 0.0, False, False), id="plain")]
+
+
+def _residual_ok(args, flags):
+    return flags[4] and args[0].shape[2] == args[5].shape[1] or not flags[4]
+
+
+def _detached(args):
+    return [[t.detach() for t in a] if isinstance(a, list) else a.detach() if isinstance(a, torch.Tensor) else a
+            for a in args]
+
+
+def _check_composite(op, args):
+    """opcheck of a composite path's operator and of its backward operator (recomputation)."""
+    torch.library.opcheck(op.op, args)
+    out = op.op(*args)
+    outs = out if isinstance(out, tuple) else (out,)
+    grads = [torch.randn_like(o) for o in outs]
+    needs = [t.is_floating_point() for a in args for t in (a if isinstance(a, list) else [a])
+             if isinstance(t, torch.Tensor)]
+    torch.library.opcheck(op.backward_op, (grads, needs, *_detached(args)))
+
+
+@pytest.mark.parametrize("projection", [True, False], ids=["proj", "no-proj"])
+@pytest.mark.parametrize("flags", LSTMP_FLAGS)
+def test_lstmp_reference_op(projection, flags):
+    args = _lstmp_args(projection)
+    _check_composite(_lstmp_reference_op, (*args, *flags))
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["w_in+w_rec", "w_stack"])
+@pytest.mark.parametrize("save", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("flags", LSTMP_FLAGS)
+def test_lstmp_cpu_ops(stack, save, flags):
+    x, w_in, w_rec, *rest = _lstmp_args() if save else _detached(_lstmp_args())  # inference: no gradients
+    ws = (None, None, torch.cat([w_in, w_rec]).detach().requires_grad_(save)) if stack else (w_in, w_rec, None)
+    args = (x, *ws, *rest, *flags, save, -1, False)
+    torch.library.opcheck(_lstmp_cpu_op, args)
+    if save:
+        out = _lstmp_cpu_op(*args)
+        needs = [True, not stack, not stack, stack, True, True]
+        bias, w_proj, h0, c0, lengths = _detached(rest)
+        bwd = (torch.randn(B, T, P, dtype=x.dtype), torch.randn(B, P, dtype=x.dtype), None, *_detached(ws), w_proj,
+               h0, c0, lengths, *(o.detach() for o in out[3:]), T, *flags[:2], *flags[3:], needs)
+        torch.library.opcheck(_lstmp_cpu_backward, bwd)
+
+
+def _char_args(dtype=torch.float64):
+    ids = torch.randint(1, 262, (7, L))
+    ids[2] = 0
+    ids[3, 4:] = 261
+    ws = [_t(w, 4, n, dtype=dtype) for w, n in ((1, 8), (3, 16))]
+    return [ids, _t(262, 4, dtype=dtype), ws, [_t(8, dtype=dtype), _t(16, dtype=dtype)]]
+
+
+@pytest.mark.parametrize("op", [_char_cnn_reference_op, _char_cnn_cpu_op], ids=["reference", "cpu"])
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_char_cnn_ops(op, activation):
+    _check_composite(op, (*_char_args(), activation))
+
+
+def test_highway_reference_op():
+    _check_composite(_highway_reference_op, (_t(6, F_), _t(F_, F_), _t(F_), _t(F_, F_), _t(F_)))
+
+
+def _softmax_args(dtype=torch.float64):
+    V, S, N = 40, 10, 7
+    targets = torch.tensor([1, 2, 2, 5, 1, 0, 3])
+    ids = torch.tensor([0, 2, 4, 6, 8, 9, 11, 20, 30, 39])
+    return (_t(N, P, dtype=dtype), targets, _t(V, P, dtype=dtype), _t(V, dtype=dtype), ids,
+            expected_count_reference(targets, 13, S, V), expected_count_reference(ids, 13, S, V))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_sampled_softmax_reference_op(reduction, sparse):
+    _check_composite(_sampled_reference_op, (*_softmax_args(), True, reduction, sparse))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_full_softmax_reference_op(reduction):
+    hidden, targets, W, b, *_ = _softmax_args()
+    _check_composite(_full_reference_op, (hidden, targets, W, b, reduction))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_sampled_softmax_cpu_ops(reduction, sparse):
+    hidden, targets, W, b, ids, tq, sq = _softmax_args()
+    args = (hidden, W, b, targets, ids, tq.log(), sq.log(), True, reduction, sparse)
+    torch.library.opcheck(_sampled_softmax_op, args)
+    loss, w_t, w_s, probs = (o.detach() for o in _sampled_softmax_op(*args))
+    torch.library.opcheck(_sampled_softmax_backward, (torch.randn_like(loss), hidden.detach(), w_t, w_s, probs,
+                                                      reduction, True, True))
+
+
+# ------------------------------------------------------------------------------------------------- Triton
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("save", [True, False], ids=["train", "infer"])
+@pytest.mark.parametrize("flags", LSTMP_FLAGS)
+def test_lstmp_triton_ops(save, flags):
+    from elmo_fast.kernels.lstmp import _lstmp_backward_op, _lstmp_op
+
+    args = _lstmp_args(dtype=torch.float32)
+    args = args if save else _detached(args)  # inference: no gradients
+    torch.library.opcheck(_lstmp_op, (*args, *flags, save))
+    if save:
+        out = _lstmp_op(*args, *flags, save)
+        x, w_in, w_rec, bias, w_proj, h0, c0, lengths = _detached(args)
+        bwd = (torch.randn(B, T, P), torch.randn(B, P), None, x, w_in, w_rec, w_proj, h0, c0, lengths,
+               *(o.detach() for o in out[3:]), *flags[:2], *flags[3:], [True] * 5)
+        torch.library.opcheck(_lstmp_backward_op, bwd)
+
+
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("save", [True, False], ids=["train", "infer"])
+def test_char_cnn_and_highway_triton_ops(save):
+    from elmo_fast.kernels.char_cnn import _char_cnn_backward_op, _char_cnn_op
+    from elmo_fast.kernels.highway import _highway_backward_op, _highway_op
+
+    ids, emb, ws, bs = _char_args(torch.float32) if save else _detached(_char_args(torch.float32))
+    torch.library.opcheck(_char_cnn_op, (ids, emb, ws, bs, "relu", save))
+    hw = (_t(6, F_, dtype=torch.float32), _t(F_, F_, dtype=torch.float32), _t(F_, dtype=torch.float32),
+          _t(F_, F_, dtype=torch.float32), _t(F_, dtype=torch.float32))
+    torch.library.opcheck(_highway_op, hw)
+    if save:
+        out, *saved = (o.detach() for o in _char_cnn_op(ids, emb, ws, bs, "relu", True))
+        w_packed, arg, perm, bound = saved
+        torch.library.opcheck(_char_cnn_backward_op, (ids, emb.detach(), w_packed, out, arg, perm, bound,
+                                                      torch.randn_like(out), [1, 8, 3, 16], "relu", True, True))
+        torch.library.opcheck(_highway_backward_op, (*(t.detach() for t in hw), torch.randn(6, F_), True, True,
+                                                     torch.float32))
+
+
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softmax_triton_ops(reduction):
+    from elmo_fast.kernels import softmax as ks
+
+    hidden, targets, W, b, ids, tq, sq = _softmax_args(torch.float32)
+    args = (hidden, W, b, targets, ids, tq, sq, True, reduction, False)
+    torch.library.opcheck(ks._sampled_op, args)
+    loss, samp_off, lse, true_logit = (o.detach() for o in ks._sampled_op(*args))
+    torch.library.opcheck(ks._sampled_backward_op, (torch.randn_like(loss), hidden.detach(), W.detach(), targets,
+                                                    ids, samp_off, lse, true_logit, True, reduction, True))
+    torch.library.opcheck(ks._full_op, (hidden, W, b, targets, reduction))
+    loss, off, lse = (o.detach() for o in ks._full_op(hidden, W, b, targets, reduction))
+    torch.library.opcheck(ks._full_backward_op, (torch.randn_like(loss), hidden.detach(), W.detach(), targets, off,
+                                                 lse, reduction))
