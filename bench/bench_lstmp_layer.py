@@ -12,8 +12,8 @@ Modes, for each provider:
 * ``fwd+bwd new-weights``: the same after an in-place ``mul_(1)`` of every parameter before each call (both
   providers), as after an optimizer step: LSTMP converts its layouts again (counted in its time).
 
-CPU (``--device cpu``, 2 threads): the providers run in turn, one call each per round, and a provider's time is
-its best round (the machine may be shared). pytest-benchmark runs the same calls:
+CPU (``--device cpu``, 2 threads): mode after mode, the providers run in turn, one call each per round, and a
+provider's time is its best round (the machine may be shared). pytest-benchmark runs the same calls:
 ``.venv/bin/python -m pytest bench/bench_lstmp_layer.py --benchmark-only`` (``ELMO_FAST_BENCH_ROUNDS``, default 3).
 GPU (``--device cuda``): ``triton.testing.do_bench`` (median, p20, p80); LSTMP's backend is ``auto`` (the
 Triton kernels behind their self-check; ``--backend`` to choose), nn.LSTM is cuDNN; ``--dtype bfloat16`` runs
@@ -106,15 +106,19 @@ def calls(modules: dict, device: str, dtype: torch.dtype) -> dict:
 
 
 def _cpu_times(fns: dict, rounds: int) -> dict:
-    """Best of ``rounds`` per call, the calls in turn each round (after one warm-up call each)."""
-    for fn in fns.values():
-        fn()
+    """Best of ``rounds`` per call: mode after mode, the providers in turn each round (after one warm-up call
+    each). Modes are not interleaved: a ``new-weights`` call changes the weights, which would make every
+    inference call after it a first call (LSTMP converts and packs its weights again)."""
     best = {k: math.inf for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
+    for mode in MODES:
+        group = {k: fn for k, fn in fns.items() if k[1] == mode}
+        for fn in group.values():
             fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
+        for _ in range(rounds):
+            for k, fn in group.items():
+                t0 = time.perf_counter()
+                fn()
+                best[k] = min(best[k], time.perf_counter() - t0)
     return {k: (1e3 * v, math.nan, math.nan) for k, v in best.items()}
 
 
