@@ -19,6 +19,7 @@ small widths (fast under the interpreter); the structure is the original model's
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -115,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("the Triton kernels run on CPU tensors only under the interpreter: run "
+                 "`TRITON_INTERPRET=1 python bench/bench_launches.py` (or run it on a GPU)")
     rows = []
     for case in args.cases.split(","):
         if case == "forward-graph" and dev.type != "cuda":
