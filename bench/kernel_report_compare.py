@@ -2,11 +2,12 @@
 
     python bench/kernel_report_compare.py BEFORE AFTER [--out bench/results/kernel_report_before_after.md]
 
-BEFORE and AFTER are kernel_report.csv files, or git revisions whose bench/results/kernel_report.csv is read
-(``git show REV:bench/results/kernel_report.csv``). One row per (op, phase, size, dtype, kernel): the launch the
-runtime picks (autotune candidates it does not pick are left out); where a kernel runs in several variants
-(direction, residual) the worst of them (most registers and spills, fewest programs, slowest estimate) and the
-number of launches; deterministic mode's launches on rows of their own. Kernels that exist on one side only show "-" on the other (renamed or split kernels).
+BEFORE and AFTER are kernel_report.csv files, or git revisions whose bench/results/kernel_report.csv is read (``git
+show REV:bench/results/kernel_report.csv``). One row per (op, phase, size, dtype, kernel): the launch the runtime
+picks (autotune candidates it does not pick are left out); where a kernel runs in several variants (direction,
+residual) the worst of them (most registers and spills, fewest programs, slowest estimate) and the number of
+launches; deterministic mode's launches on rows of their own. Kernels that exist on one side only show "-" on the
+other (renamed or split kernels).
 """
 from __future__ import annotations
 

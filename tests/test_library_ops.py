@@ -58,11 +58,19 @@ def test_lstmp_reference_op(projection, flags):
     _check_composite(_lstmp_reference_op, (*args, *flags))
 
 
-@pytest.mark.parametrize("stack", [False, True], ids=["w_in+w_rec", "w_stack"])
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values with transposed strides (how elmo_fast.LSTMP passes nn.LSTM's weights to the cpu op)."""
+    return t.detach().t().contiguous().t().requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("stack", [False, True, "col-major"], ids=["w_in+w_rec", "w_stack", "col-major"])
 @pytest.mark.parametrize("save", [True, False], ids=["train", "infer"])
 @pytest.mark.parametrize("flags", LSTMP_FLAGS)
 def test_lstmp_cpu_ops(stack, save, flags):
     x, w_in, w_rec, *rest = _lstmp_args() if save else _detached(_lstmp_args())  # inference: no gradients
+    if stack == "col-major":
+        w_in, w_rec, rest[1] = _col_major(w_in), _col_major(w_rec), _col_major(rest[1])
+        stack = False
     ws = (None, None, torch.cat([w_in, w_rec]).detach().requires_grad_(save)) if stack else (w_in, w_rec, None)
     args = (x, *ws, *rest, *flags, save, -1, False)
     torch.library.opcheck(_lstmp_cpu_op, args)
@@ -180,3 +188,20 @@ def test_softmax_triton_ops(reduction):
     loss, off, lse = (o.detach() for o in ks._full_op(hidden, W, b, targets, reduction))
     torch.library.opcheck(ks._full_backward_op, (torch.randn_like(loss), hidden.detach(), W.detach(), targets, off,
                                                  lse, reduction))
+
+
+def test_lstmp_cpu_weight_gradients_keep_the_weights_layout():
+    """Column-major weights (transposed views) get the same gradients, in their own layout (no transposing copy
+    is needed to map them back to nn.LSTM's parameters)."""
+    from elmo_fast.cpu.lstmp import lstmp_cpu
+
+    args = _lstmp_args()
+    cols = [_col_major(t) if i in (1, 2, 4) else t for i, t in enumerate(args)]
+    grads = []
+    for a in (args, cols):
+        y, h, c = lstmp_cpu(*a, cell_clip=0.5, proj_clip=0.3, reverse=True)
+        weights = [a[1], a[2], a[4]]
+        grads.append(torch.autograd.grad((y.square().sum() + h.sum() + c.sum()), weights))
+    for w, g_row, g_col in zip([cols[1], cols[2], cols[4]], *grads):
+        torch.testing.assert_close(g_col, g_row, atol=1e-12, rtol=0)
+        assert g_col.stride() == w.stride() and g_row.is_contiguous()

@@ -313,14 +313,24 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     if needs[3]:
         dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
     if needs[1]:
-        dw_in = torch.mm(xs.t(), dz)
+        dw_in = _weight_grad(w_in, xs, dz)
     if needs[2]:
-        dw_rec = torch.mm(h_prev.t(), dz)
+        dw_rec = _weight_grad(w_rec, h_prev, dz)
     if needs[4]:
         db = dz.sum(0)
     if needs[5] and w_proj is not None:
-        dw_proj = torch.mm(m_all.t(), dh_all)
+        dw_proj = _weight_grad(w_proj, m_all, dh_all)
     return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c)
+
+
+def _weight_grad(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """aᵀ·b, the gradient of the weight ``w``, in ``w``'s layout: for a column-major ``w`` (``elmo_fast.LSTMP``
+    passes nn.LSTM's weights as transposed views) the product is computed as (bᵀ·a) and returned transposed,
+    the same FLOPs, and no transposing copy anywhere after it. The fake below (``empty_like``) has the same
+    strides."""
+    if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
+        return torch.mm(b.t(), a).t()
+    return torch.mm(a.t(), b)
 
 
 @_lstmp_cpu_backward.register_fake

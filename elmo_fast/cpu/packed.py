@@ -80,6 +80,12 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
         return None
 
 
+def _storage_order(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as a view in the order of its storage where that is a transpose (``elmo_fast.LSTMP`` passes column-major
+    weights), so that sampling it reads a few elements instead of copying the whole weight."""
+    return w.t() if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous() else w
+
+
 class PackedWeightCache:
     """Packed copies of a module's weights, kept across inference calls; owned by the module that owns them.
 
@@ -113,7 +119,7 @@ class PackedWeightCache:
 
     def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
-        sample = w.detach().reshape(-1)[::_SAMPLE_STRIDE].clone()
+        sample = _storage_order(w.detach()).reshape(-1)[::_SAMPLE_STRIDE].clone()
         hit = self._entries.get(key)
         if hit is not None and hit[0] == w._version and torch.equal(hit[1], sample):
             return hit[2]

@@ -34,7 +34,7 @@ from .. import ops
 from .._backend import check_backend_name
 from ..cpu.packed import PackedWeightCache
 from ..ops import _precision as prec
-from ..ops._library import tracing
+from ..ops._library import backend_for, tracing
 from ..ops.lstmp import trusted_lengths
 
 _EXTRAS = ("cell_clip", "proj_clip", "forget_bias", "residual")
@@ -46,9 +46,12 @@ def _swap_gates(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:H], t[2 * H : 3 * H], t[H : 2 * H], t[3 * H :]])
 
 
-# nn.LSTM layout -> TF layout, and the map of a TF-layout gradient back to the nn.LSTM-layout parameters
+# nn.LSTM layout -> TF layout, and the map of a TF-layout gradient back to the nn.LSTM-layout parameters. The
+# weight conversions return transposed views (the gate swap is the one copy); ``LSTMP._converted_copy`` makes
+# them contiguous except for the cpu backend, which takes column-major weights as they are and returns their
+# gradients in the same layout (so the map back is a plain block copy, no transposing copy either way).
 def _w_to_tf(w: torch.Tensor) -> torch.Tensor:  # (4H, K) -> (K, 4H)
-    return _swap_gates(w).t().contiguous()
+    return _swap_gates(w).t()
 
 
 def _w_grad(g: torch.Tensor) -> tuple[torch.Tensor]:
@@ -65,7 +68,7 @@ def _bias_grad(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _proj_to_tf(w_hr: torch.Tensor) -> torch.Tensor:  # (P, H) -> (H, P)
-    return w_hr.t().contiguous()
+    return w_hr.t()
 
 
 def _proj_grad(g: torch.Tensor) -> tuple[torch.Tensor]:
@@ -302,29 +305,39 @@ class LSTMP(nn.Module):
         without ``bias`` (w_proj None without a projection)."""
         names = self._chains[k]
         low = prec.compute_dtype(x)
+        # the cpu backend computes with column-major weights (nn.LSTM's layout read transposed) at full speed
+        col_major = backend_for(self.backend, x.device, "lstmp") == "cpu"
         out = []
         for role in ("w_in", "w_rec", "bias", "w_proj"):
             if role not in names:
                 out.append(None)
                 continue
             masters = [getattr(self, n) for n in names[role]]
-            out.append(self._converted_copy(k, role, masters, None if role == "bias" else low))
+            out.append(self._converted_copy(k, role, masters, None if role == "bias" else low, col_major))
         if out[2] is None:
             out[2] = out[0].new_zeros(4 * self.hidden_size, dtype=self.weight_ih_l0.dtype)
         return tuple(out)
 
-    def _converted_copy(self, k: int, role: str, masters: list, dtype: torch.dtype | None) -> torch.Tensor:
+    def _converted_copy(self, k: int, role: str, masters: list, dtype: torch.dtype | None,
+                        col_major: bool = False) -> torch.Tensor:
+        """The TF-layout weight of ``role`` for chain k, in ``dtype``: contiguous, or with ``col_major`` the
+        transposed view the conversion gives (a view of the parameter itself where no gate swap or cast is
+        needed)."""
         to_tf, grad_map = _CONVERSIONS[role]
+
+        def convert(*ms):
+            w = to_tf(*ms)
+            w = w if dtype is None else w.to(dtype)
+            return w if col_major else w.contiguous()
+
         if tracing(*masters):  # in the graph: plain differentiable code
-            w = to_tf(*masters)
-            return w if dtype is None else w.to(dtype)
-        key = (k, role, dtype)
+            return convert(*masters)
+        key = (k, role, dtype, col_major)
         stamp = tuple((m._version, m.data_ptr(), m.device) for m in masters)  # bumped by in-place updates
         hit = self._converted.get(key)
         if hit is None or hit[0] != stamp:
             with torch.no_grad():
-                w = to_tf(*(m.detach() for m in masters))
-                hit = (stamp, w if dtype is None else w.to(dtype))
+                hit = (stamp, convert(*(m.detach() for m in masters)))
             self._converted[key] = hit
         if torch.is_grad_enabled() and any(m.requires_grad for m in masters):
             return _ConvertedWeight.apply(hit[1], grad_map, *masters)
