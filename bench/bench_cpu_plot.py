@@ -48,7 +48,7 @@ def main() -> int:
         ax.set_ylabel("tokens/s")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"original-size ELMo on the CPU, 2 threads, fp32 unless marked (shared machine)\n"
+    fig.suptitle(f"original-size ELMo on the CPU, fp32 unless marked\n"
                  f"{'; '.join(sorted(devices))}; commit {', '.join(sorted(commits))}", fontsize=9)
     fig.tight_layout()
     path = common.RESULTS / "cpu_throughput.png"

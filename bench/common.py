@@ -38,13 +38,33 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton_v, "cuda": torch.version.cuda or "none"}
 
 
+_ISA = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that decide its speed (from /proc/cpuinfo where there is
+    one), e.g. "Intel(R) Xeon(R) Processor (x86_64; AVX2, AVX-512, AVX512-BF16, AMX-BF16)"."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not model:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = ", ".join(name for flag, name in _ISA if flag in flags)
+    arch = platform.machine()
+    return f"{model or platform.processor() or arch} ({arch}{'; ' + isa if isa else ''})"
+
+
 def environment() -> dict[str, str]:
     """Device, versions, commit and command: what every committed result must carry."""
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name()
     else:
-        device = f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
-                 f"{torch.get_num_threads()} threads"
+        device = f"cpu: {cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "device": device,
