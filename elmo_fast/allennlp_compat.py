@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .modules.lstmp_layer import _swap_gates
+
 # AllenNLP's ``ElmoLstm`` keeps its stateful LSTM state in ``_states``, a plain attribute: AllenNLP 2.10.1 never
 # writes it into a state_dict nor restores it from one. Keys under this name (a patched AllenNLP, a user's own
 # registration) are dropped on load: it is the previous batch's per-row state, not a model parameter, and a model
@@ -92,11 +94,6 @@ def _highway_bias_to_ours(b):
     return b[:n].clone(), -b[n:]
 
 
-def _swap_gate_blocks(x, H):
-    """Blocks of H rows: i|j|f|o (TF) <-> i|f|j|o (PyTorch/AllenNLP); its own inverse."""
-    return torch.cat([x[:H], x[2 * H : 3 * H], x[H : 2 * H], x[3 * H :]])
-
-
 def _lstm_links(stack, layer: int, theirs: str, export: bool) -> list[Link]:
     P, H, fb = stack.opts.projection_dim, stack.opts.dim, stack.forget_bias
     if export and stack.W_P_0 is None:
@@ -105,18 +102,18 @@ def _lstm_links(stack, layer: int, theirs: str, export: bool) -> list[Link]:
 
     def w_to_theirs(w0):
         wt = w0.t()
-        return _swap_gate_blocks(wt[:, :P], H).contiguous(), _swap_gate_blocks(wt[:, P:], H).contiguous()
+        return _swap_gates(wt[:, :P]).contiguous(), _swap_gates(wt[:, P:]).contiguous()
 
     def w_to_ours(w_in, w_state):
-        return (torch.cat([_swap_gate_blocks(w_in, H).t(), _swap_gate_blocks(w_state, H).t()]).contiguous(),)
+        return (torch.cat([_swap_gates(w_in).t(), _swap_gates(w_state).t()]).contiguous(),)
 
     def b_to_theirs(b):
         b = b.clone()
         b[2 * H : 3 * H] += fb
-        return (_swap_gate_blocks(b, H),)
+        return (_swap_gates(b),)
 
     def b_to_ours(b):
-        b = _swap_gate_blocks(b, H)
+        b = _swap_gates(b)
         b[2 * H : 3 * H] -= fb
         return (b,)
 

@@ -131,6 +131,8 @@ def test_parameters_and_state_dict_are_nn_lstms():
 def test_to_lstm_refuses_the_extras():
     with pytest.raises(ValueError, match="cell_clip, forget_bias"):
         elmo_fast.LSTMP(4, 6, cell_clip=3.0, forget_bias=1.0).to_lstm()
+    with pytest.raises(ValueError, match="nn.LSTM has no proj_clip"):  # a clip of 0 clips everything to 0
+        elmo_fast.LSTMP(4, 6, proj_size=2, proj_clip=0.0).to_lstm()
 
 
 def test_layout_is_converted_once_per_parameter_version(monkeypatch):
@@ -212,3 +214,34 @@ def test_forward_errors():
         model(torch.randn(3))
     with pytest.raises(ValueError, match=r"h0 must have shape \(2, 2, 6\), got a tensor of shape \(1, 2, 6\)"):
         model(torch.randn(3, 2, 4), (torch.zeros(1, 2, 6), torch.zeros(2, 2, 6)))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_weight_writes_that_bypass_the_version_counter_are_seen(backend):
+    """torch's fused optimizers and ``.data`` writes do not bump the version counter: the converted copies (and the
+    cpu backend's packed weights, and the autocast casts) must still follow the new values (elmo_fast._stamp)."""
+    torch.manual_seed(7)
+    model = elmo_fast.LSTMP(4, 8, proj_size=3, backend=backend)
+    x = torch.randn(5, 2, 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    for _ in range(2):
+        model(x)[0].square().sum().backward()  # also fills the caches
+        versions = [p._version for p in model.parameters()]
+        opt.step()
+        assert [p._version for p in model.parameters()] == versions  # the case under test
+        with torch.no_grad():
+            torch.testing.assert_close(model(x)[0], model.to_lstm()(x)[0], atol=1e-6, rtol=0)
+        opt.zero_grad()
+    with torch.no_grad():
+        model.weight_hh_l0.data.add_(1.0)
+        torch.testing.assert_close(model(x)[0], model.to_lstm()(x)[0], atol=1e-6, rtol=0)
+
+
+def test_cast_weight_sees_a_data_write():
+    from elmo_fast.ops._precision import cast_weight
+
+    w = torch.nn.Parameter(torch.randn(600, 3))
+    first = cast_weight(w, torch.bfloat16)
+    w.data.add_(1.0)
+    torch.testing.assert_close(cast_weight(w, torch.bfloat16), w.detach().to(torch.bfloat16), atol=0, rtol=0)
+    assert not torch.equal(first, w.detach().to(torch.bfloat16))

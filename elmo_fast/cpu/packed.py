@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from .._stamp import stamp, unchanged
+
 _ONEDNN_OK = os.environ.get("ELMO_FAST_CPU_ONEDNN", "1").strip() != "0"
 
 
@@ -48,7 +50,6 @@ class PackedLinear:
 # Below this many weight elements (1 MiB in fp32) torch.mm is at least as fast: oneDNN runs every call in parallel,
 # and on a busy 2-core machine each parallel region can wait for a scheduler slice.
 _MIN_ELEMENTS = 1 << 18
-_SAMPLE_STRIDE = 509  # the cache's check that a weight is unchanged reads one element in 509 (a prime)
 
 
 def onednn_usable(t: torch.Tensor) -> bool:
@@ -80,21 +81,15 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
         return None
 
 
-def _storage_order(w: torch.Tensor) -> torch.Tensor:
-    """``w`` as a view in the order of its storage where that is a transpose (``elmo_fast.LSTMP`` passes column-major
-    weights), so that sampling it reads a few elements instead of copying the whole weight."""
-    return w.t() if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous() else w
-
-
 class PackedWeightCache:
     """Packed copies of a module's weights, kept across inference calls; owned by the module that owns them.
 
     An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
-    weight's version counter is unchanged (autograd bumps it on every in-place update) *and* a sample of the
-    weight (every 509th element) is unchanged: writes that bypass the counter (``.data``, torch's fused
-    optimizers) change every element, so they are caught too. Training never uses the cache (the autograd path
-    packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a spawned worker) drops
-    the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on the next call.
+    weight is unchanged by ``elmo_fast._stamp``'s rule (its version counter, and a sample of its values, which
+    catches writes that bypass the counter: ``.data``, torch's fused optimizers). Training never uses the cache
+    (the autograd path packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a
+    spawned worker) drops the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on
+    the next call.
 
     ``id``: the number by which the cpu backend's operator (``elmo_fast::lstmp_cpu``, which takes only tensors and
     plain scalars) finds the cache (:func:`cache_by_id`) while the cache lives.
@@ -119,12 +114,11 @@ class PackedWeightCache:
 
     def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
         key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
-        sample = _storage_order(w.detach()).reshape(-1)[::_SAMPLE_STRIDE].clone()
         hit = self._entries.get(key)
-        if hit is not None and hit[0] == w._version and torch.equal(hit[1], sample):
-            return hit[2]
+        if hit is not None and unchanged(hit[0], w):
+            return hit[1]
         lin = PackedLinear(w, rows, dtype)
-        self._entries[key] = (w._version, sample, lin)
+        self._entries[key] = (stamp(w), lin)
         return lin
 
     def clear(self) -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from .. import ops
+from .._stamp import stamp, unchanged
 from .._backend import check_backend_name
 from ..cpu.packed import PackedWeightCache
 from ..ops import _precision as prec
@@ -222,7 +223,8 @@ class LSTMP(nn.Module):
     def to_lstm(self) -> nn.LSTM:
         """The nn.LSTM with this module's configuration and parameters (copied). Raises ValueError when the ELMo
         extras are in use: nn.LSTM computes no clipping, forget bias or residual."""
-        used = [k for k in _EXTRAS if getattr(self, k) not in (None, 0.0, False)]
+        used = ([k for k in ("cell_clip", "proj_clip") if getattr(self, k) is not None]  # a clip of 0 is a clip
+                + ["forget_bias"] * (self.forget_bias != 0) + ["residual"] * bool(self.residual))
         if used:
             raise ValueError(f"LSTMP.to_lstm: nn.LSTM has no {', '.join(used)}; this module uses them, so its "
                              "function cannot be carried over")
@@ -333,11 +335,10 @@ class LSTMP(nn.Module):
         if tracing(*masters):  # in the graph: plain differentiable code
             return convert(*masters)
         key = (k, role, dtype, col_major)
-        stamp = tuple((m._version, m.data_ptr(), m.device) for m in masters)  # bumped by in-place updates
         hit = self._converted.get(key)
-        if hit is None or hit[0] != stamp:
+        if hit is None or not all(unchanged(s, m) for s, m in zip(hit[0], masters)):  # elmo_fast._stamp's rule
             with torch.no_grad():
-                hit = (stamp, convert(*(m.detach() for m in masters)))
+                hit = (tuple(stamp(m) for m in masters), convert(*(m.detach() for m in masters)))
             self._converted[key] = hit
         if torch.is_grad_enabled() and any(m.requires_grad for m in masters):
             return _ConvertedWeight.apply(hit[1], grad_map, *masters)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .._stamp import stamp, unchanged
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._library import tracing
@@ -81,11 +83,10 @@ def cast_weight(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         return w.to(dtype)
     key = (w.storage_offset(), tuple(w.shape), tuple(w.stride()), dtype)
     entries = _CACHE.setdefault(base, {})
-    stamp = (w._version, w.data_ptr(), w.device)  # in-place updates bump the version; .data swaps the storage
     hit = entries.get(key)
-    if hit is None or hit[0] != stamp:
+    if hit is None or not unchanged(hit[0], w):  # elmo_fast._stamp: version counter, storage, values on CPU
         with torch.no_grad():
-            hit = (stamp, w.detach().to(dtype))
+            hit = (stamp(w), w.detach().to(dtype))
         entries[key] = hit
     low = hit[1]
     if torch.is_grad_enabled() and w.requires_grad:
