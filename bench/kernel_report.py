@@ -393,6 +393,8 @@ def estimate_us(case: Case) -> float:
 
     The peak is the tensor-core one when the SASS has tensor-core instructions, else the fp32 FMA one."""
     st = case.stats
+    if "error" in st:  # did not compile: never the preferred candidate, and no estimate to add up
+        return math.inf
     peak = PEAK_TC if tensor_cores(st) else PEAK_FMA
     n = case.programs
     slots = SMS * max(occupancy(st), 1)

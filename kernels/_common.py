@@ -125,14 +125,15 @@ CHOSEN: dict[tuple, dict] = {}  # (kernel, shape key) -> the configuration ``tun
 
 
 def tuned(candidates: list[Launch], key: tuple, *args) -> None:
-    """Launch the best of ``candidates`` (a launch-configuration function's autotune space; the kernel report
-    compiles every member and holds it to its rules) with ``args``. With one candidate (always so under the
-    interpreter) that one; on a GPU each candidate is timed once per ``key`` on these arguments
-    (``triton.testing.do_bench``) and the fastest is kept and recorded in ``CHOSEN``. Only kernels that write
-    (never accumulate into) their outputs are tuned, so the timing runs leave the right values behind. In
-    deterministic mode (``elmo_fast.determinism``) the first candidate, untimed: timings vary from run to run,
-    and candidates with other tiles round differently. While torch.compile / torch.export trace (nothing can
-    be timed) the choice already made for ``key``, else the first candidate."""
+    """Launch the best of ``candidates`` (a launch-configuration function's autotune space; the kernel report compiles
+    every member and holds it to its rules) with ``args``. With one candidate (always so under the interpreter) that
+    one; on a GPU each candidate is timed once per ``key`` on these arguments (``triton.testing.do_bench``) and the
+    fastest is kept and recorded in ``CHOSEN``; callers bucket the row count in ``key`` (next power of 2: the token
+    count changes from batch to batch, the choice need not). Only kernels that write (never accumulate into) their
+    outputs are tuned, so the timing runs leave the right values behind. In deterministic mode
+    (``elmo_fast.determinism``) the first candidate, untimed: timings vary from run to run, and candidates with
+    other tiles round differently. While torch.compile / torch.export trace (nothing can be timed) the choice
+    already made for ``key``, else the first candidate."""
     choice = 0
     if len(candidates) > 1 and not is_deterministic():
         k = (candidates[0].kernel.__name__, *key)

@@ -518,16 +518,15 @@ _WIDTHS: dict = {}
 
 
 def _filter_widths(groups: tuple, device: torch.device) -> torch.Tensor:
-    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Uploaded once per
+    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Made once per
     filter layout and device, then reused (no host->device copy per call; a constant of the graph while
     torch.compile / torch.export trace)."""
-    if tracing():
-        return torch.cat([torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups])
     key = (groups, torch.device(device))
-    wid = _WIDTHS.get(key)
+    wid = None if tracing() else _WIDTHS.get(key)
     if wid is None:
-        host = torch.cat([torch.full((n,), wi, dtype=torch.int32) for wi, n in groups])
-        wid = _WIDTHS[key] = host if host.device == key[1] else host.pin_memory().to(device)
+        wid = torch.cat([torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups])
+        if not tracing(wid):  # a fake or functional tensor (FakeTensorMode, make_fx, opcheck) is never cached
+            _WIDTHS[key] = wid
     return wid
 
 

@@ -210,8 +210,9 @@ def dw_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch
 
 def highway_fwd(x, wc, bc, wt, bt):
     M, F = x.shape
+    Mb = triton.next_power_of_2(M)  # the autotune key's row bucket
     y = torch.empty_like(x)
-    tuned(fused_launch(M, F, x.dtype, target_of(x.device), backward=False), ("fwd", M, F, x.dtype),
+    tuned(fused_launch(M, F, x.dtype, target_of(x.device), backward=False), ("fwd", Mb, F, x.dtype),
           x, wc, bc, wt, bt, x, y, y, y, M, F)
     return y
 
@@ -222,18 +223,19 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     dx has x's dtype; the weight and bias grads ``w_grad_dtype`` (default x's).
     """
     M, F = x.shape
+    Mb = triton.next_power_of_2(M)  # the autotune key's row bucket
     dev = x.device
     target = target_of(dev)
     acc = acc_dtype(x.dtype)
     dz = torch.empty((M, 2 * F), device=dev, dtype=x.dtype)
     dxd = torch.empty((M, F), device=dev, dtype=acc)
-    tuned(fused_launch(M, F, x.dtype, target, backward=True), ("bwd", M, F, x.dtype),
+    tuned(fused_launch(M, F, x.dtype, target, backward=True), ("bwd", Mb, F, x.dtype),
           x, wc, bc, wt, bt, dy, x, dz, dxd, M, F)
     dx = None
     if need_x:
         dx = torch.empty_like(x)
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
-        tuned(dx_launch(M, F, x.dtype, target), ("dx", M, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
+        tuned(dx_launch(M, F, x.dtype, target), ("dx", Mb, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
               M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
     dw = db = None
     if need_w:
@@ -241,7 +243,7 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
         db = torch.empty((2, F), device=dev, dtype=gdt)
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
-        tuned(dw_launch(M, F, x.dtype, target), ("dw", M, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
+        tuned(dw_launch(M, F, x.dtype, target), ("dw", Mb, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
               F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
     return dx, dw, db
 
@@ -278,8 +280,9 @@ def _backward(ctx, dy):
     x, wc, bc, wt, bt = ctx.saved_tensors
     need = ctx.needs_input_grad
     dx, dw, db = _highway_backward_op(x, wc, bc, wt, bt, dy, need[0], any(need[1:]), wc.dtype)
-    grads = [(dw[0], wc), (db[0], bc), (dw[1], wt), (db[1], bt)]
-    return (dx if need[0] else None, *(g.to(p.dtype) if n else None for (g, p), n in zip(grads, need[1:])))
+    # dw (2, F, F) and db (2, F) hold the carry and transform gradients; placeholders when no weight needs one
+    grads = [(dw, 0, wc), (db, 0, bc), (dw, 1, wt), (db, 1, bt)]
+    return (dx if need[0] else None, *(g[i].to(p.dtype) if n else None for (g, i, p), n in zip(grads, need[1:])))
 
 
 _highway_op.register_autograd(_backward, setup_context=_setup_context)

@@ -611,7 +611,7 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     plan["bwd_cell"] = launch(
         _bwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK, **flags),
-        (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", op), ("dc", acc),
+        (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", acc), ("dc", acc),
          ("lengths", i64), ("dz", op), ("consts", acc)),
         T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz
             + 2 * B * H * asz + B * G * isz), 2 * B * P * H if has_proj else 0, t)
@@ -671,12 +671,12 @@ def _consts(forget_bias, cell_clip, proj_clip, acc, dev) -> torch.Tensor:
     torch.compile / torch.export trace)."""
     vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
                                     0.0 if proj_clip is None else proj_clip))
-    if tracing():
-        return torch.tensor(vals, dtype=acc, device=dev)
     key = (dev, acc, vals)
-    t = _CONSTS.get(key)
+    t = None if tracing() else _CONSTS.get(key)
     if t is None:
-        t = _CONSTS[key] = torch.tensor(vals, dtype=acc, device=dev)
+        t = torch.tensor(vals, dtype=acc, device=dev)
+        if not tracing(t):  # a fake or functional tensor (FakeTensorMode, make_fx, opcheck) is never cached
+            _CONSTS[key] = t
     return t
 
 
@@ -752,7 +752,7 @@ def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_cl
     bufs = dict(
         dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
         w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, z=z, cpre=cpre, hpre=hpre,
-        c0=c0.to(op).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
+        c0=c0.to(acc).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
         part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
         dz=torch.empty(B, T, 4 * H, dtype=op, device=dev),
         dhpre=torch.empty(B, T, P, dtype=plan["bwd_cell"].args[0][1], device=dev),

@@ -328,7 +328,8 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
     dh = dh[0] if launch.grid[2] == 1 else dh.sum(0)
     dwc = torch.empty((C, P), dtype=torch.float32, device=hidden.device)
     doff = torch.empty((C,), dtype=torch.float32, device=hidden.device)
-    tuned(dw_launch(N, C, P, hidden.dtype, target, **flags), (N, C, P, hidden.dtype, *flags.values()),
+    key = (triton.next_power_of_2(N), C, P, hidden.dtype, *flags.values())  # rows bucketed
+    tuned(dw_launch(N, C, P, hidden.dtype, target, **flags), key,
           hidden, weight, ids, col_off, targets, lse, g, dwc, doff, N, P, C)
     return dh, dwc, doff
 

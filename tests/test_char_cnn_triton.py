@@ -14,7 +14,7 @@ import torch
 from conftest import requires_triton
 
 from elmo_fast.chars import word_to_char_ids
-from elmo_fast.reference.char_cnn import char_cnn_naive, char_cnn_reference, highway_reference
+from elmo_fast.reference.char_cnn import char_cnn_reference, highway_reference
 
 pytestmark = [pytest.mark.triton, requires_triton]
 
@@ -111,15 +111,12 @@ def _check_cnn(ids, params, act, dtype, device):
     F_ = sum(b.shape[0] for b in bs)
     gout = torch.randn(ids.shape[0], F_, dtype=torch.float64)
     y64, g64 = _run_cnn(char_cnn_reference, ids, emb, ws, bs, act, torch.float64, "cpu", gout)
-    yn, gn = _run_cnn(char_cnn_naive, ids, emb, ws, bs, act, torch.float64, "cpu", gout)
     ref_dev = device if dtype != torch.float64 else "cpu"
     yb, gb = _run_cnn(char_cnn_reference, ids, emb, ws, bs, act, dtype, ref_dev, gout)
     yc, gc = _run_cnn(char_cnn_triton, ids, emb, ws, bs, act, dtype, device, gout)
     names = ["char_embed[1:]"] + [f"W_cnn_{i}" for i in range(len(ws))] + [f"b_cnn_{i}" for i in range(len(bs))]
-    torch.testing.assert_close(yn, y64, rtol=1e-12, atol=1e-12)  # the two oracles agree
     assert_close3("out", y64, yb, yc, dtype)
-    for name, a, n_, b, c in zip(names, g64, gn, gb, gc):
-        torch.testing.assert_close(n_, a, rtol=1e-10, atol=1e-10)
+    for name, a, b, c in zip(names, g64, gb, gc):
         assert c.dtype == dtype, f"{name}: grad dtype {c.dtype}"
         assert_close3(f"grad {name}", a, b, c, dtype)
 
@@ -161,7 +158,7 @@ def test_char_cnn_all_zero_and_all_padding_rows():
     emb, ws, bs, _ = make_params(seed=7)
     p = _leaves([emb, *ws, *bs], torch.float64, _device())
     y = char_cnn_triton(ids.to(_device()), p[0], p[1:5], p[5:], "tanh")
-    y_ref = char_cnn_naive(ids, emb, ws, bs, "tanh")
+    y_ref = char_cnn_reference(ids, emb, ws, bs, "tanh")
     torch.testing.assert_close(y.cpu(), y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y[0].cpu(), torch.tanh(torch.cat(bs)), rtol=1e-12, atol=1e-12)
 
@@ -219,6 +216,26 @@ def test_highway_forward_backward(dtype, M, F_):
     for name, a, b, c in zip(["x", "W_carry", "b_carry", "W_transform", "b_transform"], g64, gb, gc):
         assert c.dtype == dtype
         assert_close3(f"grad {name}", a, b, c, dtype)
+
+
+def test_highway_backward_with_frozen_weights():
+    """Only the input needs a gradient (weights frozen, as when fine-tuning above a fixed encoder): the backward
+    operator computes no weight gradients and returns dx equal to the reference's."""
+    from elmo_fast.kernels.highway import highway_triton
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(13, 20, generator=g, dtype=torch.float64)
+    layer = [torch.randn(20, 20, generator=g, dtype=torch.float64) / 20 ** 0.5, torch.randn(20, generator=g,
+             dtype=torch.float64), torch.randn(20, 20, generator=g, dtype=torch.float64) / 20 ** 0.5,
+             torch.randn(20, generator=g, dtype=torch.float64)]
+    dy = torch.randn(13, 20, generator=g, dtype=torch.float64)
+    dev = _device()
+    dxs = []
+    for fn, d in ((highway_reference, "cpu"), (highway_triton, dev)):
+        xi = x.to(d).requires_grad_()
+        fn(xi, *(t.to(d) for t in layer)).backward(dy.to(d))
+        dxs.append(xi.grad.cpu())
+    torch.testing.assert_close(dxs[1], dxs[0], atol=1e-12, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------------ composed

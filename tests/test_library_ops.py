@@ -31,10 +31,6 @@ LSTMP_FLAGS = [pytest.param((0.5, 0.3, 1.0, True, True), id="clips-reverse-resid
                pytest.param((None, None, 0.0, False, False), id="plain")]
 
 
-def _residual_ok(args, flags):
-    return flags[4] and args[0].shape[2] == args[5].shape[1] or not flags[4]
-
-
 def _detached(args):
     return [[t.detach() for t in a] if isinstance(a, list) else a.detach() if isinstance(a, torch.Tensor) else a
             for a in args]
@@ -205,3 +201,23 @@ def test_lstmp_cpu_weight_gradients_keep_the_weights_layout():
     for w, g_row, g_col in zip([cols[1], cols[2], cols[4]], *grads):
         torch.testing.assert_close(g_col, g_row, atol=1e-12, rtol=0)
         assert g_col.stride() == w.stride() and g_row.is_contiguous()
+
+
+def test_device_constants_made_under_fake_mode_are_not_cached(monkeypatch):
+    """The kernels' per-device constants (lstmp's clip/bias scalars, the char CNN's filter widths) made while a fake
+    mode is active (FakeTensorMode, make_fx, opcheck) must not be served to a later real call."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elmo_fast.kernels import char_cnn as KC
+    from elmo_fast.kernels import lstmp as KL
+    from elmo_fast.ops._library import tracing
+
+    monkeypatch.setattr(KL, "_CONSTS", {})  # empty caches for this test; the process's own come back after it
+    monkeypatch.setattr(KC, "_WIDTHS", {})
+    args = (0.25, 0.125, 0.0625, torch.float64, torch.device("cpu"))
+    groups = ((1, 3), (2, 5))
+    with FakeTensorMode():
+        assert tracing(KL._consts(*args)) and tracing(KC._filter_widths(groups, torch.device("cpu")))
+    consts, wid = KL._consts(*args), KC._filter_widths(groups, torch.device("cpu"))
+    assert not tracing(consts) and consts.tolist() == [0.25, 0.125, 0.0625]
+    assert not tracing(wid) and wid.tolist() == [1, 1, 1, 2, 2, 2, 2, 2]
