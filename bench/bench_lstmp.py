@@ -150,8 +150,23 @@ def _graphed(fn, chain):
     return graph.replay
 
 
+def _eager(fn):
+    """``fn`` with the LSTMP loop graphs off."""
+    def call(*args, **kw):
+        old = os.environ.get("ELMO_FAST_LOOP_GRAPHS")
+        os.environ["ELMO_FAST_LOOP_GRAPHS"] = "0"
+        try:
+            return fn(*args, **kw)
+        finally:
+            if old is None:
+                del os.environ["ELMO_FAST_LOOP_GRAPHS"]
+            else:
+                os.environ["ELMO_FAST_LOOP_GRAPHS"] = old
+    return call
+
+
 def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
-              providers=("triton", "triton-graph", "reference", "cudnn"),
+              providers=("triton", "triton-eager", "triton-graph", "reference", "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
     from elmo_fast.kernels.lstmp import lstmp_triton
 
@@ -170,8 +185,10 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    if provider in ("triton", "triton-graph"):
-                        fn = lstmp_triton
+                    if provider in ("triton", "triton-eager", "triton-graph"):
+                        # triton: the time loops replay from loop graphs (the default on a GPU) after the first
+                        # call; triton-eager: every step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
+                        fn = _eager(lstmp_triton) if provider == "triton-eager" else lstmp_triton
                     elif provider == "reference":
                         fn = lstmp_reference
                     else:

@@ -513,14 +513,33 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     return ops
 
 
+def loop_graph_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
+    """What a chain call adds around a loop-graph replay (``kernels/lstmp_graphs.py``): the refill of the static
+    buffers, the replay's own launch, the clones of the returned tensors."""
+    isz, nt, B = es(dt), size.B * size.T, size.B
+    return {
+        "lstmp/fwd": [TorchOp("loop graph: refill x, bias, weights, states, lengths; replay; clone y, h_n, c_n", 0,
+                              2 * ((4 * H * P + H * P + 4 * H) * isz + nt * P * isz + B * (2 * P + H) * 4)
+                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False)],
+        "lstmp/bwd": [TorchOp("loop graph: refill dy, dh_n, dc_n, c0; replay; clone dh0, dc0", 0,
+                              2 * (nt * P * isz + 2 * B * (P + H) * 4) + 2 * B * (P + H) * 4, 7, False)],
+    }
+
+
 def scenario_sums(cases: list[Case]) -> list[dict]:
-    """Estimated µs per LSTM step, per biLM forward and per training step, by dtype (no CUDA graphs)."""
+    """Estimated µs per LSTM step, per biLM forward and per training step, by dtype: as launched (no CUDA graph),
+    and with the LSTMP time loops replayed from loop graphs (``*_graph_*``: their kernels without the per-launch
+    overhead, plus ``loop_graph_ops``)."""
     by = {}
     for c in chosen(cases):
         by.setdefault((c.size, c.dtype, c.op, c.phase, c.variant), []).append(c)
 
-    def kern(size, dt, op, phase, variant="", times=1):
-        return sum(estimate_us(c) * (1 if c.once else times) for c in by.get((size.name, dt, op, phase, variant), []))
+    def kern(size, dt, op, phase, variant="", times=1, graph=False):
+        return sum((estimate_us(c) - (LAUNCH_US if graph else 0)) * (1 if c.once else times)
+                   for c in by.get((size.name, dt, op, phase, variant), []))
+
+    def loop_graph_us(size, dt, phase):
+        return sum(o.estimate_us() for o in loop_graph_ops(size, dt)[f"lstmp/{phase}"])
 
     def torch_us(size, dt, keys):
         ops = torch_ops(size, dt)
@@ -531,9 +550,11 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
     for size in SIZES:
         for dt in DTYPES:
             step = kern(size, dt, "lstmp", "fwd", "fwd")
-            row = dict(size=size.name, dtype=dt_name(dt), lstm_step_fwd_us=step)
+            step_g = kern(size, dt, "lstmp", "fwd", "fwd", graph=True)
+            row = dict(size=size.name, dtype=dt_name(dt), lstm_step_fwd_us=step, lstm_step_fwd_graph_us=step_g)
             if size.train:
                 row["lstm_step_fwd_bwd_us"] = step + kern(size, dt, "lstmp", "bwd", "fwd")
+                row["lstm_step_fwd_bwd_graph_us"] = step_g + kern(size, dt, "lstmp", "bwd", "fwd", graph=True)
             enc = (kern(size, dt, "char_cnn", "fwd") + N_HIGHWAY * kern(size, dt, "highway", "fwd")
                    + torch_us(size, dt, ["char_cnn/fwd", "highway/fwd"]))
             lstm = sum(kern(size, dt, "lstmp", "fwd", v, size.T) for v in chains) + 4 * torch_us(size, dt,
@@ -548,12 +569,17 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                             + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
                 opt = torch_us(size, dt, ["optimizer/step"])
                 total = enc + lstm + enc_b + lstm_b + soft + opt
+                lstm_g = sum(kern(size, dt, "lstmp", ph, v, size.T, graph=True) + loop_graph_us(size, dt, ph)
+                             for v in chains for ph in ("fwd", "bwd")) + 4 * torch_us(size, dt, ["lstmp/fwd",
+                                                                                             "lstmp/bwd"])
+                total_g = total - lstm - lstm_b + lstm_g
                 cnn_det = kern(size, dt, "char_cnn", "bwd", "det") + torch_us(size, dt, ["char_cnn/bwd det"])
                 cnn = kern(size, dt, "char_cnn", "bwd") + torch_us(size, dt, ["char_cnn/bwd"])
                 row.update(encoder_fwd_bwd_us=enc + enc_b, lstm_fwd_bwd_us=lstm + lstm_b, softmax_us=soft,
                            optimizer_us=opt, train_step_us=total,
                            train_tokens_per_s=size.B * size.T / (total * 1e-6),
-                           train_step_det_us=total - cnn + cnn_det)
+                           train_step_det_us=total - cnn + cnn_det, train_step_graph_us=total_g,
+                           train_tokens_per_s_graph=size.B * size.T / (total_g * 1e-6))
             rows.append(row)
     return rows
 
@@ -631,6 +657,16 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                "Deterministic training step: the same with the char-CNN backward of deterministic mode (variant "
                "'det'; torch's deterministic algorithms and the untuned launch configurations not modelled).",
                ""]
+        md += ["With loop graphs (`kernels/lstmp_graphs.py`, on by default on a GPU: each chain's forward and "
+               "backward time loops replay from a CUDA graph from the second call of a shape on):", "",
+               "| size | dtype | LSTM step fwd | LSTM step fwd+bwd | training step | tokens/s |",
+               "|---|---|---|---|---|---|"]
+        md += ["| " + " | ".join([s["size"], s["dtype"], cell(s, "lstm_step_fwd_graph_us", "{:.1f}"),
+                                  cell(s, "lstm_step_fwd_bwd_graph_us", "{:.1f}"), cell(s, "train_step_graph_us"),
+                                  cell(s, "train_tokens_per_s_graph", "{:,.0f}")]) + " |" for s in sums]
+        md += ["", "Loop-graph rows: the LSTMP kernels of the time loops without the 3 µs per launch, plus per chain "
+               "call the replay's launch, the refill of the graph's static buffers (weights, x, states, lengths, dy) "
+               "and the clones of what it returns (`loop_graph_ops`).", ""]
     bad = [r for r in rows if r["violations"]]
     md += ["## Rule violations", ""]
     pending = [r for r in bad if r["op"] in PENDING]

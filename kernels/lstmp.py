@@ -31,7 +31,9 @@ Backward walks the steps in reverse with the mirror image:
 
 Three launches per step (two forward without a projection), all with shapes fixed by (B, T): the time loop
 allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph
-(after one warm-up call: the first call per (device, dtype, forget bias, clips) uploads those constants).
+(after one warm-up call: the first call per (device, dtype, forget bias, clips) uploads those constants). On
+CUDA tensors both loops replay from such graphs by default, in training too (``kernels/lstmp_graphs.py``:
+static buffers per call shape, leased to the forward's autograd node until its backward).
 
 *Input projection* of all steps is one matmul (``x · w_in``) before the time loop (cuBLAS); the weight
 gradients are matmuls over all B·T tokens after it: ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``,
@@ -96,8 +98,8 @@ import torch
 import triton
 import triton.language as tl
 
+from elmo_fast.kernels import lstmp_graphs as graphs
 from elmo_fast.kernels._common import H100, Target, acc_dtype, tl_acc_dtype, triton_operator
-from elmo_fast.kernels._common import launch as launch_kernel
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -648,8 +650,27 @@ def device_target(device: torch.device) -> Target:
 def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:
     """Launch with the tensors named in ``launch.args``; ``constexprs`` override (bwd_reduce's HAS_PART)."""
     args = [s if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
-    launch_kernel(launch.kernel, launch.grid, args, {**launch.constexprs, **constexprs,
+    graphs.launch(launch.kernel, launch.grid, args, {**launch.constexprs, **constexprs,
                                                      "num_warps": launch.num_warps, "num_stages": launch.num_stages})
+
+
+def _fwd_loop(plan: dict, bufs: dict) -> None:
+    """The forward time loop: every launch of every step (what a loop graph captures)."""
+    steps = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
+    for s in range(bufs["y"].shape[1]):
+        for launch in steps:
+            _run(launch, bufs, s)
+
+
+def _bwd_loop(plan: dict, bufs: dict) -> None:
+    """The backward time loop (what a loop graph captures)."""
+    cell, rec, red = plan["bwd_cell"], plan["bwd_rec"], plan["bwd_reduce"]
+    T = bufs["dz"].shape[1]
+    _run(red, bufs, T - 1, HAS_PART=False)  # dh_pre of the first step from dh_n
+    for s in range(T - 1, -1, -1):
+        _run(cell, bufs, s)
+        _run(rec, bufs, s)
+        _run(red, bufs, s - 1)
 
 
 def _check_dtypes(plan: dict, bufs: dict, prefix: str) -> None:
@@ -729,16 +750,60 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     """Host launcher of the forward pass. Returns (y, h_n, c_n, cache) where cache is None unless ``save``.
 
     No host sync: all T steps run (rows mask themselves); every tensor's shape follows from the arguments'.
+    On CUDA the time loop replays from a CUDA graph once its call signature was seen (``lstmp_graphs``); the
+    cache then lives in the graph's slot, leased to the caller until its backward.
     """
-    plan, bufs = fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=cell_clip,
-                           proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual,
-                           save=save)
-    steps = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
-    for s in range(x.shape[1]):
-        for launch in steps:
-            _run(launch, bufs, s)
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, reverse=reverse, residual=residual)
+    how = None if tracing(x) else graphs.mode(x.device)
+    slot = None
+    if how is not None:
+        key = (tuple(x.shape), x.dtype, tuple(w_in.shape), w_rec.dtype, w_proj is not None, tuple(h0.shape), h0.dtype,
+               c0.dtype, x.device, tuple(sorted(kw.items())), save)
+        slot = graphs.POOL.acquire(key, how, lambda: _static(*fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths,
+                                                                        save=save, **kw), _FWD_INPUTS))
+    if slot is None:
+        plan, bufs = fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, save=save, **kw)
+        _fwd_loop(plan, bufs)
+        fresh = False
+    else:
+        try:
+            bufs = slot.run("fwd", _fwd_loop, lambda b: _fill_fwd(b, x, w_in, w_rec, bias, w_proj, h0, c0, lengths))
+        except Exception as exc:  # noqa: BLE001 - a capture that fails: this signature runs eagerly from now on
+            graphs.POOL.fail(slot, exc)
+            return lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, save=save, **kw)
+        if not save:
+            graphs.POOL.give_back(slot)
+        fresh = True  # y, h_n, c_n must not be the slot's buffers, which the next replay overwrites
     cache = (bufs["z"], bufs["cpre"], bufs["hpre"], bufs["hprev"], bufs["m"], bufs["lengths"]) if save else None
-    return bufs["y"].to(x.dtype), bufs["hn"].to(h0.dtype), bufs["c"].to(c0.dtype), cache
+    if save and fresh:  # aliases (sharing the version counters): autograd must not attach its node to the slot's own
+        cache = tuple(t.detach() for t in cache)  # tensors, which would keep the node, and so the lease, alive
+    return (bufs["y"].to(x.dtype, copy=fresh), bufs["hn"].to(h0.dtype, copy=fresh), bufs["c"].to(c0.dtype, copy=fresh),
+            cache)
+
+
+def _static(plan: dict, bufs: dict, inputs: tuple[str, ...]) -> tuple[dict, dict]:
+    """A loop graph's (plan, buffers) from a setup's: the ``inputs`` buffers, which may alias the caller's tensors,
+    are copied (the setup allocated the rest), aliases among the buffers kept (``w_proj`` is ``w_rec`` without a
+    projection)."""
+    own = {}
+    for name, t in bufs.items():
+        if name in inputs and id(t) not in own:
+            own[id(t)] = t.clone()
+    return plan, {name: own.get(id(t), t) for name, t in bufs.items()}
+
+
+_FWD_INPUTS = ("x", "bias", "w_rec", "w_proj", "lengths")  # forward buffers that may alias the caller's tensors
+_BWD_INPUTS = ("dy", "c0")  # the same of backward (its weights, caches and lengths are the forward slot's)
+
+
+def _fill_fwd(bufs, x, w_in, w_rec, bias, w_proj, h0, c0, lengths) -> None:
+    """The call's inputs into a loop graph's forward buffers (what ``fwd_setup`` computes, in place)."""
+    D, G, op = x.shape[2], w_in.shape[1], bufs["w_rec"].dtype
+    torch.matmul(x.reshape(-1, D).to(op), w_in.to(op), out=bufs["gx"].view(-1, G))
+    for name, t in (("x", x), ("bias", bias), ("w_rec", w_rec), ("w_proj", w_proj), ("hop", h0), ("hn", h0),
+                    ("c", c0), ("lengths", lengths)):
+        if t is not None:
+            bufs[name].copy_(t)
 
 
 def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual
@@ -762,24 +827,39 @@ def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_cl
 
 
 def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual,
-              needs=(True,) * 5):
+              needs=(True,) * 5, slot=None):
     """Host launcher of backward through time. Returns (dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0).
 
     ``needs`` flags (x, w_in, w_rec, bias, w_proj): the after-loop GEMM of a gradient nobody needs is skipped
-    (None returned); the time loop itself always runs, every gradient depends on it.
+    (None returned); the time loop itself always runs, every gradient depends on it. ``slot``: the loop-graph
+    slot whose buffers hold ``cache`` (its forward ran from a graph): the loop then replays from the slot's graph.
     """
-    plan, bufs = bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, cell_clip=cell_clip, proj_clip=proj_clip,
-                           reverse=reverse, residual=residual)
-    B, T, D = x.shape
-    op, acc = w_rec.dtype, bufs["dc"].dtype
-    cell, rec, red = plan["bwd_cell"], plan["bwd_rec"], plan["bwd_reduce"]
-    _run(red, bufs, T - 1, HAS_PART=False)  # dh_pre of the first step from dh_n
-    for s in range(T - 1, -1, -1):
-        _run(cell, bufs, s)
-        _run(rec, bufs, s)
-        _run(red, bufs, s - 1)
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual)
+    if slot is None:
+        plan, bufs = bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, **kw)
+        _bwd_loop(plan, bufs)
+        dh0, dc0 = bufs["dh"], bufs["dc"]
+    else:
+        fwd = slot.buffers("fwd")
+        cache = (*cache[:5], fwd["lengths"])  # the saved caches are the slot's (its lease checked that)
+        if "bwd" not in slot.phases:
+            w_p = None if w_proj is None else fwd["w_proj"]
+            slot.phases["bwd"] = _static(*bwd_setup(dy, dh_n, dc_n, x, fwd["w_rec"], w_p, c0, cache, **kw), _BWD_INPUTS)
+        bufs = slot.run("bwd", _bwd_loop, lambda b: _fill_bwd(b, dy, dh_n, dc_n, c0))
+        dh0, dc0 = bufs["dh"].clone(), bufs["dc"].clone()
+    return (*_after_loop(bufs, x, w_in, w_proj, cache, residual, needs), dh0, dc0)
 
-    # Weight gradients: one GEMM each over all B*T tokens, operands in the weights' dtype (zeros at padding).
+
+def _fill_bwd(bufs, dy, dh_n, dc_n, c0) -> None:
+    for name, t in (("dy", dy), ("dh", dh_n), ("dc", dc_n), ("c0", c0)):
+        bufs[name].copy_(t)
+
+
+def _after_loop(bufs, x, w_in, w_proj, cache, residual, needs) -> tuple:
+    """(dx, dw_in, dw_rec, dbias, dw_proj): one GEMM each over all B*T tokens, operands in the weights' dtype
+    (zeros at padding), into fresh tensors."""
+    B, T, D = x.shape
+    op, acc = bufs["dz"].dtype, bufs["dc"].dtype
     _, _, _, hprev, m, lengths = cache
     dz2 = bufs["dz"].reshape(B * T, -1)
     dx = dw_in = dw_rec = dbias = dw_proj = None
@@ -796,7 +876,7 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
         if residual:
             valid = (torch.arange(T, device=x.device)[None, :] < lengths[:, None]).unsqueeze(-1)
             dx = dx + torch.where(valid, bufs["dy"], torch.zeros((), dtype=op, device=x.device))
-    return dx, dw_in, dw_rec, dbias, dw_proj, bufs["dh"], bufs["dc"]
+    return dx, dw_in, dw_rec, dbias, dw_proj
 
 
 # ------------------------------------------------------------------------------------------ operators
@@ -821,13 +901,20 @@ def _backward_op(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | None, x:
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, dw_in, dw_rec, dbias, dw_proj, dh0, dc0) in the operand / accumulation dtypes; ``needs`` flags
     (x, w_in, w_rec, bias, w_proj): a gradient not needed is a placeholder."""
+    return _backward_grads(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, h0, c0, lengths, z, cpre, hpre, hprev, m,
+                           cell_clip, proj_clip, reverse, residual, needs)
+
+
+def _backward_grads(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, h0, c0, lengths, z, cpre, hpre, hprev, m, cell_clip,
+                    proj_clip, reverse, residual, needs, slot=None):
+    """``_backward_op``; with ``slot`` (see ``lstmp_bwd``) called directly, as the operator takes tensors only."""
     if dy is None:
         dy = torch.zeros(x.shape[0], x.shape[1], h0.shape[1], dtype=x.dtype, device=x.device)
     dh_n = torch.zeros_like(h0) if dh_n is None else dh_n
     dc_n = torch.zeros_like(c0) if dc_n is None else dc_n
     cache = (z, cpre, hpre, hprev, m, _lengths(lengths, x.device))
     grads = lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, cell_clip=cell_clip, proj_clip=proj_clip,
-                      reverse=reverse, residual=residual, needs=needs)
+                      reverse=reverse, residual=residual, needs=needs, slot=slot)
     return tuple(nothing(x) if g is None else g for g in grads)
 
 
@@ -843,6 +930,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     if save:
         ctx.save_for_backward(x, w_in, w_rec, w_proj, h0, c0, lengths, *output[3:])
+        ctx.lease = graphs.POOL.lease(output[3])  # the loop graph's slot holding the caches (None: eager)
 
 
 def _backward(ctx, dy, dh_n, dc_n, *_):
@@ -851,7 +939,12 @@ def _backward(ctx, dy, dh_n, dc_n, *_):
     if not ctx.saved:
         raise RuntimeError("lstmp (triton): this call ran without save=True and kept nothing for backward")
     need = ctx.needs_input_grad
-    grads = _lstmp_backward_op(dy, dh_n, dc_n, *ctx.saved_tensors, *ctx.flags, list(need[:5]))
+    lease = ctx.lease
+    if lease is not None and not tracing(*ctx.saved_tensors):  # the caches are a loop graph's buffers
+        grads = _backward_grads(dy, dh_n, dc_n, *ctx.saved_tensors, *ctx.flags, list(need[:5]), slot=lease.check())
+        lease.release()
+    else:
+        grads = _lstmp_backward_op(dy, dh_n, dc_n, *ctx.saved_tensors, *ctx.flags, list(need[:5]))
     grads = [g.to(dt) if need[i] and dt is not None else None for i, (g, dt) in enumerate(zip(grads, ctx.dtypes))]
     return (*grads, *(None,) * 7)
 

@@ -34,7 +34,9 @@ def capture(fn, inputs: tuple[torch.Tensor, ...]):
         fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: only this thread's CUDA calls are checked during the capture, so that another thread's work
+    # (a data loader pinning memory, say) neither fails the capture nor is failed by it.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn(*inputs)
     return graph.replay, outputs
 

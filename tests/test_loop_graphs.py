@@ -1,0 +1,255 @@
+"""Loop graphs of the Triton LSTMP (``elmo_fast.kernels.lstmp_graphs``): the time loops replayed from a graph give
+the eager results bit for bit, forward and every gradient, across calls whose inputs, lengths and weights change;
+saved activations are leased to their backward and never overwritten under it.
+
+On CPU the graphs run in ``ELMO_FAST_LOOP_GRAPHS=record`` mode: capture records each launch with its arguments and
+a replay launches exactly those, so a buffer a call forgot to refill, or replaced instead of overwriting, shows up
+as a wrong result here as it would in a CUDA graph. The ``gpu`` test does the same with real CUDA graphs.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from conftest import requires_triton
+from test_lstmp_triton import GRAD_NAMES, flags, make_case, upstream_grads
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    from elmo_fast.kernels import lstmp_graphs
+
+    lstmp_graphs.POOL.clear()
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "1" if DEV == "cuda" else "record")
+    yield lstmp_graphs
+    lstmp_graphs.POOL.clear()
+
+
+def _lstmp(*args, **kw):
+    from elmo_fast.kernels.lstmp import lstmp_triton
+
+    return lstmp_triton(*args, **kw)
+
+
+def _params(case, dtype):
+    return {k: (case[k].to(DEV, dtype).clone().requires_grad_() if case[k] is not None else None) for k in GRAD_NAMES}
+
+
+def _step(params, case, fl, seed, dtype):
+    """One call with fresh x / h0 / c0 / lengths (as a new batch brings), then backward: outputs and grads."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, _ = case["x"].shape
+    inp = dict(params)
+    for k in ("x", "h0", "c0"):
+        inp[k] = torch.randn(params[k].shape, generator=g, dtype=torch.float64).to(DEV, dtype).requires_grad_()
+    lengths = torch.randint(0, T + 1, (B,), generator=g)
+    lengths[0] = T
+    y, h_n, c_n = _lstmp(*(inp[k] for k in GRAD_NAMES), lengths.to(DEV), **fl)
+    gy, gh, gc = (u.to(DEV, dtype) for u in upstream_grads(seed)(y, h_n, c_n))
+    torch.autograd.backward((y, h_n, c_n), (gy, gh, gc))
+    out = {"y": y, "h_n": h_n, "c_n": c_n}
+    out.update({f"d{k}": inp[k].grad for k in GRAD_NAMES if inp[k] is not None and inp[k].grad is not None})
+    for p in params.values():
+        if p is not None:
+            p.grad = None
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def _train(case, fl, dtype, steps=4):
+    """``steps`` calls with an in-place weight update between them (what an optimizer does)."""
+    params = _params(case, dtype)
+    results = []
+    for i in range(steps):
+        results.append(_step(params, case, fl, seed=100 + i, dtype=dtype))
+        with torch.no_grad():
+            for p in params.values():
+                if p is not None:
+                    p.mul_(0.9).add_(0.01)
+    return results
+
+
+def _replays(graphs) -> int:
+    return sum(s.replayed for slots in graphs.POOL.slots.values() for s in slots)
+
+
+CASES = [
+    (dict(), flags()),
+    (dict(residual=True), flags(reverse=True, residual=True)),
+    (dict(proj=False), flags(cell_clip=None, proj_clip=None, forget_bias=0.5)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape,fl", CASES)
+def test_training_replays_equal_eager(graphs, monkeypatch, shape, fl, dtype):
+    case = make_case(B=5, T=4, **shape)
+    with_graphs = _train(case, fl, dtype)
+    assert _replays(graphs) == 2 * 3  # call 1 eager (first sight); calls 2-4 replay forward and backward
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    eager = _train(case, fl, dtype)
+    for i, (got, want) in enumerate(zip(with_graphs, eager)):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"call {i}: {k} differs from the eager run"
+
+
+def test_inference_replays_equal_eager_and_return_fresh_tensors(graphs, monkeypatch):
+    case = make_case(B=5, T=4)
+    fl = flags()
+    params = _params(case, torch.float32)
+
+    def call(seed):
+        x = torch.randn(params["x"].shape, generator=torch.Generator().manual_seed(seed)).to(DEV)
+        with torch.no_grad():
+            return _lstmp(x, *(params[k] for k in GRAD_NAMES[1:]), torch.tensor([4, 2, 0, 3, 1], device=DEV), **fl)
+
+    outs = [call(s) for s in range(3)]
+    assert _replays(graphs) == 2
+    assert all(not s.leased for slots in graphs.POOL.slots.values() for s in slots)
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    for s, got in enumerate(outs):  # the results of calls 1 and 2 were not overwritten by call 3's replay
+        for a, b in zip(got, call(s)):
+            assert torch.equal(a, b)
+
+
+def test_two_forwards_before_backward_get_two_slots(graphs, monkeypatch):
+    """A module used twice in one loss: the second forward must not overwrite what the first saved."""
+    case = make_case(B=4, T=3)
+    fl = flags()
+
+    def run():
+        params = _params(case, torch.float64)
+        rest = [params[k] for k in GRAD_NAMES[1:]]
+        lengths = torch.tensor([3, 1, 2, 0], device=DEV)
+        loss = 0
+        for i in range(4):  # call 1 eager, calls 2 and 3 each take a slot, call 4 finds both leased: eager
+            x = (case["x"] * (i + 1)).to(DEV).requires_grad_()
+            y, _, _ = _lstmp(x, *rest, lengths, **fl)
+            loss = loss + (y * (i + 1)).sum()
+        loss.backward()
+        return [params[k].grad.clone() for k in GRAD_NAMES[1:] if params[k] is not None]
+
+    got = run()
+    slots = graphs.POOL.slots
+    assert [len(v) for v in slots.values()] == [graphs.MAX_SLOTS]
+    assert all(not s.leased for s in next(iter(slots.values())))  # released by their backwards
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    for a, b in zip(got, run()):
+        assert torch.equal(a, b)
+
+
+def test_backward_after_the_buffers_were_reused_raises(graphs):
+    case = make_case(B=4, T=3)
+    params = _params(case, torch.float64)
+    lengths = torch.tensor([3, 1, 2, 0], device=DEV)
+
+    def fwd():
+        return _lstmp(*(params[k] for k in GRAD_NAMES), lengths, **flags())[0].sum()
+
+    fwd().backward()  # first sight: eager
+    loss = fwd()  # takes the slot
+    loss.backward(retain_graph=True)  # releases it
+    loss.backward(retain_graph=True)  # nothing reused it yet: fine
+    fwd()  # the same slot, handed to a new forward: its refill bumps the saved buffers' version counters
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_lease_checks_its_generation(graphs):
+    slot = graphs.Slot("key", "record", ({}, {"z": torch.zeros(1)}))
+    slot.leased, slot.generation = True, 1
+    lease = graphs.Lease(slot)
+    assert lease.check() is slot
+    slot.generation += 1  # handed to another forward
+    with pytest.raises(RuntimeError, match="handed to a later forward"):
+        lease.check()
+    lease.release()
+    assert slot.leased  # a stale lease releases nothing
+
+
+def test_a_forward_without_backward_frees_its_slot(graphs):
+    case = make_case(B=4, T=3)
+    params = _params(case, torch.float64)
+    lengths = torch.tensor([3, 1, 2, 0], device=DEV)
+    for _ in range(2):
+        y = _lstmp(*(params[k] for k in GRAD_NAMES), lengths, **flags())[0]
+    (slot,) = next(iter(graphs.POOL.slots.values()))
+    assert slot.leased
+    del y
+    gc.collect()
+    assert not slot.leased
+
+
+def test_failed_capture_warns_and_runs_eagerly(graphs, monkeypatch):
+    case = make_case(B=4, T=3)
+    fl = flags()
+
+    def broken(loop):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", broken)
+    monkeypatch.setattr(graphs, "_capture_cuda", broken)
+    with pytest.warns(RuntimeWarning, match="capturing the LSTMP time loop in a CUDA graph failed"):
+        got = _train(case, fl, torch.float64, steps=3)
+    assert len(graphs.POOL.failed) == 1 and not any(graphs.POOL.slots.values())
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    for a, b in zip(got, _train(case, fl, torch.float64, steps=3)):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_mode(monkeypatch):
+    from elmo_fast.kernels.lstmp_graphs import mode
+
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "auto")
+    assert mode(torch.device("cpu")) is None  # graphs are for CUDA tensors; record mode is the tests' choice
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    assert mode(torch.device("cuda")) is None
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="ELMO_FAST_LOOP_GRAPHS must be"):
+        mode(torch.device("cpu"))
+
+
+def test_idle_slots_are_bounded(graphs, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_IDLE", 2)
+    params = None
+    for B in (2, 3, 4, 5):  # four signatures, each seen twice: four slots made, two kept
+        case = make_case(B=B, T=2)
+        params = _params(case, torch.float64)
+        for _ in range(2):
+            with torch.no_grad():
+                _lstmp(*(params[k] for k in GRAD_NAMES), case["lengths"].to(DEV), **flags())
+    assert sum(len(v) for v in graphs.POOL.slots.values()) == 2
+
+
+def test_elmo_fine_tuning_with_loop_graphs_equals_eager(graphs, monkeypatch, tiny_model):
+    """Through the model API: stateful biLM, a backward and an optimizer step per batch, batches of one shape."""
+    import elmo_fast
+
+    o, w = tiny_model
+    batches = [[["The", "cat", "sat"], ["Hi", "there"]], [["naïve", "x" * 60, "<S>"], ["ok", "then", "so"]]]
+
+    def fine_tune():
+        torch.manual_seed(0)
+        elmo = elmo_fast.Elmo(o, w, 1, requires_grad=True, dropout=0.0, backend="triton")
+        opt = torch.optim.SGD(elmo.parameters(), lr=0.1)
+        reps = []
+        for sents in batches:
+            rep = elmo(elmo_fast.batch_to_ids(sents))["elmo_representations"][0]
+            (rep * torch.linspace(-1, 1, rep.numel()).view_as(rep)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            reps.append(rep.detach().clone())
+        return reps, [p.detach().clone() for p in elmo.parameters()]
+
+    got = fine_tune()
+    assert _replays(graphs) == 2 * 4  # batch 2: four chains, forward and backward
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    want = fine_tune()
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(a, b)
