@@ -151,10 +151,15 @@ class Pool:
         self.seen: set = set()
         self.failed: set = set()
         self.by_ptr: dict[int, Slot] = {}  # data_ptr of a slot's z buffer -> slot (the forward's lease lookup)
+        self.lock = threading.RLock()
 
     def acquire(self, key, how: str, setup) -> Slot | None:
         """A free slot for ``key`` (``setup()`` gives a new slot's forward plan and static buffers), leased to
         the caller; None: run eagerly (first sight of ``key``, its capture failed, or every slot is leased)."""
+        with self.lock:  # threads (nn.DataParallel replicas) share the pool
+            return self._acquire(key, how, setup)
+
+    def _acquire(self, key, how: str, setup) -> Slot | None:
         if key in self.failed:
             return None
         if key not in self.seen:
@@ -174,10 +179,12 @@ class Pool:
 
     def give_back(self, slot: Slot) -> None:
         """The call is done with ``slot`` unless a lease keeps it (training: until backward)."""
-        slot.leased = False
-        self.park(slot)
+        with self.lock:
+            slot.leased = False
+            self.park(slot)
 
     def park(self, slot: Slot) -> None:
+        self.idle.pop(id(slot), None)  # most recently used last
         self.idle[id(slot)] = slot
         while len(self.idle) > MAX_IDLE:
             _, old = self.idle.popitem(last=False)
