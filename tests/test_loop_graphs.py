@@ -236,12 +236,12 @@ def test_elmo_fine_tuning_with_loop_graphs_equals_eager(graphs, monkeypatch, tin
 
     def fine_tune():
         torch.manual_seed(0)
-        elmo = elmo_fast.Elmo(o, w, 1, requires_grad=True, dropout=0.0, backend="triton")
+        elmo = elmo_fast.Elmo(o, w, 1, requires_grad=True, dropout=0.0, backend="triton").to(DEV)
         opt = torch.optim.SGD(elmo.parameters(), lr=0.1)
         reps = []
         for sents in batches:
-            rep = elmo(elmo_fast.batch_to_ids(sents))["elmo_representations"][0]
-            (rep * torch.linspace(-1, 1, rep.numel()).view_as(rep)).sum().backward()
+            rep = elmo(elmo_fast.batch_to_ids(sents).to(DEV))["elmo_representations"][0]
+            (rep * torch.linspace(-1, 1, rep.numel(), device=DEV).view_as(rep)).sum().backward()
             opt.step()
             opt.zero_grad()
             reps.append(rep.detach().clone())
