@@ -31,6 +31,7 @@ every path of this module that way (``tests/test_loop_graphs.py``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import warnings
@@ -43,12 +44,14 @@ MAX_SLOTS = 2  # per call signature: two forwards outstanding before their backw
 MAX_IDLE = 8  # idle slots kept over all signatures (each holds one chain's activations for one batch shape)
 
 _rec = threading.local()
+_state = threading.local()
+OFF: dict[str, str] = {}  # device -> why loop graphs are off there (``disable``: the self-check found a fault)
 
 
 def mode(device: torch.device) -> str | None:
     """"cuda" (capture CUDA graphs), "record" (the CPU stand-in of the tests) or None (no graphs)."""
     env = os.environ.get("ELMO_FAST_LOOP_GRAPHS", "auto").strip().lower()
-    if env in ("0", "off", "false", "no"):
+    if env in ("0", "off", "false", "no") or getattr(_state, "suspended", False) or str(device) in OFF:
         return None
     if env == "record":
         return "record"
@@ -57,6 +60,23 @@ def mode(device: torch.device) -> str | None:
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     return "cuda"
+
+
+def disable(device: torch.device, why: str) -> None:
+    """No loop graphs on ``device`` from now on (warned once)."""
+    OFF[str(device)] = why
+    warnings.warn(f"elmo_fast: LSTMP loop graphs are off on {device}: {why}", RuntimeWarning, stacklevel=2)
+
+
+@contextlib.contextmanager
+def suspended():
+    """No loop graphs in this thread inside the block (the self-check's eager baseline)."""
+    old = getattr(_state, "suspended", False)
+    _state.suspended = True
+    try:
+        yield
+    finally:
+        _state.suspended = old
 
 
 def launch(kernel, grid, args, kwargs) -> None:

@@ -29,6 +29,7 @@ def graphs(monkeypatch):
     monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "1" if DEV == "cuda" else "record")
     yield lstmp_graphs
     lstmp_graphs.POOL.clear()
+    lstmp_graphs.OFF.clear()
 
 
 def _lstmp(*args, **kw):
@@ -253,3 +254,25 @@ def test_elmo_fine_tuning_with_loop_graphs_equals_eager(graphs, monkeypatch, tin
     want = fine_tune()
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert torch.equal(a, b)
+
+
+def test_self_check_keeps_sound_graphs_on(graphs, recwarn):
+    from elmo_fast.ops._selfcheck import check_loop_graphs
+
+    check_loop_graphs(torch.device(DEV))
+    assert not graphs.OFF and _replays(graphs) >= 2 * 2
+    assert not [w for w in recwarn if "loop graphs" in str(w.message)]
+
+
+def test_self_check_turns_faulty_graphs_off(graphs, monkeypatch):
+    """A replay that does not redo the recorded work (a capture gone wrong) is caught, and graphs go off."""
+    from elmo_fast.ops._selfcheck import check_loop_graphs
+
+    def hollow(loop):  # records nothing: its replays leave the buffers as the refill left them
+        return lambda: None
+
+    monkeypatch.setattr(graphs, "_record", hollow)
+    monkeypatch.setattr(graphs, "_capture_cuda", hollow)
+    with pytest.warns(RuntimeWarning, match="LSTMP loop graphs are off on .*a replay differs"):
+        check_loop_graphs(torch.device(DEV))
+    assert graphs.mode(torch.device(DEV)) is None

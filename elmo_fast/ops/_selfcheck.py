@@ -173,4 +173,28 @@ def run_self_check(op: str, device: torch.device) -> str | None:
                     f"{SLACK_BF16:g} slack, against the fp64 reference)")
     except Exception as exc:  # noqa: BLE001 - any failure of the kernel path is a failed check
         return f"{type(exc).__name__}: {str(exc)[:200]}"
+    if op == "lstmp":
+        check_loop_graphs(device)
     return None
+
+
+def check_loop_graphs(device: torch.device) -> None:
+    """The LSTMP loop graphs (``kernels/lstmp_graphs.py``) where they are on: three training calls of the fp32
+    check replay bit for bit what the same call gives without them (at least two of the three replay). On a
+    difference or an error they are turned off on ``device`` with a warning; the kernels themselves passed."""
+    from ..kernels import lstmp_graphs
+
+    if lstmp_graphs.mode(device) is None:
+        return
+    run, floats = _lstmp(device, torch.Generator().manual_seed(0))
+    try:
+        with torch.enable_grad():
+            with lstmp_graphs.suspended():
+                want = _outputs_and_grads(run, "triton", floats, 1)
+            for _ in range(3):
+                got = _outputs_and_grads(run, "triton", floats, 1)
+                if len(got) != len(want) or not all(torch.equal(a, b) for a, b in zip(got, want)):
+                    lstmp_graphs.disable(device, "a replay differs from the same call without the graph")
+                    return
+    except Exception as exc:  # noqa: BLE001 - any failure: no graphs on this device
+        lstmp_graphs.disable(device, f"{type(exc).__name__}: {str(exc)[:200]}")
