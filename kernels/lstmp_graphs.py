@@ -31,7 +31,6 @@ every path of this module that way (``tests/test_loop_graphs.py``).
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import threading
 import warnings
@@ -39,19 +38,20 @@ import warnings
 import torch
 
 from elmo_fast.kernels._common import launch as launch_kernel
+from elmo_fast.ops._library import ThreadFlag
 
 MAX_SLOTS = 2  # per call signature: two forwards outstanding before their backwards (e.g. a module used twice)
 MAX_IDLE = 8  # idle slots kept over all signatures (each holds one chain's activations for one batch shape)
 
 _rec = threading.local()
-_state = threading.local()
+_suspended = ThreadFlag()
 OFF: dict[str, str] = {}  # device -> why loop graphs are off there (``disable``: the self-check found a fault)
 
 
 def mode(device: torch.device) -> str | None:
     """"cuda" (capture CUDA graphs), "record" (the CPU stand-in of the tests) or None (no graphs)."""
     env = os.environ.get("ELMO_FAST_LOOP_GRAPHS", "auto").strip().lower()
-    if env in ("0", "off", "false", "no") or getattr(_state, "suspended", False) or str(device) in OFF:
+    if env in ("0", "off", "false", "no") or _suspended or str(device) in OFF:
         return None
     if env == "record":
         return "record"
@@ -68,15 +68,9 @@ def disable(device: torch.device, why: str) -> None:
     warnings.warn(f"elmo_fast: LSTMP loop graphs are off on {device}: {why}", RuntimeWarning, stacklevel=2)
 
 
-@contextlib.contextmanager
 def suspended():
     """No loop graphs in this thread inside the block (the self-check's eager baseline)."""
-    old = getattr(_state, "suspended", False)
-    _state.suspended = True
-    try:
-        yield
-    finally:
-        _state.suspended = old
+    return _suspended.on()
 
 
 def launch(kernel, grid, args, kwargs) -> None:

@@ -17,6 +17,7 @@ in the Python functions of ``elmo_fast.ops`` that validate arguments once and th
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -36,6 +37,25 @@ def tracing(*tensors) -> bool:
     if torch.compiler.is_compiling():
         return True
     return any(isinstance(t, torch.Tensor) and (is_fake(t) or torch._is_functional_tensor(t)) for t in tensors)
+
+
+class ThreadFlag:
+    """A per-thread switch: false, except in this thread inside ``with flag.on():``."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def __bool__(self) -> bool:
+        return getattr(self._local, "on", False)
+
+    @contextlib.contextmanager
+    def on(self):
+        old = bool(self)
+        self._local.on = True
+        try:
+            yield
+        finally:
+            self._local.on = old
 
 
 def nothing(like: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,6 @@
 """``lstmp``: one LSTMP chain (one layer, one direction). See ``elmo_fast.reference.lstmp`` for the math."""
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
 from .._backend import BackendUnavailableError, check_backend_name, triton_import_error
@@ -11,21 +8,15 @@ from ..cpu.lstmp import lstmp_cpu
 from ..cpu.packed import PackedWeightCache
 from ..reference.lstmp import lstmp_reference
 from . import _precision as prec
-from ._library import CompositeOp, backend_for
+from ._library import CompositeOp, ThreadFlag, backend_for
 
-_trusted = threading.local()
+_trusted = ThreadFlag()
 
 
-@contextlib.contextmanager
 def trusted_lengths():
     """Inside this block the caller guarantees ``0 <= lengths <= T`` (lengths it derived from a mask, or checked
     once itself), so :func:`lstmp` skips its own range check, the one host sync it would otherwise make."""
-    old = getattr(_trusted, "on", False)
-    _trusted.on = True
-    try:
-        yield
-    finally:
-        _trusted.on = old
+    return _trusted.on()
 
 
 def check_lengths(lengths: torch.Tensor, T: int, what: str = "lstmp") -> None:
@@ -35,7 +26,7 @@ def check_lengths(lengths: torch.Tensor, T: int, what: str = "lstmp") -> None:
     if torch.compiler.is_compiling():
         torch._assert_async(((lengths >= 0) & (lengths <= T)).all(), f"{what}: lengths must lie in [0, T]")
         return
-    if lengths.numel() and not getattr(_trusted, "on", False):
+    if lengths.numel() and not _trusted:
         lo, hi = (int(v) for v in torch.stack(torch.aminmax(lengths)).tolist())
         if lo < 0 or hi > T:
             raise ValueError(f"{what}: lengths must lie in [0, T={T}], got [{lo}, {hi}]")
