@@ -10,7 +10,10 @@ patching the calls that make them; torch operator calls beside, each about one m
 * ``forward-graph`` (GPU only): the same call replayed from a CUDA graph (``cuda_graph=True``);
 * ``train-step``: one ``Trainer.train_step`` at the original configuration's structure (2 layers, 7 filter
   widths, 2 highway layers, 20 steps, sampled softmax per direction);
-* ``train-step-det``: the same in deterministic mode (``deterministic: true``, ``elmo_fast.determinism``).
+* ``train-step-det``: the same in deterministic mode (``deterministic: true``, ``elmo_fast.determinism``);
+* ``train-step-loop-graphs``: ``train-step`` with the LSTMP time loops replayed from loop graphs (the GPU default,
+  ``kernels/lstmp_graphs.py``; on the CPU their ``record`` stand-in, whose replay counts as one launch, as a
+  CUDA graph's does). The other cases run with loop graphs off (``ELMO_FAST_LOOP_GRAPHS=0``): every launch.
 
 The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
 small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
@@ -20,6 +23,7 @@ small widths (fast under the interpreter); the structure is the original model's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -48,11 +52,28 @@ from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 #   generator, off the step) and the token encoder's deduplication (torch.unique); no upload (the trainer's
 #   batch arrays are pinned by the data thread on a GPU and copied with non_blocking; on the CPU nothing moves).
 # * train-step-det: one launch more (the char CNN's window-gradient kernel), no sync more.
+# * train-step-loop-graphs: the 4 x 121 LSTMP launches become 4 x 2 replays: 501 - 484 + 8 = 25; no sync more
+#   (a replay refills its buffers with device copies).
 BUDGET = {
     "forward": {"launches": 267, "syncs": 2, "uploads": 0},
     "train-step": {"launches": 501, "syncs": 3, "uploads": 0},
     "train-step-det": {"launches": 502, "syncs": 3, "uploads": 0},
+    "train-step-loop-graphs": {"launches": 25, "syncs": 3, "uploads": 0},
 }
+
+
+@contextlib.contextmanager
+def loop_graphs(device: torch.device, on: bool):
+    """LSTMP loop graphs on (CUDA graphs on a GPU, their recorded stand-in on the CPU) or off inside the block."""
+    old = os.environ.get("ELMO_FAST_LOOP_GRAPHS")
+    os.environ["ELMO_FAST_LOOP_GRAPHS"] = ("1" if device.type == "cuda" else "record") if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ELMO_FAST_LOOP_GRAPHS"]
+        else:
+            os.environ["ELMO_FAST_LOOP_GRAPHS"] = old
 
 
 def small_original_options() -> dict:
@@ -70,7 +91,7 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
         model = elmo_fast.ElmoBiLM(*write_random_model(d, small_original_options()), backend="triton",
                                    cuda_graph=cuda_graph).to(device).eval()
     ids = elmo_fast.batch_to_ids([words]).to(device)
-    with torch.no_grad():
+    with torch.no_grad(), loop_graphs(device, False):
         for _ in range(3 if cuda_graph else 1):  # warm-up (compile, self-check, constants; graph capture)
             model(ids)
         with probe(count_ops=True) as counts:
@@ -78,7 +99,7 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
     return _row("forward-graph" if cuda_graph else "forward", counts)
 
 
-def measure_train_step(device: torch.device, deterministic: bool = False) -> dict:
+def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False) -> dict:
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
@@ -97,12 +118,14 @@ def measure_train_step(device: torch.device, deterministic: bool = False) -> dic
         vocab = Vocabulary(words=["<S>", "</S>", "<UNK>"] + words)
         trainer = Trainer(cfg, vocab, [str(corpus)], None, d, device=device)
         try:
-            trainer.train_step()  # warm-up
-            with probe(count_ops=True) as counts:
-                trainer.train_step()
+            with loop_graphs(device, graphs):
+                for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
+                    trainer.train_step()
+                with probe(count_ops=True) as counts:
+                    trainer.train_step()
         finally:
             trainer.close()
-    return _row("train-step-det" if deterministic else "train-step", counts)
+    return _row("train-step-loop-graphs" if graphs else "train-step-det" if deterministic else "train-step", counts)
 
 
 def _row(case: str, counts) -> dict:
@@ -114,7 +137,7 @@ def _row(case: str, counts) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det")
+    ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det,train-step-loop-graphs")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -126,7 +149,8 @@ def main(argv=None) -> int:
             continue
         fn = {"forward": lambda: measure_forward(dev), "forward-graph": lambda: measure_forward(dev, True),
               "train-step": lambda: measure_train_step(dev),
-              "train-step-det": lambda: measure_train_step(dev, deterministic=True)}[case]
+              "train-step-det": lambda: measure_train_step(dev, deterministic=True),
+              "train-step-loop-graphs": lambda: measure_train_step(dev, graphs=True)}[case]
         rows.append(fn())
         r = rows[-1]
         budget = BUDGET.get(case, {})

@@ -68,6 +68,17 @@ def _inside():
         _state.depth -= 1
 
 
+@contextlib.contextmanager
+def graph_replay(name: str):
+    """A graph replay made of launches (the LSTMP loop graphs' ``record`` mode): counted by an active
+    :func:`probe` as one launch, as the replay of a CUDA graph is one; the launches inside are not counted."""
+    counts = getattr(_state, "active", None)
+    if counts is not None and _depth() == 0:
+        counts.launches.append(Launch(f"graph replay: {name}", {}, {}))
+    with _inside():
+        yield
+
+
 def _mark_host(t):
     if isinstance(t, torch.Tensor):
         t._elmo_fast_host = True
@@ -176,10 +187,12 @@ def probe(forbid: bool = False, count_ops: bool = False):
     except ImportError:
         pass
     mode = _OpCounter(counts) if count_ops else contextlib.nullcontext()
+    outer, _state.active = getattr(_state, "active", None), counts
     try:
         with mode:
             yield counts
     finally:
+        _state.active = outer
         for owner, name, own in reversed(patches):
             if own is None:  # inherited (e.g. from torch._C.TensorBase): drop the override
                 delattr(owner, name)

@@ -39,6 +39,7 @@ import torch
 
 from elmo_fast.kernels._common import launch as launch_kernel
 from elmo_fast.ops._library import ThreadFlag
+from elmo_fast.probes import graph_replay
 
 MAX_SLOTS = 2  # per call signature: two forwards outstanding before their backwards (e.g. a module used twice)
 MAX_IDLE = 8  # idle slots kept over all signatures (each holds one chain's activations for one batch shape)
@@ -90,8 +91,9 @@ def _record(loop):
         _rec.calls = None
 
     def replay():
-        for kernel, grid, args, kwargs in calls:
-            launch_kernel(kernel, grid, args, kwargs)
+        with graph_replay("lstmp loop"):  # one launch to elmo_fast.probes, as a CUDA graph's replay
+            for kernel, grid, args, kwargs in calls:
+                launch_kernel(kernel, grid, args, kwargs)
 
     return replay
 

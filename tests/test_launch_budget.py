@@ -16,13 +16,14 @@ import bench_launches  # noqa: E402
 pytestmark = [pytest.mark.triton, requires_triton]
 
 
-@pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det"])
+@pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det", "train-step-loop-graphs"])
 def test_launches_and_syncs_within_budget(case):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if case == "forward":
         row = bench_launches.measure_forward(dev)
     else:
-        row = bench_launches.measure_train_step(dev, deterministic=case == "train-step-det")
+        row = bench_launches.measure_train_step(dev, deterministic=case == "train-step-det",
+                                                graphs=case == "train-step-loop-graphs")
     budget = bench_launches.BUDGET[case]
     assert row["triton_launches"] == budget["launches"], row  # exact: fewer launches is a path not taken
     assert row["host_syncs"] <= budget["syncs"], row

@@ -34,8 +34,13 @@ def test_probe_catches_syncs_and_pageable_uploads(sync):
     t.sum().item()  # restored after the block
 
 
-@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-def test_lstmp_forward_backward_has_no_sync(training):
+@pytest.mark.parametrize("training,graphs", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["inference", "training", "inference-loop-graphs", "training-loop-graphs"])
+def test_lstmp_forward_backward_has_no_sync(training, graphs, monkeypatch):
+    from elmo_fast.kernels import lstmp_graphs
+
+    lstmp_graphs.POOL.clear()
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "record" if graphs else "0")
     B, T, H, P = 3, 4, 16, 16
     x, w_in, w_rec, bias, w_proj, h0, c0 = _leaves((B, T, P), (P, 4 * H), (P, 4 * H), (4 * H,), (H, P), (B, P),
                                                    (B, H))
@@ -48,9 +53,12 @@ def test_lstmp_forward_backward_has_no_sync(training):
             (y.sum() + h_n.sum() + c_n.sum()).backward()
 
     with torch.set_grad_enabled(training), trusted_lengths():
-        step()  # the first call uploads the per-(device, dtype, values) constants, once
+        for _ in range(2 if graphs else 1):  # the first call uploads the per-(device, dtype, values) constants;
+            step()  # the second captures the loop graphs (a capture syncs once, per call shape)
         with probe(forbid=True):
             step()
+    assert graphs == any(s.replayed for v in lstmp_graphs.POOL.slots.values() for s in v)
+    lstmp_graphs.POOL.clear()
     # outside trusted_lengths the range check is the one sync of a call
     with torch.no_grad(), probe() as counts:
         ops.lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, backend="triton")
