@@ -845,7 +845,11 @@ def lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, *, cell_clip, p
         if "bwd" not in slot.phases:
             w_p = None if w_proj is None else fwd["w_proj"]
             slot.phases["bwd"] = _static(*bwd_setup(dy, dh_n, dc_n, x, fwd["w_rec"], w_p, c0, cache, **kw), _BWD_INPUTS)
-        bufs = slot.run("bwd", _bwd_loop, lambda b: _fill_bwd(b, dy, dh_n, dc_n, c0))
+        try:
+            bufs = slot.run("bwd", _bwd_loop, lambda b: _fill_bwd(b, dy, dh_n, dc_n, c0))
+        except Exception as exc:  # noqa: BLE001 - a capture that fails: eager from the same saved caches
+            graphs.POOL.fail(slot, exc)
+            return lstmp_bwd(dy, dh_n, dc_n, x, w_in, w_rec, w_proj, c0, cache, needs=needs, **kw)
         dh0, dc0 = bufs["dh"].clone(), bufs["dc"].clone()
     return (*_after_loop(bufs, x, w_in, w_proj, cache, residual, needs), dh0, dc0)
 

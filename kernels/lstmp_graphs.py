@@ -113,6 +113,7 @@ class Slot:
         self.phases = {"fwd": fwd}  # phase -> (launch plan, static buffers); "bwd" added at the first backward
         self.replays: dict[str, object] = {}
         self.leased = False
+        self.dropped = False  # out of the pool (evicted, or its capture failed); a lease may still hold it
         self.generation = 0
         self.replayed = 0  # replays run (tests and benches check that the graphs are used)
 
@@ -197,7 +198,8 @@ class Pool:
         """The call is done with ``slot`` unless a lease keeps it (training: until backward)."""
         with self.lock:
             slot.leased = False
-            self.park(slot)
+            if not slot.dropped:
+                self.park(slot)
 
     def park(self, slot: Slot) -> None:
         self.idle.pop(id(slot), None)  # most recently used last
@@ -208,6 +210,7 @@ class Pool:
                 self.drop(old)
 
     def drop(self, slot: Slot) -> None:
+        slot.dropped = True
         self.slots[slot.key].remove(slot)
         self.by_ptr.pop(slot.buffers("fwd")["z"].data_ptr(), None)
         self.idle.pop(id(slot), None)

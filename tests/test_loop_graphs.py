@@ -204,6 +204,30 @@ def test_failed_capture_warns_and_runs_eagerly(graphs, monkeypatch):
         assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+def test_failed_backward_capture_runs_that_backward_eagerly(graphs, monkeypatch):
+    """The forward replayed from its graph; the backward's capture fails: that backward runs eagerly from the
+    slot's saved caches, the signature stays eager afterwards, every result as without graphs."""
+    case = make_case(B=4, T=3)
+    fl = flags()
+    real = graphs._record
+    captures = []
+
+    def second_fails(loop):
+        captures.append(loop)
+        if len(captures) == 2:  # the forward loop's capture is the first, the backward's the second
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(loop)
+
+    monkeypatch.setattr(graphs, "_record", second_fails)
+    monkeypatch.setattr(graphs, "_capture_cuda", second_fails)
+    with pytest.warns(RuntimeWarning, match="capturing the LSTMP time loop"):
+        got = _train(case, fl, torch.float64, steps=3)
+    assert len(captures) == 2 and len(graphs.POOL.failed) == 1 and not any(graphs.POOL.slots.values())
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+    for a, b in zip(got, _train(case, fl, torch.float64, steps=3)):
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_mode(monkeypatch):
     from elmo_fast.kernels.lstmp_graphs import mode
 
