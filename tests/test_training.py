@@ -458,3 +458,20 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     la = {x["step"]: x["loss"] for x in map(json.loads, open(full / "train_log.jsonl")) if x["event"] == "train"}
     lb = {x["step"]: x["loss"] for x in map(json.loads, open(killed / "train_log.jsonl")) if x["event"] == "train"}
     assert all(la[s] == lb[s] for s in la)
+
+
+@pytest.mark.parametrize("pref", ["gpu", "cuda:x", "meta", "cuda", "cuda:1"])
+def test_resolve_device_applies_the_one_device_rule(pref):
+    from elmo_fast.util import parse_device
+
+    if torch.cuda.is_available() and pref.startswith("cuda"):
+        pytest.skip("checks the messages for a machine without a GPU")
+    dinfo = trainer_mod.DistInfo()
+    with pytest.raises(ConfigError) as expected:
+        parse_device(pref, "device", ConfigError)
+    with pytest.raises(ConfigError) as got:
+        trainer_mod.resolve_device(pref, dinfo)
+    assert str(got.value) == str(expected.value)
+    assert trainer_mod.resolve_device("cpu", dinfo) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert trainer_mod.resolve_device("auto", dinfo) == torch.device("cpu")
