@@ -16,7 +16,7 @@ import typing
 
 from .._backend import BACKENDS
 from ..util import check_backend, check_input_file, check_output_dir, check_output_file
-from .configs import FIELD_HELP, PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
+from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
 
 # the ops a training step runs (each must be available on the device for the chosen backend)
@@ -51,7 +51,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         shown = json.dumps(default) if isinstance(default, list) else ("null" if default is None else default)
         if t is bool:
             shown = flag if default else "--no-" + flag[2:]
-        hlp = f"{FIELD_HELP[f.name]} (default: {shown})"
+        hlp = f"{f.metadata['help']} (default: {shown})"
         if t is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=hlp)
