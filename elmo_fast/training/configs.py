@@ -67,7 +67,7 @@ class TrainConfig:
     backend: str = _field("auto", "kernel backend")
     bf16: bool = _field(True, "bfloat16 autocast on a GPU (ignored on the CPU)")
     deterministic: bool = _field(False, "deterministic mode: bit-identical runs on a GPU too (ordered sums instead "
-                                 "of atomics, torch's deterministic algorithms; slower)")
+                                 "of atomics; slower)")
     queue_size: int = _field(8, "batches the loader thread reads ahead")
     num_threads: int | None = _field(None, "torch intra-op threads (null: torch's default; 1 is best for tiny "
                                      "models)")
