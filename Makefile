@@ -45,6 +45,8 @@ test-parity:
 demo: setup
 	$(PY) -m elmo_fast.demo
 
+# CSV rows go to build/bench/ (scratch); `ELMO_FAST_BENCH_RECORD=1 make bench` appends them to the committed
+# bench/results/ (bench/common.py).
 bench: setup
 	$(PY) -m pytest -q bench --benchmark-only --benchmark-columns=min,median,mean,rounds $(PYTEST_ARGS)
 

@@ -10,9 +10,12 @@ torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt
 ELMO_FAST_BUILD_CPU: the optional CPU extension ``elmo_fast._cpu`` (csrc/cpu/: the fused LSTMP gate math of the
 cpu backend; C++ only, no nvcc). "1" requires it, "0" skips it, unset = build it when torch and a C++ compiler
 are present, and go on without it (the cpu backend then runs the same math as torch ops) if the build fails.
+Under pip's build isolation torch cannot be imported, so it is skipped with a warning (pip shows it with -v):
+install torch first and use ``pip install --no-build-isolation``.
 """
 import os
 import shutil
+import sys
 
 from setuptools import setup
 
@@ -59,7 +62,20 @@ def _want_cpu() -> bool:
     if flag == "1" and not (has_torch and has_cxx):
         raise RuntimeError("ELMO_FAST_BUILD_CPU=1 but elmo_fast._cpu cannot be built here: "
                            f"torch importable={has_torch}, C++ compiler found={has_cxx}")
+    if not has_torch:
+        _warn("torch cannot be imported by this build (pip builds in an isolated environment without torch unless "
+              "told not to), so the optional CPU extension elmo_fast._cpu is skipped and the cpu backend runs its "
+              "gate math as torch ops. To build it: install torch first, then `pip install --no-build-isolation .` "
+              "(or `-e .`). ELMO_FAST_BUILD_CPU=1 makes this an error, ELMO_FAST_BUILD_CPU=0 skips it quietly.")
+    elif not has_cxx:
+        _warn("no C++ compiler found ($CXX, c++ or g++), so the optional CPU extension elmo_fast._cpu is skipped and "
+              "the cpu backend runs its gate math as torch ops. ELMO_FAST_BUILD_CPU=0 skips it quietly.")
     return has_torch and has_cxx
+
+
+def _warn(message: str) -> None:
+    """A warning that the install goes on without something (pip shows build output with -v, or on failure)."""
+    print(f"WARNING: elmo_fast: {message}", file=sys.stderr, flush=True)
 
 
 ext_modules, cmdclass = [], {}

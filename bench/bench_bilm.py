@@ -12,8 +12,9 @@ Providers, in one run on one device (performance.md, "Baselines"):
 * ``allennlp``: AllenNLP 2.10.1's ``_ElmoBiLm`` where it is importable (``bench/setup_allennlp.sh``).
 
 CPU part (pytest-benchmark, tiny model): ``python -m pytest bench/bench_bilm.py --benchmark-only``.
-GPU part: ``python bench/bench_bilm.py`` (or the ``gpu`` test below); rows go to bench/results/bilm.csv with
-device, versions, commit and command. ``python bench/bench_bilm.py --device cpu --tiny`` runs every provider
+GPU part: ``python bench/bench_bilm.py`` (or the ``gpu`` test below); rows, with device, versions, commit and
+command, go to build/bench/bilm.csv, or to the committed bench/results/bilm.csv with ``ELMO_FAST_BENCH_RECORD=1``
+(bench/common.py). ``python bench/bench_bilm.py --device cpu --tiny`` runs every provider
 once on the CPU at the tiny model's size (a smoke run of this script; its timings mean nothing).
 """
 from __future__ import annotations

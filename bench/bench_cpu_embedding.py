@@ -12,21 +12,20 @@ One timed call = the biLM forward (char CNN, highway, projection, both 2-layer L
 tokens, from char ids (``batch_to_ids`` is done once, outside the timing). Random weights in the published hdf5
 layout are written once per session to a temp dir (~375 MB). Before timing, both engines run the batch from a
 fresh state and every biLM layer must agree to 1e-4 (fp32; the bf16 engine's largest difference is printed).
-tokens/s counts real tokens (no <S>/</S>).
+tokens/s counts real tokens (no <S>/</S>). ``ELMO_FAST_BENCH_ROUNDS`` (default 5): the pytest rounds. The sweep
+appends to build/bench/cpu_embedding.csv, or to the committed bench/results/cpu_embedding.csv with
+``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 """
 from __future__ import annotations
 
+import functools
 import os
-import platform
 import random
-import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-
-import sys
-import time
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
@@ -43,7 +42,7 @@ except ImportError:  # the project's own venv: elmo_fast only
 N_THREADS = 2
 N_SENTENCES = 32
 ATOL = 1e-4
-ROUNDS = int(os.environ.get("ELMO_BENCH_ROUNDS", "5"))
+ROUNDS = common.env_rounds(5)
 
 _RESULTS: dict[str, float] = {}
 
@@ -143,14 +142,8 @@ def make_engines(opt, wts, ids) -> dict:
 
 
 def _machine() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), check=False).stdout.strip()
-    except OSError:
-        commit = "?"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads), commit {commit}, load1 {load:.1f}")
+    env = common.environment()
+    return f"{env['device']}, torch {env['torch']}, commit {env['commit']}, load1 {os.getloadavg()[0]:.1f}"
 
 
 def _run(benchmark, name, model, ids, n_tokens):
@@ -206,14 +199,9 @@ def sweep(batches, rounds: int = 3) -> list[dict]:
         for n in batches:
             sents = pseudo_english(n)
             ids, n_tokens = batch_to_ids(sents), sum(len(s) for s in sents)
-            models = make_engines(opt, wts, ids)
-            best = {k: float("inf") for k in models}
-            for _ in range(rounds):
-                for k, m in models.items():
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
-                        m(ids)
-                    best[k] = min(best[k], time.perf_counter() - t0)
+            models = make_engines(opt, wts, ids)  # its agreement check is the warm-up
+            with torch.no_grad():
+                best = common.best_times({k: functools.partial(m, ids) for k, m in models.items()}, rounds, warmup=0)
             for k, t in best.items():
                 rows.append({"provider": k, "sentences": n, "tokens": n_tokens, "tokens_per_s": round(n_tokens / t, 1),
                              "s_per_batch": round(t, 4), "rounds": rounds, "load1": round(os.getloadavg()[0], 2)})

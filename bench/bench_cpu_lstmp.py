@@ -19,14 +19,15 @@ forward+backward packs nothing from one call to the next (see elmo_fast/cpu/lstm
 
     .venv/bin/python bench/bench_cpu_lstmp.py [--rounds 5] [--batch 32] [--keep-freed-memory]   # + cpu_lstmp.csv
     .venv/bin/python -m pytest bench/bench_cpu_lstmp.py --benchmark-only -s
+
+Both append to build/bench/cpu_lstmp.csv, or to the committed bench/results/cpu_lstmp.csv with
+``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -87,14 +88,7 @@ def run(B: int = 32, T: int = 20, rounds: int = 5, keep_freed: bool = False) -> 
         keep_freed_memory()
     warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
     provs = providers(B, T)
-    best = {name: math.inf for name in provs}
-    for _, _, fn in provs.values():  # warm-up: packing, allocations
-        fn()
-    for _ in range(rounds):
-        for name, (_, _, fn) in provs.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+    best = common.best_times({name: fn for name, (_, _, fn) in provs.items()}, rounds)  # warm-up: packing, allocations
     mm_rate = provs["mm"][1] / best["mm"]
     rows = []
     for name, (mode, flop, _) in provs.items():

@@ -15,8 +15,11 @@ per direction, 8,192 samples, a Zipf-distributed corpus (p(w_k) ~ 1/k) over 50,0
 per step (one direction, as bilm-tf logs it). Rounds alternate the two providers; each provider's time is the
 best round's mean step time (the machine may be shared).
 
-    .venv-allennlp/bin/python bench/bench_cpu_train.py --batch 4,8,16,32    # table + bench/results/cpu_train.csv
+    .venv-allennlp/bin/python bench/bench_cpu_train.py --batch 4,8,16,32    # table + cpu_train.csv
     .venv-allennlp/bin/python -m pytest bench/bench_cpu_train.py --benchmark-only -s   # B=16 (the issue's shape)
+
+Rows go to build/bench/cpu_train.csv, or to the committed bench/results/cpu_train.csv with
+``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 """
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -129,12 +131,11 @@ def _setup(tmp: str, batch: int, n_tokens: int):
     return cfg, vocab, files
 
 
-def _timed(step, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
+def _finite(step):
+    def call():
         loss = step()
-    assert math.isfinite(float(loss))
-    return (time.perf_counter() - t0) / n
+        assert math.isfinite(float(loss)), loss
+    return call
 
 
 def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, n_tokens: int = 400_000) -> list[dict]:
@@ -146,19 +147,14 @@ def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, n_token
             cfg, vocab, files = _setup(tmp, B, n_tokens)
             V = len(vocab)
             trainer = Trainer(cfg, vocab, files, None, os.path.join(tmp, "run"), device=torch.device("cpu"))
-            providers = {"elmo_fast": trainer.train_step}
+            providers = {"elmo_fast": _finite(trainer.train_step)}
             if _ElmoCharacterEncoder is not None:
                 allen = AllenNLPStep(cfg, V, opt_file, wts_file)
                 stream = BidirectionalStream(files, vocab, B, cfg.unroll_steps, cfg.max_characters_per_token, seed=1)
                 batches = iter([stream.next_batch() for _ in range(warmup + rounds * steps)])
-                providers["allennlp"] = lambda allen=allen, batches=batches: allen.step(next(batches))
-            best = {}
+                providers["allennlp"] = _finite(lambda allen=allen, batches=batches: allen.step(next(batches)))
             try:
-                for fn in providers.values():
-                    _timed(fn, warmup)
-                for _ in range(rounds):
-                    for name, fn in providers.items():
-                        best[name] = min(best.get(name, math.inf), _timed(fn, steps))
+                best = common.best_times(providers, rounds, warmup=warmup, calls=steps)
             finally:
                 trainer.close()
             for name, t in best.items():

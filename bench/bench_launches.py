@@ -18,7 +18,8 @@ patching the calls that make them; torch operator calls beside, each about one m
 The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
 small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
 ``BUDGET`` holds the design's counts: ceilings for syncs and uploads, the exact number of launches
-(tests/test_launch_budget.py holds the code to them).
+(tests/test_launch_budget.py holds the code to them). Rows go to build/bench/launches.csv, or to the committed
+bench/results/launches.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 """
 from __future__ import annotations
 

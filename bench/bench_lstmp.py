@@ -20,8 +20,9 @@ from bench/lstmp_compile.py (``ratio`` = measured / estimated) -> ``lstmp_kernel
 
 All rows are full length (lengths = T) so the three do the same amount of work. The Triton kernel is checked
 against the reference before anything is timed; a mismatch stops the sweep. Each case appends a CSV row
-(device, torch/triton/CUDA versions, git commit, command) to ``bench/results/lstmp.csv`` or
-``$ELMO_FAST_BENCH_CSV``. Also runnable as ``python bench/bench_lstmp.py``.
+(device, torch/triton/CUDA versions, git commit, command) to ``$ELMO_FAST_BENCH_CSV``, else build/bench/lstmp.csv,
+or the committed bench/results/lstmp.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
+Also runnable as ``python bench/bench_lstmp.py``.
 
 FLOP per token (multiply-add = 2), forward: 2·(D·4H + P·4H + H·P); forward+backward counted as 3x forward.
 """

@@ -6,7 +6,9 @@
 Shapes: H=4096, P=512, D=512 (ELMo's chain), bf16, T=20, all rows full length. Modes: fwd (inference,
 no_grad) and fwd+bwd (random upstream gradient on y). Per provider and shape: p50/p20/p80 ms, per-step µs
 (= p50 / T) and TFLOP/s with FLOP = 2*B*T*(D*4H + P*4H + H*P) for fwd, 3x that for fwd+bwd.
-Rows carry the device, torch/triton/CUDA versions, git commit and the command. Without a GPU it prints a
+Rows carry the device, torch/triton/CUDA versions, git commit and the command; they go to ``--csv``, else
+build/bench/lstmp_cuda.csv, or the committed bench/results/lstmp_cuda.csv with ``ELMO_FAST_BENCH_RECORD=1``
+(bench/common.py). Without a GPU it prints a
 skip line and exits 0. Importing this file runs nothing.
 """
 from __future__ import annotations
@@ -121,7 +123,7 @@ def _bench_shape(B, T, args, timer, meta) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--csv", default=None,
-                    help="CSV to append to (default: lstmp_cuda.csv in $ELMO_FAST_BENCH_DIR or bench/results/)")
+                    help="CSV to append to (default: lstmp_cuda.csv where bench/common.py's results_dir() says)")
     ap.add_argument("--batches", default="1,16,64,384")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--providers", default="cuda,triton,torch_lstm")

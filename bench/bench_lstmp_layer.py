@@ -22,6 +22,9 @@ both under ``torch.autocast``.
     .venv/bin/python bench/bench_lstmp_layer.py [--rounds 5] [--device cpu|cuda] [--dtype float32|bfloat16]
                                                 [--backend auto]                     # -> lstmp_layer.csv
 
+The CSV is ``--out``, else build/bench/lstmp_layer.csv, or the committed bench/results/lstmp_layer.csv with
+``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
+
 FLOP (multiply-add = 2) per token and direction, forward: 2·(D_l·4H + P·4H + H·P) summed over the layers
 (D_0 = 512, D_1 = 1024); forward+backward counted as 3x forward.
 """
@@ -32,7 +35,6 @@ import contextlib
 import math
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -109,16 +111,9 @@ def _cpu_times(fns: dict, rounds: int) -> dict:
     """Best of ``rounds`` per call: mode after mode, the providers in turn each round (after one warm-up call
     each). Modes are not interleaved: a ``new-weights`` call changes the weights, which would make every
     inference call after it a first call (LSTMP converts and packs its weights again)."""
-    best = {k: math.inf for k in fns}
+    best = {}
     for mode in MODES:
-        group = {k: fn for k, fn in fns.items() if k[1] == mode}
-        for fn in group.values():
-            fn()
-        for _ in range(rounds):
-            for k, fn in group.items():
-                t0 = time.perf_counter()
-                fn()
-                best[k] = min(best[k], time.perf_counter() - t0)
+        best.update(common.best_times({k: fn for k, fn in fns.items() if k[1] == mode}, rounds))
     return {k: (1e3 * v, math.nan, math.nan) for k, v in best.items()}
 
 
@@ -160,7 +155,7 @@ def test_bench_lstmp_layer(benchmark, provider, mode):
     warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
     if not _CALLS:
         _CALLS.update(calls(providers("cpu", torch.float32, "auto"), "cpu", torch.float32))
-    rounds = int(os.environ.get("ELMO_FAST_BENCH_ROUNDS", "3"))
+    rounds = common.env_rounds(3)
     benchmark.pedantic(_CALLS[(provider, mode)], rounds=rounds, iterations=1, warmup_rounds=1)
 
 
@@ -170,7 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--out", help="CSV to append to (default bench/results/lstmp_layer.csv)")
+    ap.add_argument("--out", help="CSV to append to (default: lstmp_layer.csv where bench/common.py's "
+                    "results_dir() says)")
     a = ap.parse_args(argv)
     report(run(a.device, getattr(torch, a.dtype), a.backend, a.rounds), a.out)
     return 0

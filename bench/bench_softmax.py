@@ -7,8 +7,9 @@
   full: N=2,048, V=793,471, fwd (evaluation) and fwd+bwd.
   Providers: ``torch`` (unfused: gathers, matmul, logsumexp, autograd; the reference path) and ``triton``
   (fused kernels; dense and sparse weight gradients). Reports ms (p50/p20/p80), TFLOP/s and peak memory, and
-  appends CSV rows (device, versions, git commit, command) to ``bench/results/softmax.csv`` or
-  ``$ELMO_FAST_BENCH_CSV``. Correctness is checked first; no speedup is printed on a mismatch.
+  appends CSV rows (device, versions, git commit, command) to ``$ELMO_FAST_BENCH_CSV``, else
+  build/bench/softmax.csv, or the committed bench/results/softmax.csv with ``ELMO_FAST_BENCH_RECORD=1``
+  (bench/common.py). Correctness is checked first; no speedup is printed on a mismatch.
   Also runnable as ``python bench/bench_softmax.py``.
 
 FLOP counts (multiply-add = 2): sampled forward 2·N·(S+1)·P, backward 2× that (dH and dW); full softmax

@@ -13,7 +13,8 @@ English running-text tokens (punctuation included, mean ~4.6), with random lette
 
 CPU part (pytest-benchmark, small size, reference path):
     python -m pytest -q bench/bench_token_encoder.py [--benchmark-disable]
-GPU part (original sizes; rows appended to bench/results/token_encoder.csv with device, versions, commit, command):
+GPU part (original sizes; rows with device, versions, commit, command appended to build/bench/token_encoder.csv,
+or to the committed bench/results/token_encoder.csv with ``ELMO_FAST_BENCH_RECORD=1``; bench/common.py):
     python bench/bench_token_encoder.py            (or the ``gpu`` test below)
 """
 from __future__ import annotations

@@ -9,7 +9,8 @@
 
 Sizes: the original model (2x4096_512, 2048 filters, 2 highway), 128 rows x 20 steps per GPU, 8192 samples, and a
 synthetic Zipfian corpus with a 100k-word vocabulary (``--vocab``). Reports tokens/s (per direction, as
-``elmo-fast train`` logs them) and peak memory; appends rows to ``bench/results/train.csv``.
+``elmo-fast train`` logs them) and peak memory; appends rows to build/bench/train.csv, or to the committed
+bench/results/train.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 
     python bench/bench_train.py [--steps 30] [--vocab 100000] [--batch 128]
     python -m pytest -q bench/bench_train.py        # GPU: the benchmark; CPU: a 2-step smoke test of both loops

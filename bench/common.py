@@ -1,18 +1,47 @@
-"""Shared benchmark plumbing: environment facts for every result row, CSV appends, timing on GPU."""
+"""Shared benchmark plumbing: environment facts for every result row, CSV appends, best-of-N timing on the CPU,
+timing on GPU.
+
+Where rows go (``append_rows``): ``$ELMO_FAST_BENCH_DIR`` when set; else, with ``ELMO_FAST_BENCH_RECORD=1``,
+bench/results/ (the committed record: set it only to add measured rows to it); else the scratch folder
+build/bench/ (ignored by git), so that ``make bench`` and smoke runs never change committed results.
+``ELMO_FAST_BENCH_ROUNDS`` sets the timed rounds of the pytest-benchmark CPU benchmarks that read it.
+"""
 from __future__ import annotations
 
 import csv
 import datetime
+import math
 import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+SCRATCH = ROOT / "build" / "bench"
+
+
+def results_dir() -> Path:
+    """The folder ``append_rows`` writes to by default (see the module docstring)."""
+    if os.environ.get("ELMO_FAST_BENCH_DIR"):
+        return Path(os.environ["ELMO_FAST_BENCH_DIR"])
+    record = os.environ.get("ELMO_FAST_BENCH_RECORD", "0").strip()
+    if record not in ("0", "1"):
+        raise ValueError(f"ELMO_FAST_BENCH_RECORD={record!r}: expected 1 (append to bench/results/) or 0 (unset: "
+                         f"append to {SCRATCH})")
+    return RESULTS if record == "1" else SCRATCH
+
+
+def env_rounds(default: int) -> int:
+    """Timed rounds: ``$ELMO_FAST_BENCH_ROUNDS`` (a positive integer) or ``default``."""
+    value = os.environ.get("ELMO_FAST_BENCH_ROUNDS", str(default))
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"ELMO_FAST_BENCH_ROUNDS={value!r}: expected a positive integer")
+    return int(value)
 
 
 def git_commit() -> str:
@@ -76,10 +105,10 @@ def environment() -> dict[str, str]:
 
 def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
                 path: str | os.PathLike | None = None) -> Path:
-    """Append rows to ``path`` (default ``$ELMO_FAST_BENCH_DIR/<name>.csv``, that directory defaulting to
-    bench/results/). Each row is completed with ``environment()``; keys the row already has win. Columns:
-    ``fields`` when given (keys outside it are dropped), else the first row's keys."""
-    path = Path(path) if path else Path(os.environ.get("ELMO_FAST_BENCH_DIR", RESULTS)) / f"{name}.csv"
+    """Append rows to ``path`` (default ``<results_dir()>/<name>.csv``: see the module docstring). Each row is
+    completed with ``environment()``; keys the row already has win. Columns: ``fields`` when given (keys outside
+    it are dropped), else the first row's keys."""
+    path = Path(path) if path else results_dir() / f"{name}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
     rows = [{**r, **{k: v for k, v in env.items() if k not in r}} for r in rows]
@@ -91,6 +120,23 @@ def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
             w.writeheader()
         w.writerows(rows)
     return path
+
+
+def best_times(fns: dict, rounds: int, warmup: int = 1, calls: int = 1) -> dict:
+    """Best-of-``rounds`` wall-clock seconds per call for each callable of ``fns`` (name -> callable): ``warmup``
+    calls of each first, then ``rounds`` rounds in which the callables run in turn, ``calls`` calls each (a round's
+    time is their mean). The best round is the least disturbed one on a shared machine."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t0) / calls)
+    return best
 
 
 def gpu_time_ms(fn, warmup_ms: int = 50, rep_ms: int = 300, grad_to_none=None) -> tuple[float, float, float]:
@@ -107,8 +153,6 @@ def time_ms(fn, device: torch.device, reps: int = 5) -> tuple[float, float, floa
     calls after one warm-up (for the smoke runs of the GPU benchmarks, not for numbers to report)."""
     if torch.device(device).type == "cuda":
         return gpu_time_ms(fn)
-    import time
-
     fn()
     times = []
     for _ in range(reps):

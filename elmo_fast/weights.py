@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import h5py
@@ -134,10 +135,22 @@ def write_arrays(fh: h5py.File, arrays: dict[str, np.ndarray], opts: ElmoOptions
         fh.attrs[RESIDUAL_ATTR] = bool(opts.lstm.use_skip_connections)
 
 
-def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray], opts: ElmoOptions | None = None) -> None:
-    """Write float32 datasets in the published layout, atomically (see ``write_arrays``)."""
-    with atomic_h5(path) as fh:
-        write_arrays(fh, arrays, opts)
+def write_weights(path: str | os.PathLike, arrays: dict[str, np.ndarray], opts: ElmoOptions | None = None,
+                  options_file: str | os.PathLike | None = None) -> None:
+    """Write float32 datasets in the published layout (see ``write_arrays``) and, with ``options_file``, the
+    inference options.json of ``opts`` (``n_characters`` 262, spec §7.1) that loads them back. The files are
+    written together or not at all (``atomic_paths``)."""
+    if options_file is not None and opts is None:
+        raise ValueError("write_weights: an options_file needs the options (opts) to write")
+    targets = (path,) if options_file is None else (path, options_file)
+    if len({os.path.abspath(os.fspath(t)) for t in targets}) < len(targets):
+        raise ValueError(f"write_weights: the weights and the options file both name {os.fspath(path)}")
+    with atomic_paths(*targets) as tmps:
+        with h5py.File(tmps[0], "w") as fh:
+            write_arrays(fh, arrays, opts)
+        if options_file is not None:
+            with open(tmps[1], "w", encoding="utf-8") as fh:
+                json.dump(opts.to_inference_dict(), fh, indent=2)
 
 
 __all__ = ["read_weights", "write_weights", "write_arrays", "atomic_h5", "atomic_paths", "expected_shapes",

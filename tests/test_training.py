@@ -117,6 +117,25 @@ def test_oov_words_keep_their_chars(tmp_path):
     assert b["tokens_characters"][0, 1].tolist() == word_to_char_ids("zebra")  # ... but its real characters
 
 
+def test_every_packed_position_holds_its_words_id_and_chars(tmp_path):
+    """The token table grows past its first size (1024 words); every batch position agrees with the word."""
+    rng = random.Random(5)
+    words = [f"w{i}" for i in range(1500)] + ["naïve", "日本語"]
+    f = _write(tmp_path / "s.txt", "\n".join(" ".join(rng.choices(words, k=rng.randint(0, 12)))
+                                            for _ in range(900)) + "\n")
+    vocab = Vocabulary(words=["<S>", "</S>", "<UNK>"] + words[::2])  # every other word is unknown
+    for b in D.BidirectionalStream([f], vocab, batch_size=4, unroll_steps=9, max_chars=50, test=True):
+        for suffix in ("", "_reverse"):
+            ids, chars = b["token_ids" + suffix], b["tokens_characters" + suffix]
+            assert ids.dtype == np.int64 and chars.dtype == np.int32 and chars.shape == (*ids.shape, 50)
+            for i, t in np.ndindex(ids.shape):
+                row = chars[i, t].tolist()  # BOW 259, the UTF-8 bytes + 1 (or 257/258 for <S>/</S>), EOW 260, pad
+                word = ("<S>", "</S>")[row[1] - 257] if row[1] in (257, 258) else \
+                    bytes(c - 1 for c in row[1:row.index(260)]).decode()
+                assert row == word_to_char_ids(word), (i, t)
+                assert ids[i, t] == vocab.word_to_id(word), (word, i, t)
+
+
 def _corpus(tmp_path, n_shards=3, n_sent=60, seed=0):
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(30)]
@@ -458,3 +477,20 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     la = {x["step"]: x["loss"] for x in map(json.loads, open(full / "train_log.jsonl")) if x["event"] == "train"}
     lb = {x["step"]: x["loss"] for x in map(json.loads, open(killed / "train_log.jsonl")) if x["event"] == "train"}
     assert all(la[s] == lb[s] for s in la)
+
+
+@pytest.mark.parametrize("pref", ["gpu", "cuda:x", "meta", "cuda", "cuda:1"])
+def test_resolve_device_applies_the_one_device_rule(pref):
+    from elmo_fast.util import parse_device
+
+    if torch.cuda.is_available() and pref.startswith("cuda"):
+        pytest.skip("checks the messages for a machine without a GPU")
+    dinfo = trainer_mod.DistInfo()
+    with pytest.raises(ConfigError) as expected:
+        parse_device(pref, "device", ConfigError)
+    with pytest.raises(ConfigError) as got:
+        trainer_mod.resolve_device(pref, dinfo)
+    assert str(got.value) == str(expected.value)
+    assert trainer_mod.resolve_device("cpu", dinfo) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert trainer_mod.resolve_device("auto", dinfo) == torch.device("cpu")

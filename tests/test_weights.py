@@ -47,6 +47,33 @@ def test_round_trip_bit_exact(tmp_path, variant):
     torch.testing.assert_close(again(ids)["activations"][2], model(ids)["activations"][2], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_save_weights_writes_the_options_and_the_residual_flag(tmp_path, residual):
+    from elmo_fast.options import ElmoOptions
+    from elmo_fast.weights import RESIDUAL_ATTR
+
+    opts = copy.deepcopy(TINY_OPTIONS)
+    opts["lstm"]["use_skip_connections"] = residual
+    opts["char_cnn"]["n_characters"] = 261  # training options; the inference file says 262 (spec §7.1)
+    o, w = write_random_model(tmp_path / "in", opts, seed=3)
+    model = elmo_fast.BiLM.from_files(o, w, backend="reference")
+    out_w, out_o = tmp_path / "out.hdf5", tmp_path / "out.json"
+    model.save_weights(out_w, out_o)
+    with h5py.File(out_w, "r") as fh:
+        assert fh.attrs[RESIDUAL_ATTR] == residual
+    c = model.options.char_cnn
+    expected = ElmoOptions(lstm=model.options.lstm, char_cnn=type(c)(**{**c.__dict__, "n_characters": 262}))
+    assert ElmoOptions.load(out_o) == expected
+    again = elmo_fast.BiLM.from_files(out_o, out_w, backend="reference")
+    ids = elmo_fast.Batcher().batch_sentences([["save", "and", "load"], ["again"]])
+    for a, b in zip(again(ids)["activations"], model(ids)["activations"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    flipped = {**opts, "lstm": {**opts["lstm"], "use_skip_connections": not residual}}
+    (tmp_path / "flipped.json").write_text(json.dumps(flipped))
+    with pytest.raises(WeightFileError, match="residual connections but the options say"):
+        elmo_fast.BiLM.from_files(tmp_path / "flipped.json", out_w)
+
+
 def _corrupt(src, dst, name, new=None):
     with h5py.File(src, "r") as fi, h5py.File(dst, "w") as fo:
         def copy_(n, o):

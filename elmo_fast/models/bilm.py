@@ -1,8 +1,6 @@
 """The biLM: token encoder + forward and backward LSTMP stacks, stateful across calls (spec §3.6, §4)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 import torch.nn as nn
@@ -190,12 +188,7 @@ class BiLM(nn.Module):
         return model
 
     def save_weights(self, weight_file, options_file=None) -> None:
-        """Write the published layout (and, if given, the inference options.json with n_characters 262)."""
-        write_weights(weight_file, self.state_arrays())
-        if options_file is not None:
-            import json
-
-            tmp = f"{os.fspath(options_file)}.tmp-{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(self.options.to_inference_dict(), fh, indent=2)
-            os.replace(tmp, options_file)
+        """Write the weights in the published layout, recording whether the model is residual
+        (``weights.RESIDUAL_ATTR``), and, if ``options_file`` is given, the inference options.json (n_characters
+        262) that loads them back; both files are written together or not at all."""
+        write_weights(weight_file, self.state_arrays(), self.options, options_file)

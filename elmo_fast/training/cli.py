@@ -16,7 +16,7 @@ import typing
 
 from .._backend import BACKENDS
 from ..util import check_backend, check_input_file, check_output_dir, check_output_file
-from .configs import FIELD_HELP, PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
+from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
 
 # the ops a training step runs (each must be available on the device for the chosen backend)
@@ -51,7 +51,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         shown = json.dumps(default) if isinstance(default, list) else ("null" if default is None else default)
         if t is bool:
             shown = flag if default else "--no-" + flag[2:]
-        hlp = f"{FIELD_HELP[f.name]} (default: {shown})"
+        hlp = f"{f.metadata['help']} (default: {shown})"
         if t is bool:
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                            help=hlp)
@@ -290,18 +290,19 @@ def cmd_train(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- dump
-def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, checkpoint: str | None = None) -> str:
-    """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262).
-    Both files are written together or not at all. Returns the checkpoint's path."""
-    import h5py
+def default_options_file(outfile: str) -> str:
+    """Where ``dump-weights`` writes the options when --options-file is not given: options.json beside --outfile."""
+    return os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
 
+
+def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, checkpoint: str | None = None) -> str:
+    """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262),
+    by ``BiLM.save_weights``: both files are written together or not at all. Returns the checkpoint's path."""
     from ..models.bilm import BiLM
     from ..options import ElmoOptions
-    from ..weights import atomic_paths, write_arrays
     from .trainer import latest_checkpoint
 
-    if options_file is None:
-        options_file = os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
+    options_file = options_file or default_options_file(outfile)
     check_output_file(outfile, "--outfile", ConfigError)
     check_output_file(options_file, "--options-file", ConfigError)
     if os.path.abspath(outfile) == os.path.abspath(options_file):
@@ -312,16 +313,12 @@ def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, c
     ck = read_checkpoint(path)
     model = BiLM(ElmoOptions.from_dict(ck["options"]), backend="reference", stateful=False)
     model.load_state_dict(ck["model"])
-    with atomic_paths(outfile, options_file) as (tmp_weights, tmp_options):
-        with h5py.File(tmp_weights, "w") as fh:
-            write_arrays(fh, model.state_arrays(), model.options)
-        with open(tmp_options, "w", encoding="utf-8") as fh:
-            json.dump(model.options.to_inference_dict(), fh, indent=2)
+    model.save_weights(outfile, options_file)
     return path
 
 
 def cmd_dump_weights(args) -> int:
-    options_file = args.options_file or os.path.join(os.path.dirname(os.path.abspath(args.outfile)), "options.json")
+    options_file = args.options_file or default_options_file(args.outfile)
     path = dump_weights(args.save_dir, args.outfile, options_file, args.checkpoint)
     print(json.dumps({"event": "dumped", "checkpoint": path, "weights": args.outfile, "options": options_file}))
     return 0

@@ -15,56 +15,69 @@ class ConfigError(ValueError):
     """A training configuration is invalid or does not fit the machine."""
 
 
+def _field(default, help: str):
+    """A configuration field and its one line of ``elmo-fast train --help`` (the CLI adds the default)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: [list(x) for x in default], metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     # ---- model (char CNN + LSTMP); written to options.json
-    char_embed_dim: int = 16
-    filters: list = field(default_factory=lambda: [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512],
-                                                   [7, 1024]])
-    n_highway: int = 2
-    activation: str = "relu"
-    max_characters_per_token: int = 50
-    lstm_dim: int = 4096
-    projection_dim: int = 512
-    n_layers: int = 2
-    cell_clip: float | None = 3.0
-    proj_clip: float | None = 3.0
-    use_skip_connections: bool = True
+    char_embed_dim: int = _field(16, "character embedding size (char_cnn.embedding.dim)")
+    filters: list = _field([[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
+                           "CNN filters, a JSON list of [width, count]")
+    n_highway: int = _field(2, "highway layers after the CNN")
+    activation: str = _field("relu", "CNN activation")
+    max_characters_per_token: int = _field(50, "character ids per token (must be 50)")
+    lstm_dim: int = _field(4096, "LSTM cell size (lstm.dim)")
+    projection_dim: int = _field(512, "LSTM projection size, also the token-layer size")
+    n_layers: int = _field(2, "LSTM layers per direction")
+    cell_clip: float | None = _field(3.0, "clip of the LSTM cell state (null: none)")
+    proj_clip: float | None = _field(3.0, "clip of the projected LSTM output (null: none)")
+    use_skip_connections: bool = _field(True, "residual connections between LSTM layers")
     # ---- optimisation (bilm-tf names where they exist)
-    dropout: float = 0.1
-    batch_size: int = 128  # rows per tower (per process in DDP, per virtual tower in one process)
-    unroll_steps: int = 20
-    n_negative_samples_batch: int = 8192
-    sample_softmax: bool = True
-    learning_rate: float = 0.2
-    initial_accumulator_value: float = 1.0
-    all_clip_norm_val: float = 10.0
-    n_epochs: int = 10
-    n_train_tokens: int | None = None  # None: counted from the corpus (estimated for a large one)
-    towers: int = 1  # data-parallel towers inside one process (each: own rows, data shard and sampler)
+    dropout: float = _field(0.1, "dropout on every LSTM layer's input and on the top output")
+    batch_size: int = _field(128, "rows per tower and step (per process under torchrun, per virtual tower in one "
+                             "process)")
+    unroll_steps: int = _field(20, "tokens per row and step (the truncated-BPTT window)")
+    n_negative_samples_batch: int = _field(8192, "sampled-softmax negatives per step and direction")
+    sample_softmax: bool = _field(True, "sampled softmax; --no-sample-softmax trains with the full softmax")
+    learning_rate: float = _field(0.2, "Adagrad learning rate")
+    initial_accumulator_value: float = _field(1.0, "Adagrad's initial accumulator")
+    all_clip_norm_val: float = _field(10.0, "global gradient-norm clip")
+    n_epochs: int = _field(10, "epochs (steps = n_epochs x n_train_tokens / (batch_size x unroll_steps x towers))")
+    n_train_tokens: int | None = _field(None, "tokens in one epoch (null: counted from the corpus, estimated from its "
+                                        "first vocab_check_lines lines for a large one with a given --vocab)")
+    towers: int = _field(1, "data-parallel towers in one process, each with its own rows, data shard and sampler")
     # ---- run control
-    seed: int = 0
-    max_steps: int | None = None
-    time_budget: float | None = None  # seconds of training (then checkpoint, eval and stop)
-    checkpoint_every: int = 1250
-    keep_checkpoints: int = 2
-    eval_every: int | None = None  # held-out perplexity every N steps (and at the end)
-    eval_batch_size: int = 256
-    eval_unroll_steps: int = 1
-    eval_max_batches: int | None = None
-    log_every: int = 10
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    backend: str = "auto"  # auto | reference | cpu | triton | cuda (elmo_fast kernels)
-    bf16: bool = True  # autocast to bfloat16 on GPU (ignored on CPU)
-    deterministic: bool = False  # elmo_fast.determinism during steps: no atomics, torch's deterministic algorithms
-    queue_size: int = 8
-    num_threads: int | None = None  # torch intra-op threads (None: torch's default); 1 is best for tiny models
-    vocab_min_count: int = 1
-    vocab_max_size: int | None = None
-    vocab_check_lines: int = 1_000_000
-    check_vocab_order: bool = True
-    check_memory: bool = True
-    sleep_per_step: float = 0.0  # testing aid: slows a run down so that it can be killed mid-way
+    seed: int = _field(0, "random seed")
+    max_steps: int | None = _field(None, "stop after this many steps (null: from n_epochs)")
+    time_budget: float | None = _field(None, "seconds of training, then checkpoint, evaluate and stop (null: no "
+                                       "limit)")
+    checkpoint_every: int = _field(1250, "steps between checkpoints")
+    keep_checkpoints: int = _field(2, "checkpoints kept on disk")
+    eval_every: int | None = _field(None, "steps between held-out evaluations (null: only at the end)")
+    eval_batch_size: int = _field(256, "rows of a held-out batch")
+    eval_unroll_steps: int = _field(1, "tokens per row of a held-out batch")
+    eval_max_batches: int | None = _field(None, "held-out batches per evaluation (null: all)")
+    log_every: int = _field(10, "steps between log lines")
+    device: str = _field("auto", "auto, cpu, cuda or cuda:N")
+    backend: str = _field("auto", "kernel backend")
+    bf16: bool = _field(True, "bfloat16 autocast on a GPU (ignored on the CPU)")
+    deterministic: bool = _field(False, "deterministic mode: bit-identical runs on a GPU too (ordered sums instead "
+                                 "of atomics; slower)")
+    queue_size: int = _field(8, "batches the loader thread reads ahead")
+    num_threads: int | None = _field(None, "torch intra-op threads (null: torch's default; 1 is best for tiny "
+                                     "models)")
+    vocab_min_count: int = _field(1, "fewest occurrences of a word in a vocabulary built from the corpus")
+    vocab_max_size: int | None = _field(None, "most entries of a vocabulary built from the corpus (null: no limit)")
+    vocab_check_lines: int = _field(1_000_000, "corpus lines counted to check the order of a given --vocab")
+    check_vocab_order: bool = _field(True, "check that a given --vocab is sorted by corpus frequency")
+    check_memory: bool = _field(True, "refuse a configuration that does not fit in memory")
+    sleep_per_step: float = _field(0.0, "seconds to sleep after every step (a testing aid: a run slow enough to be "
+                                   "killed mid-way)")
 
     def validate(self) -> "TrainConfig":
         def pos(name):
@@ -137,55 +150,6 @@ class TrainConfig:
                 names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
                 raise ConfigError(f"config key {key!r} must be {names}, got {value!r}")
         return cls(**d)
-
-
-# one line of `elmo-fast train --help` per field (the CLI adds the default)
-FIELD_HELP = {
-    "char_embed_dim": "character embedding size (char_cnn.embedding.dim)",
-    "filters": "CNN filters, a JSON list of [width, count]",
-    "n_highway": "highway layers after the CNN",
-    "activation": "CNN activation",
-    "max_characters_per_token": "character ids per token (must be 50)",
-    "lstm_dim": "LSTM cell size (lstm.dim)",
-    "projection_dim": "LSTM projection size, also the token-layer size",
-    "n_layers": "LSTM layers per direction",
-    "cell_clip": "clip of the LSTM cell state (null: none)",
-    "proj_clip": "clip of the projected LSTM output (null: none)",
-    "use_skip_connections": "residual connections between LSTM layers",
-    "dropout": "dropout on every LSTM layer's input and on the top output",
-    "batch_size": "rows per tower and step",
-    "unroll_steps": "tokens per row and step (the truncated-BPTT window)",
-    "n_negative_samples_batch": "sampled-softmax negatives per step and direction",
-    "sample_softmax": "sampled softmax; --no-sample-softmax trains with the full softmax",
-    "learning_rate": "Adagrad learning rate",
-    "initial_accumulator_value": "Adagrad's initial accumulator",
-    "all_clip_norm_val": "global gradient-norm clip",
-    "n_epochs": "epochs (steps = n_epochs x n_train_tokens / (batch_size x unroll_steps x towers))",
-    "n_train_tokens": "tokens in one epoch (null: counted from the corpus)",
-    "towers": "data-parallel towers in one process, each with its own rows and data",
-    "seed": "random seed",
-    "max_steps": "stop after this many steps (null: from n_epochs)",
-    "time_budget": "seconds of training, then checkpoint, evaluate and stop (null: no limit)",
-    "checkpoint_every": "steps between checkpoints",
-    "keep_checkpoints": "checkpoints kept on disk",
-    "eval_every": "steps between held-out evaluations (null: only at the end)",
-    "eval_batch_size": "rows of a held-out batch",
-    "eval_unroll_steps": "tokens per row of a held-out batch",
-    "eval_max_batches": "held-out batches per evaluation (null: all)",
-    "log_every": "steps between log lines",
-    "device": "auto, cpu, cuda or cuda:N",
-    "backend": "kernel backend",
-    "bf16": "bfloat16 autocast on a GPU (ignored on the CPU)",
-    "deterministic": "deterministic mode: bit-identical runs on a GPU too (ordered sums instead of atomics; slower)",
-    "queue_size": "batches the loader thread reads ahead",
-    "num_threads": "torch intra-op threads (null: torch's default)",
-    "vocab_min_count": "fewest occurrences of a word in a vocabulary built from the corpus",
-    "vocab_max_size": "most entries of a vocabulary built from the corpus (null: no limit)",
-    "vocab_check_lines": "corpus lines counted to check the order of a given --vocab",
-    "check_vocab_order": "check that a given --vocab is sorted by corpus frequency",
-    "check_memory": "refuse a configuration that does not fit in memory",
-    "sleep_per_step": "seconds to sleep after every step (a testing aid)",
-}
 
 
 def _is_a(value, t) -> bool:

@@ -181,18 +181,32 @@ def load_training_vocab(path: str | os.PathLike, counts: Counter | None = None, 
 
 
 # --------------------------------------------------------------------------------------------- streams
-class CharCache:
-    """word -> (L,) int32 inference char ids, memoised."""
+class TokenCache:
+    """Each distinct word's vocabulary id and (L,) int32 inference char ids, computed once: a word is a row of
+    ``word_ids`` and ``chars`` (tables that grow), so packing a batch is array indexing, not per-token calls."""
 
-    def __init__(self, max_chars: int):
-        self.max_chars = max_chars
-        self._d: dict[str, np.ndarray] = {}
+    def __init__(self, vocab: Vocabulary, max_chars: int):
+        self.vocab, self.max_chars = vocab, max_chars
+        self._rows: dict[str, int] = {}
+        self.word_ids = np.zeros(1024, dtype=np.int64)
+        self.chars = np.zeros((1024, max_chars), dtype=np.int32)
 
-    def __call__(self, word: str) -> np.ndarray:
-        a = self._d.get(word)
-        if a is None:
-            a = self._d[word] = np.asarray(word_to_char_ids(word, self.max_chars, shift=1), dtype=np.int32)
-        return a
+    def rows(self, words: list[str]) -> np.ndarray:
+        """The table rows of ``words`` (int64), adding the words not seen before."""
+        rows = list(map(self._rows.get, words))  # one C-level dict lookup a word
+        if None in rows:
+            rows = [self._rows[w] if w in self._rows else self._add(w) for w in words]
+        return np.array(rows, dtype=np.int64)
+
+    def _add(self, word: str) -> int:
+        n = len(self._rows)
+        if n == len(self.word_ids):  # full: double both tables
+            self.word_ids = np.concatenate([self.word_ids, np.zeros_like(self.word_ids)])
+            self.chars = np.concatenate([self.chars, np.zeros_like(self.chars)])
+        self.word_ids[n] = self.vocab.word_to_id(word)
+        self.chars[n] = word_to_char_ids(word, self.max_chars, shift=1)
+        self._rows[word] = n
+        return n
 
 
 class SentenceSource:
@@ -266,51 +280,44 @@ class LMStream:
 
     def __init__(self, shards: list[str], vocab: Vocabulary, batch_size: int, unroll_steps: int, max_chars: int,
                  reverse: bool = False, test: bool = False, shuffle_on_load: bool | None = None,
-                 seed: str | int = 0, char_cache: CharCache | None = None):
+                 seed: str | int = 0, token_cache: TokenCache | None = None):
         self.source = SentenceSource(shards, reverse, test, (not test) if shuffle_on_load is None else shuffle_on_load,
                                      seed)
-        self.vocab = vocab
-        self.B, self.T, self.L = batch_size, unroll_steps, max_chars
-        self.chars = char_cache or CharCache(max_chars)
+        self.B, self.T = batch_size, unroll_steps
+        self.tokens = token_cache or TokenCache(vocab, max_chars)
         self.rows: list[list[str] | None] = [None] * batch_size  # the row's current sentence (words)
-        self.row_ids: list[np.ndarray | None] = [None] * batch_size
+        self.row_tokens: list[np.ndarray | None] = [None] * batch_size  # its words' TokenCache rows
         self.offset = [0] * batch_size
         self.done = False
-
-    def _ids(self, words: list[str]) -> np.ndarray:
-        return np.fromiter(map(self.vocab.word_to_id, words), dtype=np.int64, count=len(words))
 
     def next_batch(self) -> dict[str, np.ndarray]:
         """The next (B, T) batch; raises StopIteration when a batch cannot be filled (it is dropped)."""
         if self.done:
             raise StopIteration
         B, T = self.B, self.T
-        inputs = np.zeros((B, T), dtype=np.int64)
+        inputs = np.zeros((B, T), dtype=np.int64)  # TokenCache rows of the inputs and of the targets
         targets = np.zeros((B, T), dtype=np.int64)
-        words_out: list[list[str]] = []
         for i in range(B):
-            row_words: list[str] = []
             t = 0
             while t < T:
-                ids = self.row_ids[i]
-                if ids is None or len(ids) - self.offset[i] <= 1:
+                rows = self.row_tokens[i]
+                if rows is None or len(rows) - self.offset[i] <= 1:
                     try:
                         w = self.source.next()
                     except StopIteration:
                         self.done = True
                         raise
-                    self.rows[i], self.row_ids[i], self.offset[i] = w, self._ids(w), 0
-                    ids = self.row_ids[i]
+                    self.rows[i], self.row_tokens[i], self.offset[i] = w, self.tokens.rows(w), 0
+                    rows = self.row_tokens[i]
                 o = self.offset[i]
-                k = min(len(ids) - o - 1, T - t)
-                inputs[i, t : t + k] = ids[o : o + k]
-                targets[i, t : t + k] = ids[o + 1 : o + 1 + k]
-                row_words.extend(self.rows[i][o : o + k])
+                k = min(len(rows) - o - 1, T - t)
+                inputs[i, t : t + k] = rows[o : o + k]
+                targets[i, t : t + k] = rows[o + 1 : o + 1 + k]
                 self.offset[i] = o + k
                 t += k
-            words_out.append(row_words)
-        chars = np.stack([self.chars(w) for row in words_out for w in row]).reshape(B, T, self.L)
-        return {"token_ids": inputs, "tokens_characters": chars, "next_token_id": targets}
+        ids = self.tokens.word_ids
+        return {"token_ids": ids[inputs], "tokens_characters": self.tokens.chars[inputs],
+                "next_token_id": ids[targets]}
 
     def get_state(self) -> dict:
         return {"source": self.source.get_state(), "rows": list(self.rows), "offset": list(self.offset),
@@ -319,7 +326,7 @@ class LMStream:
     def set_state(self, st: dict) -> None:
         self.source.set_state(st["source"])
         self.rows = [list(r) if r is not None else None for r in st["rows"]]
-        self.row_ids = [self._ids(r) if r is not None else None for r in self.rows]
+        self.row_tokens = [self.tokens.rows(r) if r is not None else None for r in self.rows]
         self.offset = list(st["offset"])
         self.done = st["done"]
 
@@ -329,7 +336,7 @@ class BidirectionalStream:
 
     def __init__(self, shards: list[str], vocab: Vocabulary, batch_size: int, unroll_steps: int, max_chars: int,
                  test: bool = False, shuffle_on_load: bool | None = None, seed: str | int = 0):
-        cache = CharCache(max_chars)
+        cache = TokenCache(vocab, max_chars)
         self.fwd = LMStream(shards, vocab, batch_size, unroll_steps, max_chars, False, test, shuffle_on_load,
                             f"{seed}/forward", cache)
         self.rev = LMStream(shards, vocab, batch_size, unroll_steps, max_chars, True, test, shuffle_on_load,

@@ -51,6 +51,7 @@ from ..options import ElmoOptions
 from ..modules.sampled_softmax import SampledSoftmaxLoss
 from ..ops.softmax import log_uniform_sample
 from ..ops.lstmp import trusted_lengths
+from ..util import parse_device
 from .configs import ConfigError, TrainConfig
 from .data import BackgroundLoader, BidirectionalStream
 
@@ -96,14 +97,13 @@ def setup_distributed(device_pref: str = "auto") -> DistInfo:
 
 
 def resolve_device(pref: str, dinfo: DistInfo) -> torch.device:
+    """The training device: ``pref`` checked by ``util.parse_device`` ("auto": cuda where there is a GPU, else cpu);
+    a bare "cuda" becomes this process's GPU (its local rank under torchrun)."""
     if pref == "auto":
         pref = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(pref)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' requested but no CUDA GPU is available; use --device cpu")
-        if dev.index is None:
-            dev = torch.device("cuda", dinfo.local_rank if dinfo.enabled else torch.cuda.current_device())
+    dev = parse_device(pref, "device", ConfigError)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", dinfo.local_rank if dinfo.enabled else torch.cuda.current_device())
     return dev
 
 

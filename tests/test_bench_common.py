@@ -1,0 +1,49 @@
+"""bench/common.py: where benchmark rows go (never the committed results by default), the rounds variable, and
+the best-of-N timing loop the CPU benchmarks share."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import common  # noqa: E402
+
+
+@pytest.fixture
+def bench_env(monkeypatch):
+    for name in ("ELMO_FAST_BENCH_DIR", "ELMO_FAST_BENCH_RECORD", "ELMO_FAST_BENCH_ROUNDS"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_rows_go_to_scratch_unless_recording_is_asked_for(bench_env, tmp_path):
+    assert common.results_dir() == common.SCRATCH
+    assert common.ROOT / "bench" / "results" not in common.SCRATCH.parents
+    bench_env.setenv("ELMO_FAST_BENCH_RECORD", "1")
+    assert common.results_dir() == common.RESULTS
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    assert common.results_dir() == tmp_path
+    path = common.append_rows("x", [{"a": 1}])
+    assert path == tmp_path / "x.csv" and path.read_text().splitlines()[0].startswith("a,date,device")
+    bench_env.delenv("ELMO_FAST_BENCH_DIR")
+    bench_env.setenv("ELMO_FAST_BENCH_RECORD", "yes")
+    with pytest.raises(ValueError, match="ELMO_FAST_BENCH_RECORD='yes': expected 1"):
+        common.results_dir()
+
+
+def test_rounds_come_from_the_one_variable(bench_env):
+    assert common.env_rounds(3) == 3
+    bench_env.setenv("ELMO_FAST_BENCH_ROUNDS", "7")
+    assert common.env_rounds(3) == 7
+    bench_env.setenv("ELMO_FAST_BENCH_ROUNDS", "0")
+    with pytest.raises(ValueError, match="ELMO_FAST_BENCH_ROUNDS='0': expected a positive integer"):
+        common.env_rounds(3)
+
+
+def test_best_times_takes_the_best_round_of_interleaved_calls(monkeypatch):
+    order, clock = [], iter(range(0, 1000, 1))
+    monkeypatch.setattr(common.time, "perf_counter", lambda: float(next(clock)))
+    best = common.best_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=2, warmup=1,
+                             calls=3)
+    assert order == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2  # warm-up, then the providers in turn each round
+    assert best == {"a": 1 / 3, "b": 1 / 3}  # one clock tick per round of 3 calls
