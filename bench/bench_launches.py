@@ -24,7 +24,6 @@ bench/results/launches.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -63,20 +62,6 @@ BUDGET = {
 }
 
 
-@contextlib.contextmanager
-def loop_graphs(device: torch.device, on: bool):
-    """LSTMP loop graphs on (CUDA graphs on a GPU, their recorded stand-in on the CPU) or off inside the block."""
-    old = os.environ.get("ELMO_FAST_LOOP_GRAPHS")
-    os.environ["ELMO_FAST_LOOP_GRAPHS"] = ("1" if device.type == "cuda" else "record") if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["ELMO_FAST_LOOP_GRAPHS"]
-        else:
-            os.environ["ELMO_FAST_LOOP_GRAPHS"] = old
-
-
 def small_original_options() -> dict:
     """The original model's structure (2 layers, 7 filter widths, 2 highway, projections) at small widths."""
     opts = {k: dict(v) for k, v in ORIGINAL_OPTIONS.items()}
@@ -92,7 +77,7 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
         model = elmo_fast.ElmoBiLM(*write_random_model(d, small_original_options()), backend="triton",
                                    cuda_graph=cuda_graph).to(device).eval()
     ids = elmo_fast.batch_to_ids([words]).to(device)
-    with torch.no_grad(), loop_graphs(device, False):
+    with torch.no_grad(), common.loop_graphs(False, device):
         for _ in range(3 if cuda_graph else 1):  # warm-up (compile, self-check, constants; graph capture)
             model(ids)
         with probe(count_ops=True) as counts:
@@ -119,7 +104,7 @@ def measure_train_step(device: torch.device, deterministic: bool = False, graphs
         vocab = Vocabulary(words=["<S>", "</S>", "<UNK>"] + words)
         trainer = Trainer(cfg, vocab, [str(corpus)], None, d, device=device)
         try:
-            with loop_graphs(device, graphs):
+            with common.loop_graphs(graphs, device):
                 for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
                     trainer.train_step()
                 with probe(count_ops=True) as counts:

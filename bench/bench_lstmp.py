@@ -154,15 +154,8 @@ def _graphed(fn, chain):
 def _eager(fn):
     """``fn`` with the LSTMP loop graphs off."""
     def call(*args, **kw):
-        old = os.environ.get("ELMO_FAST_LOOP_GRAPHS")
-        os.environ["ELMO_FAST_LOOP_GRAPHS"] = "0"
-        try:
+        with common.env_var("ELMO_FAST_LOOP_GRAPHS", "0"):
             return fn(*args, **kw)
-        finally:
-            if old is None:
-                del os.environ["ELMO_FAST_LOOP_GRAPHS"]
-            else:
-                os.environ["ELMO_FAST_LOOP_GRAPHS"] = old
     return call
 
 

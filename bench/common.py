@@ -8,6 +8,7 @@ build/bench/ (ignored by git), so that ``make bench`` and smoke runs never chang
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import math
@@ -42,6 +43,26 @@ def env_rounds(default: int) -> int:
     if not value.strip().isdigit() or int(value) < 1:
         raise ValueError(f"ELMO_FAST_BENCH_ROUNDS={value!r}: expected a positive integer")
     return int(value)
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str | None):
+    """``os.environ[name] = value`` inside the block (``None``: left as it is), restored after it."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def loop_graphs(on: bool, device: torch.device):
+    """LSTMP loop graphs on (CUDA graphs on a GPU, their recorded stand-in on the CPU) or off inside the block."""
+    return env_var("ELMO_FAST_LOOP_GRAPHS", ("1" if device.type == "cuda" else "record") if on else "0")
 
 
 def git_commit() -> str:
