@@ -139,6 +139,35 @@ def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B,
         assert_close_to_oracle(g, r64, r, "inference " + what)
 
 
+@pytest.mark.parametrize("lengths, padded", [([6, 6, 6], False), ([6, 2, 0], True)], ids=["full", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_cpu_zero_fills_only_where_positions_are_padded(nan_poison, dtype, lengths, padded):
+    """y and dx are scattered from the packed rows: zero-filled first only where padded positions exist (the
+    NaN-poisoned empty tensors show any position left unwritten); without dy the packed dy is built as zeros
+    directly (no (B, T, P) zeros gathered). Every output and gradient against the reference."""
+    from torch.profiler import profile
+
+    B, T, D, H, P = 3, 6, 4, 5, 3
+    kw = dict(cell_clip=1.0, proj_clip=0.5, reverse=True, residual=False)
+    args = _chain(B, T, D, H, P, True, dtype, seed=9)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    up = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
+    ref64, gref64 = _run_lstmp(lstmp_reference, args64, lengths, [u.double() for u in up], **kw)
+    ref, gref = _run_lstmp(lstmp_reference, args, lengths, up, **kw)
+    with profile() as prof:
+        got, ggot = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
+    assert ("aten::new_zeros" in {e.key for e in prof.key_averages()}) == padded
+    for what, g, r64, r in zip(["y", "h_n", "c_n", "dx", "dw_in", "dw_rec", "db", "dw_proj", "dh0", "dc0"],
+                               [*got, *ggot], [*ref64, *gref64], [*ref, *gref]):
+        assert_close_to_oracle(g, r64, r, what)
+    outs = lstmp_cpu(*args, torch.tensor(lengths), **kw)  # only h_n gets a gradient: dy is zeros
+    g_h = torch.autograd.grad(outs[1], args, up[1], allow_unused=True)
+    r_h = torch.autograd.grad(lstmp_reference(*args64, torch.tensor(lengths), **kw)[1], args64, up[1].double(),
+                              allow_unused=True)
+    for g, r in zip(g_h, r_h):
+        torch.testing.assert_close(g, r.to(dtype), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lstmp_cpu_stacked_weight_gets_one_gradient(gate_path, dtype):
     """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain

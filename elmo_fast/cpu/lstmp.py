@@ -82,6 +82,12 @@ class _Plan:
     def unsort(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.identity else t.index_select(0, self.inverse)
 
+    def scatter(self, rows: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """The (B*T, ·) tensor whose row ``flat[i]`` is packed row ``i``: zeros at the padded positions; uninitialised
+        before the copy where there are none (every length is T, so ``flat`` is a permutation of all B*T rows)."""
+        out = rows.new_empty if self.N == B * T else rows.new_zeros
+        return out(B * T, rows.shape[1]).index_copy_(0, self.flat, rows)
+
     def ends(self, s: int) -> int:
         """Rows ``ends(s)..n[s]-1`` run their last step at step ``s``."""
         return self.n[s + 1] if s + 1 < len(self.n) else 0
@@ -229,7 +235,7 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
             h_fin[e:n] = h[e:]
             c_fin[e:n] = c[e:]
     out = hs + xs if residual else hs
-    y = out.new_zeros(B * T, P).index_copy_(0, plan.flat, out).view(B, T, P)
+    y = plan.scatter(out, B, T).view(B, T, P)
     return y, plan.unsort(h_fin), plan.unsort(c_fin), tuple(full[k] for k in _SAVED) if save else None
 
 
@@ -291,8 +297,7 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     h_pre = h_pre[:N] if w_proj is not None else None
     if w_stack is not None:
         w_in, w_rec = w_stack[:D], w_stack[D:]
-    dy = dy if dy is not None else xs.new_zeros(B, T, P)
-    dys = dy.reshape(B * T, P).index_select(0, plan.flat)  # (N, P) packed
+    dys = dy.reshape(B * T, P).index_select(0, plan.flat) if dy is not None else xs.new_zeros(N, P)  # packed
     # gradients w.r.t. the state after the current step
     carry_h = plan.sort(dh_n) if dh_n is not None else torch.zeros_like(h0)
     carry_c = plan.sort(dc_n) if dc_n is not None else torch.zeros_like(c0)
@@ -316,7 +321,7 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
     if needs[0]:
         dxs = torch.addmm(dys, dz, w_in.t()) if residual else torch.mm(dz, w_in.t())
-        dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
+        dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
         dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
