@@ -4,6 +4,7 @@ the reference's, fp64 and fp32), and one cache per ``elmo_fast.LSTMP`` module sh
 import pytest
 import torch
 
+import elmo_fast
 from elmo_fast.cpu import lstmp_cpu, packed
 from elmo_fast.cpu.packed import PackedLinear, PackedWeightCache
 from elmo_fast.reference import lstmp_reference
@@ -104,3 +105,46 @@ def test_backward_keeps_no_packs_of_row_major_weights(monkeypatch):
     for _ in range(2):
         _run_lstmp(lstmp_cpu, args, LENGTHS, up, weight_cache=cache, **KW)
     assert len(packs) == 4 and len(cache) == 0
+
+
+def test_lstmp_module_picks_the_backend_once_per_call(monkeypatch):
+    from elmo_fast.modules import lstmp_layer
+
+    picks, real = [], lstmp_layer.backend_for
+
+    def spy(*a):
+        picks.append(real(*a))
+        return picks[-1]
+
+    monkeypatch.setattr(lstmp_layer, "backend_for", spy)
+    m = elmo_fast.LSTMP(4, 6, num_layers=2, bidirectional=True, proj_size=3)  # 4 chains
+    m(torch.randn(5, 2, 4))
+    assert picks == ["cpu"]
+
+
+@needs_onednn
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_module_packs_a_shared_weight_once(monkeypatch, dtype):
+    """One packed-weight cache for all chains of an ``elmo_fast.LSTMP``: a projection tied between the two
+    directions is packed once (by inference, and by backward for its transposed use), every result and
+    gradient still matching nn.LSTM's (fp64 and fp32)."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    packs = _spy(monkeypatch, "_pack")
+    lstm = torch.nn.LSTM(4, 6, bidirectional=True, proj_size=3, batch_first=True, dtype=dtype)
+    lstm.weight_hr_l0_reverse = lstm.weight_hr_l0  # tied: one parameter, two chains
+    m = elmo_fast.LSTMP.from_lstm(lstm, backend="cpu")
+    m.weight_hr_l0_reverse = m.weight_hr_l0
+    x = torch.randn(3, 5, 4, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(m(x)[0], lstm(x)[0])
+    assert len(packs) == 3  # w_rec of each chain, the tied w_proj once; nothing on the second call
+    packs.clear()
+    up = torch.randn(3, 5, 6, dtype=dtype)
+    got = torch.autograd.grad(m(x)[0], list(m.parameters()), up)
+    want = torch.autograd.grad(lstm(x)[0], list(lstm.parameters()), up)
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in lstm.named_parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert len(packs) == 3  # backward: w_recᵀ of each chain, the tied w_projᵀ once
