@@ -139,6 +139,35 @@ def test_lstmp_cpu_matches_reference(nan_poison, gemm_path, gate_path, dtype, B,
         assert_close_to_oracle(g, r64, r, "inference " + what)
 
 
+@pytest.mark.parametrize("lengths, padded", [([6, 6, 6], False), ([6, 2, 0], True)], ids=["full", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lstmp_cpu_zero_fills_only_where_positions_are_padded(nan_poison, dtype, lengths, padded):
+    """y and dx are scattered from the packed rows: zero-filled first only where padded positions exist (the
+    NaN-poisoned empty tensors show any position left unwritten); without dy the packed dy is built as zeros
+    directly (no (B, T, P) zeros gathered). Every output and gradient against the reference."""
+    from torch.profiler import profile
+
+    B, T, D, H, P = 3, 6, 4, 5, 3
+    kw = dict(cell_clip=1.0, proj_clip=0.5, reverse=True, residual=False)
+    args = _chain(B, T, D, H, P, True, dtype, seed=9)
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    up = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
+    ref64, gref64 = _run_lstmp(lstmp_reference, args64, lengths, [u.double() for u in up], **kw)
+    ref, gref = _run_lstmp(lstmp_reference, args, lengths, up, **kw)
+    with profile() as prof:
+        got, ggot = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
+    assert ("aten::new_zeros" in {e.key for e in prof.key_averages()}) == padded
+    for what, g, r64, r in zip(["y", "h_n", "c_n", "dx", "dw_in", "dw_rec", "db", "dw_proj", "dh0", "dc0"],
+                               [*got, *ggot], [*ref64, *gref64], [*ref, *gref]):
+        assert_close_to_oracle(g, r64, r, what)
+    outs = lstmp_cpu(*args, torch.tensor(lengths), **kw)  # only h_n gets a gradient: dy is zeros
+    g_h = torch.autograd.grad(outs[1], args, up[1], allow_unused=True)
+    r_h = torch.autograd.grad(lstmp_reference(*args64, torch.tensor(lengths), **kw)[1], args64, up[1].double(),
+                              allow_unused=True)
+    for g, r in zip(g_h, r_h):
+        torch.testing.assert_close(g, r.to(dtype), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lstmp_cpu_stacked_weight_gets_one_gradient(gate_path, dtype):
     """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
@@ -281,13 +310,11 @@ def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
         assert_close_to_oracle(a, b, c, f"grad {k}")
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("sparse", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduction):
-    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included."""
+def _softmax_inputs():
+    """(targets, sample ids, expected counts of both, fp64 (hidden, weight, bias)) with accidental hits and a
+    repeated target; N, P, V, S = 13, 7, 50, 11."""
     from elmo_fast.ops import log_uniform_sample
-    from elmo_fast.reference.sampled_softmax import expected_count_reference, sampled_softmax_loss_reference
+    from elmo_fast.reference.sampled_softmax import expected_count_reference
 
     g = torch.Generator().manual_seed(3)
     N, P, V, S = 13, 7, 50, 11
@@ -298,20 +325,77 @@ def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduct
     q_t, q_s = expected_count_reference(targets, tries, S, V), expected_count_reference(ids, tries, S, V)
     base = [torch.randn(N, P, generator=g, dtype=torch.float64), torch.randn(V, P, generator=g, dtype=torch.float64),
             torch.randn(V, generator=g, dtype=torch.float64)]
-    up = torch.randn(N, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    return targets, ids, q_t, q_s, base
 
-    def run(fn, dt):
-        h, w, b = (t.to(dt).requires_grad_() for t in base)
-        loss = fn(h, targets, w, b, ids, q_t, q_s, reduction=reduction, sparse_grad=sparse)
-        grads = torch.autograd.grad(loss, (h, w, b), up.to(dt))
-        return loss, [gr.to_dense() for gr in grads]
 
-    ref64, g64 = run(sampled_softmax_loss_reference, torch.float64)
-    ref, gref = run(sampled_softmax_loss_reference, dtype)
-    got, ggot = run(sampled_softmax_loss_cpu, dtype)
+def _run_softmax(fn, dt, trainable=(True, True, True), reduction="mean", sparse=False):
+    """The loss and the dense gradients of the trainable ones of (hidden, weight, bias), in dtype ``dt``."""
+    targets, ids, q_t, q_s, base = _softmax_inputs()
+    ins = [t.to(dt).requires_grad_(r) for t, r in zip(base, trainable)]
+    loss = fn(*ins[:1], targets, *ins[1:], ids, q_t, q_s, reduction=reduction, sparse_grad=sparse)
+    up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).add_(1.7)
+    grads = torch.autograd.grad(loss, [t for t in ins if t.requires_grad], up.to(dt))
+    return loss, [gr.to_dense() for gr in grads]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduction):
+    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included."""
+    from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
+
+    kw = dict(reduction=reduction, sparse=sparse)
+    ref64, g64 = _run_softmax(sampled_softmax_loss_reference, torch.float64, **kw)
+    ref, gref = _run_softmax(sampled_softmax_loss_reference, dtype, **kw)
+    got, ggot = _run_softmax(sampled_softmax_loss_cpu, dtype, **kw)
     assert_close_to_oracle(got, ref64, ref, "loss")
     for what, a, b, c in zip(("dhidden", "dweight", "dbias"), ggot, g64, gref):
         assert_close_to_oracle(a, b, c, what)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("trainable", [(True, False, True), (True, True, False), (False, False, True),
+                                       (False, True, True)], ids=["frozen-weight", "frozen-bias", "bias-only",
+                                                                  "frozen-hidden"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan_poison, dtype, trainable, sparse):
+    """A parameter that needs no gradient gets no rows computed (a frozen weight: no dᵀ·hidden product); the
+    gradients that are asked for still equal the reference's."""
+    from elmo_fast.cpu import sampled_softmax as sm_module
+    from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
+
+    widths, real = [], sm_module._sampled_softmax_backward
+
+    def spy(*a):
+        out = real(*a)
+        widths.append(out[1].shape[1] if out[1].dim() == 2 else 0)
+        return out
+
+    monkeypatch.setattr(sm_module, "_sampled_softmax_backward", spy)
+    kw = dict(trainable=trainable, sparse=sparse)
+    _, g64 = _run_softmax(sampled_softmax_loss_reference, torch.float64, **kw)
+    _, gref = _run_softmax(sampled_softmax_loss_reference, dtype, **kw)
+    _, ggot = _run_softmax(sampled_softmax_loss_cpu, dtype, **kw)
+    assert widths == [7 * trainable[1] + trainable[2]]  # P = 7 weight columns, 1 bias column
+    assert len(ggot) == len(g64) == sum(trainable)
+    for k, (a, b, c) in enumerate(zip(ggot, g64, gref)):
+        assert_close_to_oracle(a, b, c, f"gradient {k}")
+
+
+def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
+    """Backward reads the (N, S) logit gradient once for the weight and bias rows together: one aten::mm (plus
+    dh's addmm), no separate column sum."""
+    from torch.profiler import profile
+
+    targets, ids, q_t, q_s, base = _softmax_inputs()
+    h, w, b = (t.float().requires_grad_() for t in base)
+    loss = sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s)
+    with profile() as prof:
+        torch.autograd.grad(loss, (h, w, b))
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::mm") == 1 and counts.get("aten::addmm") == 1
+    assert "aten::sum" not in counts
 
 
 def test_cpu_weight_cache_follows_weight_updates(tmp_path, monkeypatch):

@@ -75,7 +75,7 @@ def test_lstmp_cpu_ops(stack, save, flags):
         needs = [True, not stack, not stack, stack, True, True]
         bias, w_proj, h0, c0, lengths = _detached(rest)
         bwd = (torch.randn(B, T, P, dtype=x.dtype), torch.randn(B, P, dtype=x.dtype), None, *_detached(ws), w_proj,
-               h0, c0, lengths, *(o.detach() for o in out[3:]), T, *flags[:2], *flags[3:], needs)
+               h0, c0, lengths, *(o.detach() for o in out[3:]), T, *flags[:2], *flags[3:], -1, needs)
         torch.library.opcheck(_lstmp_cpu_backward, bwd)
 
 
@@ -125,7 +125,7 @@ def test_sampled_softmax_cpu_ops(reduction, sparse):
     torch.library.opcheck(_sampled_softmax_op, args)
     loss, w_t, w_s, probs = (o.detach() for o in _sampled_softmax_op(*args))
     torch.library.opcheck(_sampled_softmax_backward, (torch.randn_like(loss), hidden.detach(), w_t, w_s, probs,
-                                                      reduction, True, True))
+                                                      reduction, True, True, True))
 
 
 # ------------------------------------------------------------------------------------------------- Triton

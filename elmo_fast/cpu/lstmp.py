@@ -82,6 +82,12 @@ class _Plan:
     def unsort(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.identity else t.index_select(0, self.inverse)
 
+    def scatter(self, rows: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """The (B*T, ·) tensor whose row ``flat[i]`` is packed row ``i``: zeros at the padded positions; uninitialised
+        before the copy where there are none (every length is T, so ``flat`` is a permutation of all B*T rows)."""
+        out = rows.new_empty if self.N == B * T else rows.new_zeros
+        return out(B * T, rows.shape[1]).index_copy_(0, self.flat, rows)
+
     def ends(self, s: int) -> int:
         """Rows ``ends(s)..n[s]-1`` run their last step at step ``s``."""
         return self.n[s + 1] if s + 1 < len(self.n) else 0
@@ -89,15 +95,22 @@ class _Plan:
 
 def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, transposed=False, pack=True):
     """Per-step weights: forward (·w_rec, ·w_proj) or, with ``transposed``, backward (·w_recᵀ, ·w_projᵀ); packed
-    for oneDNN unless ``pack`` is False (then torch.mm)."""
+    for oneDNN unless ``pack`` is False (then torch.mm).
+
+    ``cache`` keeps the packed copies across calls, per weight version. Backward takes from it only the packs that
+    copy a transposed view (column-major weights, as ``elmo_fast.LSTMP`` passes them: 40 MiB of transposing copy
+    per chain at 512/4096/512), so that a weight version backpropagated more than once (gradient accumulation,
+    weights shared by chains) is transposed and packed once; a row-major weight packs without a copy, and keeping
+    its pack would only hold memory between training steps."""
     out = []
     for w, role in ((w_rec, "rec"), (w_proj, "proj")):
         if w is None:
             out.append(None)
             continue
+        keep = cache is not None and (not transposed or not w.is_contiguous())
         if transposed:
             w, role = w.t(), role + "_t"
-        out.append(PackedLinear(w, B, dtype, pack) if cache is None else cache.get(w, B, dtype, role))
+        out.append(cache.get(w, B, dtype, role) if keep else PackedLinear(w, B, dtype, pack))
     return out
 
 
@@ -222,7 +235,7 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
             h_fin[e:n] = h[e:]
             c_fin[e:n] = c[e:]
     out = hs + xs if residual else hs
-    y = out.new_zeros(B * T, P).index_copy_(0, plan.flat, out).view(B, T, P)
+    y = plan.scatter(out, B, T).view(B, T, P)
     return y, plan.unsort(h_fin), plan.unsort(c_fin), tuple(full[k] for k in _SAVED) if save else None
 
 
@@ -272,10 +285,11 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
                         w_rec: Tensor | None, w_stack: Tensor | None, w_proj: Tensor | None, h0: Tensor, c0: Tensor,
                         lengths: Tensor, xs: Tensor, gates: Tensor, c_pre: Tensor, tc: Tensor, m_all: Tensor,
                         h_pre: Tensor, hs: Tensor, T: int, cell_clip: float | None, proj_clip: float | None,
-                        reverse: bool, residual: bool, needs: list[bool]
+                        reverse: bool, residual: bool, cache_id: int, needs: list[bool]
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward through time (see the module docstring): (dx, dw_in, dw_rec, dw_stack, db, dw_proj, dh0, dc0);
-    ``needs`` flags (x, w_in, w_rec, w_stack, bias, w_proj), a gradient not needed is a placeholder."""
+    ``needs`` flags (x, w_in, w_rec, w_stack, bias, w_proj), a gradient not needed is a placeholder; ``cache_id``:
+    the forward's ``PackedWeightCache`` (-1: none), see ``_weights``."""
     plan = _Plan.build(lengths.cpu(), T, reverse)
     N = plan.N
     B, D, P = h0.shape[0], xs.shape[1], hs.shape[1]
@@ -283,15 +297,14 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     h_pre = h_pre[:N] if w_proj is not None else None
     if w_stack is not None:
         w_in, w_rec = w_stack[:D], w_stack[D:]
-    dy = dy if dy is not None else xs.new_zeros(B, T, P)
-    dys = dy.reshape(B * T, P).index_select(0, plan.flat)  # (N, P) packed
+    dys = dy.reshape(B * T, P).index_select(0, plan.flat) if dy is not None else xs.new_zeros(N, P)  # packed
     # gradients w.r.t. the state after the current step
     carry_h = plan.sort(dh_n) if dh_n is not None else torch.zeros_like(h0)
     carry_c = plan.sort(dc_n) if dc_n is not None else torch.zeros_like(c0)
     c_init = plan.sort(c0)
     dz = torch.empty_like(gates)
     dh_all = torch.empty_like(hs) if w_proj is not None else None
-    rec_t, proj_t = _weights(w_rec, w_proj, B, None, transposed=True)
+    rec_t, proj_t = _weights(w_rec, w_proj, B, cache_by_id(cache_id), transposed=True)
     for s in range(len(plan.n) - 1, -1, -1):
         n, o = plan.n[s], plan.off[s]
         blk = slice(o, o + n)
@@ -308,7 +321,7 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
     if needs[0]:
         dxs = torch.addmm(dys, dz, w_in.t()) if residual else torch.mm(dz, w_in.t())
-        dx = dxs.new_zeros(B * T, D).index_copy_(0, plan.flat, dxs).view(B, T, D)
+        dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
         dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
@@ -335,7 +348,7 @@ def _weight_grad(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
 
 @_lstmp_cpu_backward.register_fake
 def _(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0, lengths, xs, gates, c_pre, tc, m_all, h_pre, hs, T,
-      cell_clip, proj_clip, reverse, residual, needs):
+      cell_clip, proj_clip, reverse, residual, cache_id, needs):
     B, D = h0.shape[0], xs.shape[1]
     like = [xs.new_empty(B, T, D), w_in, w_rec, w_stack, xs.new_empty(gates.shape[1]), w_proj]
     grads = [torch.empty_like(t) if need and t is not None else nothing(xs) for t, need in zip(like, needs)]
@@ -345,7 +358,7 @@ def _(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0, lengths, xs, gates, 
 def _setup_context(ctx, inputs, output):
     (x, w_in, w_rec, w_stack, bias, w_proj, h0, c0, lengths, cell_clip, proj_clip, forget_bias, reverse, residual,
      save, cache_id, bf16) = inputs
-    ctx.flags = (x.shape[1], cell_clip, proj_clip, reverse, residual)
+    ctx.flags = (x.shape[1], cell_clip, proj_clip, reverse, residual, cache_id)
     ctx.saved = save
     ctx.set_materialize_grads(False)
     if save:

@@ -63,31 +63,46 @@ def bf16_supported() -> bool:
 
 
 def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
-    """The oneDNN-packed (N, K) weight, or None where that path does not apply (then torch.mm is used)."""
+    """The oneDNN-packed (N, K) weight, or None where that path does not apply (then torch.mm is used).
+
+    ``w`` is packed as ``w.t()``: for a row-major ``w`` that view is column-major, and torch's
+    ``_reorder_linear_weight`` makes it contiguous itself (an ``aten::contiguous`` inside the op, torch 2.13)
+    before oneDNN reorders it into its blocked layout; torch exposes no reorder from a strided source."""
     global _ONEDNN_OK
     if not onednn_usable(w):
         return None
     try:
-        wt = w.detach().t().to(dtype).contiguous()
-        packed = torch.ops.mkldnn._reorder_linear_weight(wt, max(1, rows))
-        probe = torch.zeros(1, w.shape[0], dtype=dtype)
-        probe[0, 0] = 1.0
-        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-        if not torch.equal(got[0].float(), wt[:, 0].float()):  # one row of the identity reads one weight row
-            raise RuntimeError("oneDNN linear returned unexpected values")
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().to(dtype), max(1, rows))
+        if dtype not in _VERIFIED:
+            _self_test(w, packed, dtype)
+            _VERIFIED.add(dtype)
         return packed
     except Exception:  # noqa: BLE001 - any problem: the plain path from now on
         _ONEDNN_OK = False
         return None
 
 
+_VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_test`` in this process
+
+
+def _self_test(w: torch.Tensor, packed, dtype: torch.dtype) -> None:
+    """One product with the first packed weight of each dtype, once per process: a row of the identity must read
+    back the first row of ``w`` (the layout oneDNN and torch agree on); raises otherwise."""
+    probe = torch.zeros(1, w.shape[0], dtype=dtype)
+    probe[0, 0] = 1.0
+    got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    if not torch.equal(got[0].float(), w[0].detach().to(dtype).float()):
+        raise RuntimeError("oneDNN linear returned unexpected values")
+
+
 class PackedWeightCache:
-    """Packed copies of a module's weights, kept across inference calls; owned by the module that owns them.
+    """Packed copies of a module's weights, kept across calls; owned by the module that owns them.
 
     An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
     weight is unchanged by ``elmo_fast._stamp``'s rule (its version counter, and a sample of its values, which
-    catches writes that bypass the counter: ``.data``, torch's fused optimizers). Training never uses the cache
-    (the autograd path packs afresh every call). Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a
+    catches writes that bypass the counter: ``.data``, torch's fused optimizers). Training's forward packs
+    nothing; its backward keeps here only the packs that copy a transposed view (``elmo_fast.cpu.lstmp._weights``)
+    and packs the others afresh. Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a
     spawned worker) drops the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on
     the next call.
 

@@ -2,9 +2,10 @@
 
 One operator pair instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled block by
 one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in place, and the
-softmax kept for backward in the same buffer; backward is two GEMMs (``dh``, ``dW`` of the sample rows) plus row
-sums. The weight and bias gradients are sparse COO over ``cat(targets, samples)`` (uncoalesced, fixed size: no
-host read), or dense.
+softmax kept for backward in the same buffer; backward is two GEMMs: ``dh``, and the weight and bias gradient rows
+of the samples together (``dᵀ·[hidden | 1]``: one pass over ``d`` sums both), each part computed only when its
+parameter needs a gradient. The weight and bias gradients are sparse COO over ``cat(targets, samples)``
+(uncoalesced, fixed size: no host read; one index tensor for both), or dense.
 """
 from __future__ import annotations
 
@@ -49,28 +50,28 @@ def _(hidden, weight, bias, targets, sampled_ids, true_logq, samp_logq, remove_h
 
 @custom_op(qualname("sampled_softmax_cpu_backward"), mutates_args=())
 def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Tensor, probs: Tensor,
-                              reduction: str, need_h: bool, need_rows: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dh, rows_w, rows_b): the gradient of ``hidden`` and the weight / bias gradient rows of
-    ``cat(targets, sampled_ids)`` (placeholders where not needed)."""
+                              reduction: str, need_h: bool, need_w: bool, need_b: bool) -> tuple[Tensor, Tensor]:
+    """(dh, rows): the gradient of ``hidden`` and the (N + S, P·need_w + need_b) gradient rows of
+    ``cat(targets, sampled_ids)``: the weight's in the first P columns (with ``need_w``), the bias's in the last
+    (with ``need_b``); placeholders where nothing is needed."""
     N = hidden.shape[0]
     g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
     d = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
     d[:, 0] -= g
     d_true, d_samp = d[:, 0], d[:, 1:]
     dh = torch.addmm(d_true.unsqueeze(1) * w_t, d_samp, w_s) if need_h else nothing(hidden)
-    rows_w, rows_b = nothing(hidden), nothing(hidden)
-    if need_rows:
-        rows_w = torch.cat([d_true.unsqueeze(1) * hidden, torch.mm(d_samp.t(), hidden)])
-        rows_b = torch.cat([d_true, d_samp.sum(0)])
-    return dh, rows_w, rows_b
+    if not (need_w or need_b):
+        return dh, nothing(hidden)
+    # d loss / d (w_row, b_row) = Σ_n d_n·(hidden_n, 1): the bias column rides along the weight's product
+    h1 = torch.cat([hidden] * need_w + [hidden.new_ones(N, 1)] * need_b, 1)
+    return dh, torch.cat([d_true.unsqueeze(1) * h1, torch.mm(d_samp.t(), h1)])
 
 
 @_sampled_softmax_backward.register_fake
-def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_rows):
-    N, S = hidden.shape[0], w_s.shape[0]
-    rows = (hidden.new_empty(N + S, hidden.shape[1]), hidden.new_empty(N + S)) if need_rows else (
-        nothing(hidden), nothing(hidden))
-    return (torch.empty_like(hidden) if need_h else nothing(hidden)), *rows
+def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
+    (N, P), S = hidden.shape, w_s.shape[0]
+    rows = hidden.new_empty(N + S, P * need_w + need_b) if need_w or need_b else nothing(hidden)
+    return (torch.empty_like(hidden) if need_h else nothing(hidden)), rows
 
 
 def _setup_context(ctx, inputs, output):
@@ -84,18 +85,19 @@ def _backward(ctx, grad, *_):
     hidden, targets, sampled_ids, w_t, w_s, probs = ctx.saved_tensors
     reduction, sparse, w_shape, b_shape = ctx.flags
     need = ctx.needs_input_grad
-    dh, rows_w, rows_b = _sampled_softmax_backward(grad, hidden, w_t, w_s, probs, reduction, need[0],
-                                                   need[1] or need[2])
-    dw = db = None
-    if need[1] or need[2]:
-        ids = torch.cat([targets, sampled_ids])
-        if sparse:
-            dw = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_w, w_shape, check_invariants=False)
-            db = torch.sparse_coo_tensor(ids.unsqueeze(0), rows_b, b_shape, check_invariants=False)
-        else:
-            dw = rows_w.new_zeros(w_shape).index_add_(0, ids, rows_w)
-            db = rows_b.new_zeros(b_shape).index_add_(0, ids, rows_b)
-    return dh if need[0] else None, dw if need[1] else None, db if need[2] else None, *(None,) * 7
+    dh, rows = _sampled_softmax_backward(grad, hidden, w_t, w_s, probs, reduction, need[0], need[1], need[2])
+    ids = torch.cat([targets, sampled_ids]) if need[1] or need[2] else None
+    dw = _table_grad(ids, rows[:, : w_shape[1]], w_shape, sparse) if need[1] else None
+    db = _table_grad(ids, rows[:, -1], b_shape, sparse) if need[2] else None
+    return dh if need[0] else None, dw, db, *(None,) * 7
+
+
+def _table_grad(ids: Tensor, rows: Tensor, shape, sparse: bool) -> Tensor:
+    """The gradient of a table of ``shape`` from its rows at ``ids`` (repeated ids add up): sparse COO, or dense
+    (zeros where no id points)."""
+    if sparse:
+        return torch.sparse_coo_tensor(ids.unsqueeze(0), rows, shape, check_invariants=False)
+    return rows.new_zeros(shape).index_add_(0, ids, rows)
 
 
 _sampled_softmax_op.register_autograd(_backward, setup_context=_setup_context)

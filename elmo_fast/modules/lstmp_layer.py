@@ -174,8 +174,9 @@ class LSTMP(nn.Module):
                     names["w_proj"] = (f"weight_hr{sfx}",)
                 self._chains.append(names)
         self._converted: dict = {}  # (chain, role, dtype) -> (stamp, TF-layout copy)
-        # cpu backend: packed weights kept across inference calls, one cache per chain
-        self._cpu_caches = [PackedWeightCache() for _ in self._chains]
+        # cpu backend: packed weights kept across calls, one cache for all chains (keyed by each weight's storage,
+        # so a weight that chains share is packed once)
+        self._cpu_cache = PackedWeightCache()
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------- nn.LSTM API
@@ -190,8 +191,7 @@ class LSTMP(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._converted.clear()  # .to() / .float() / ... give the parameters new storage
-        for cache in self._cpu_caches:
-            cache.clear()
+        self._cpu_cache.clear()
         return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -253,6 +253,10 @@ class LSTMP(nn.Module):
         lengths = (torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None
                    else lengths.to(x.device))
         h0, c0 = self._initial_state(hx, x, unbatched)
+        be = backend_for(self.backend, x.device, "lstmp")  # once per call, for the layout and for the op
+        # the op gets the resolved name, except 'cuda': asked for by 'auto', it falls back per call where its kernel
+        # cannot run, which an explicit 'cuda' refuses
+        op_backend = self.backend if be == "cuda" else be
         dirs = 2 if self.bidirectional else 1
         h_n, c_n = [], []
         inp = x
@@ -265,10 +269,10 @@ class LSTMP(nn.Module):
                 outs = []
                 for d in range(dirs):
                     k = layer * dirs + d
-                    y, h, c = ops.lstmp(inp, *self._tf_weights(k, inp), h0[k], c0[k], lengths,
-                                        cell_clip=self.cell_clip, proj_clip=self.proj_clip,
-                                        forget_bias=self.forget_bias, reverse=d == 1, backend=self.backend,
-                                        cpu_weight_cache=self._cpu_caches[k])
+                    y, h, c = ops.lstmp(inp, *self._tf_weights(k, inp, col_major=be == "cpu"), h0[k], c0[k],
+                                        lengths, cell_clip=self.cell_clip, proj_clip=self.proj_clip,
+                                        forget_bias=self.forget_bias, reverse=d == 1, backend=op_backend,
+                                        cpu_weight_cache=self._cpu_cache)
                     outs.append(y)
                     h_n.append(h)
                     c_n.append(c)
@@ -301,14 +305,13 @@ class LSTMP(nn.Module):
         return state
 
     # ------------------------------------------------------------------------------------ layout conversion
-    def _tf_weights(self, k: int, x: torch.Tensor) -> tuple:
+    def _tf_weights(self, k: int, x: torch.Tensor, col_major: bool) -> tuple:
         """(w_in, w_rec, bias, w_proj) of chain k in the TF layout, the weight matrices in the dtype the op will
         compute in (the autocast dtype, else the parameters'); bias stays in the parameters' dtype, and is zeros
-        without ``bias`` (w_proj None without a projection)."""
+        without ``bias`` (w_proj None without a projection). ``col_major`` (the cpu backend, which computes with
+        column-major weights, nn.LSTM's layout read transposed, at full speed): the transposed views."""
         names = self._chains[k]
         low = prec.compute_dtype(x)
-        # the cpu backend computes with column-major weights (nn.LSTM's layout read transposed) at full speed
-        col_major = backend_for(self.backend, x.device, "lstmp") == "cpu"
         out = []
         for role in ("w_in", "w_rec", "bias", "w_proj"):
             if role not in names:
