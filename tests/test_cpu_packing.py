@@ -148,3 +148,59 @@ def test_lstmp_module_packs_a_shared_weight_once(monkeypatch, dtype):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
     assert len(packs) == 3  # backward: w_recᵀ of each chain, the tied w_projᵀ once
+
+
+def _train_calls(cache, dtype, n=3, lengths=(6, 2, 5, 0)):
+    """``n`` training calls of one chain with fresh inputs (and the same weights): outputs and every gradient."""
+    B, T, D, H, P = 4, 6, 5, 7, 3
+    w = _chain(B, T, D, H, P, True, dtype, seed=1)[1:5]
+    res = []
+    for i in range(n):
+        x, *_, h0, c0 = _chain(B, T, D, H, P, True, dtype, seed=10 + i)
+        args = [x, *w, h0, c0]
+        g = torch.Generator().manual_seed(i)
+        up = [torch.randn(s, generator=g, dtype=dtype) for s in ((B, T, P), (B, P), (B, H))]
+        outs, grads = _run_lstmp(lambda *a, **k: lstmp_cpu(*a, weight_cache=cache, **k), args, list(lengths), up,
+                                 **KW)
+        res.append([t.detach().clone() for t in (*outs, *grads)])
+    return res
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_training_reuses_saved_buffers_after_backward(dtype):
+    """With a module's cache, a training call takes the saved-activation buffers (and backward's dz) that the
+    previous call's backward released: the same memory, the same results as fresh buffers (and the reference)."""
+    cache = PackedWeightCache()
+    got = _train_calls(cache, dtype)
+    want = _train_calls(None, dtype)
+    for a, b in zip(got, want):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+    from elmo_fast.cpu.lstmp import _SAVED
+
+    assert {name: len(k) for name, k in cache._kept.items()} == {n: 1 for n in (*_SAVED, "dz")}
+
+
+def test_saved_buffers_in_use_are_never_handed_out():
+    """Two forwards before their backwards (and a retained graph) keep their own buffers: none is reused while a
+    graph still holds it, so every backward sees its own forward's values."""
+    B, T, D, H, P = 4, 6, 5, 7, 3
+    dtype = torch.float64
+    cache = PackedWeightCache()
+    w = _chain(B, T, D, H, P, True, dtype, seed=1)[1:5]
+    xs = [_chain(B, T, D, H, P, True, dtype, seed=10 + i)[0] for i in range(3)]
+    h0, c0 = torch.zeros(B, P, dtype=dtype), torch.zeros(B, H, dtype=dtype)
+    lengths = torch.tensor([6, 2, 5, 0])
+
+    def loss(x, use_cache):
+        y, _, _ = lstmp_cpu(x, *w, h0, c0, lengths, weight_cache=cache if use_cache else None, **KW)
+        return (y * torch.arange(y.numel(), dtype=dtype).view_as(y).sin()).sum()
+
+    first = loss(xs[0], True)
+    first.backward(retain_graph=True)  # retained: its buffers stay referenced
+    pending = [loss(x, True) for x in xs[1:]]  # two more forwards, no backward yet
+    assert len(cache._kept["gates"]) == 3  # three sets: none was handed out twice
+    want = [torch.autograd.grad(loss(x, False), w) for x in xs]
+    for lo, wa in zip([first, *pending], want):
+        for g, v in zip(torch.autograd.grad(lo, w), wa):
+            assert torch.equal(g, v)

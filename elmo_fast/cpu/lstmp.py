@@ -173,9 +173,10 @@ def _clip(t: torch.Tensor, clip: float | None) -> torch.Tensor:
 
 
 def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, proj_clip, forget_bias, residual,
-             cache, save: bool, dtype=None):
+             cache, save: bool, dtype=None, buffers: PackedWeightCache | None = None):
     """The time loop. Returns (y, h_n, c_n, saved): ``saved`` holds the packed buffers backward needs (``_SAVED``:
-    (B*T, ·) tensors whose first N rows are used, None for ``h_pre`` without a projection), or None."""
+    (B*T, ·) tensors whose first N rows are used, None for ``h_pre`` without a projection), or None. ``buffers``:
+    the cache whose ``reusable`` buffers training's saved activations take (fresh tensors without it)."""
     B, T, D = x.shape
     H, P, N = c0.shape[1], h0.shape[1], plan.N
     bias_f = bias.clone()
@@ -185,7 +186,8 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
     full = dict.fromkeys(_SAVED)
 
     def packed(name, width):
-        full[name] = x.new_empty(B * T if save else N, width)
+        rows = B * T if save else N
+        full[name] = x.new_empty(rows, width) if buffers is None else buffers.reusable(name, (rows, width), x.dtype)
         full[name][N:].zero_()
         return full[name][:N]
 
@@ -261,7 +263,8 @@ def _lstmp_cpu_op(x: Tensor, w_in: Tensor | None, w_rec: Tensor | None, w_stack:
     plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, forget_bias=forget_bias, residual=residual)
     if save:  # weights change every training step: packed afresh, never from the inference cache
-        y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=None, save=True, **kw)
+        y, h_n, c_n, saved = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=None, save=True,
+                                      buffers=cache_by_id(cache_id), **kw)
         saved = [nothing(x) if t is None else t for t in saved]
     else:
         y, h_n, c_n, _ = _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan, cache=cache_by_id(cache_id),
@@ -302,9 +305,10 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
     carry_h = plan.sort(dh_n) if dh_n is not None else torch.zeros_like(h0)
     carry_c = plan.sort(dc_n) if dc_n is not None else torch.zeros_like(c0)
     c_init = plan.sort(c0)
-    dz = torch.empty_like(gates)
+    cache = cache_by_id(cache_id)
+    dz = torch.empty_like(gates) if cache is None else cache.reusable("dz", tuple(gates.shape), gates.dtype)
     dh_all = torch.empty_like(hs) if w_proj is not None else None
-    rec_t, proj_t = _weights(w_rec, w_proj, B, cache_by_id(cache_id), transposed=True)
+    rec_t, proj_t = _weights(w_rec, w_proj, B, cache, transposed=True)
     for s in range(len(plan.n) - 1, -1, -1):
         n, o = plan.n[s], plan.off[s]
         blk = slice(o, o + n)
