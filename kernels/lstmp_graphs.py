@@ -38,7 +38,7 @@ import warnings
 import torch
 
 from elmo_fast.kernels._common import launch as launch_kernel
-from elmo_fast.ops._library import ThreadFlag
+from elmo_fast.ops._library import ThreadFlag, tracing
 from elmo_fast.probes import graph_replay
 
 MAX_SLOTS = 2  # per call signature: two forwards outstanding before their backwards (e.g. a module used twice)
@@ -224,7 +224,9 @@ class Pool:
 
     def lease(self, z: torch.Tensor) -> Lease | None:
         """The lease of the slot whose saved activations ``z`` is (None for a call that ran eagerly)."""
-        slot = self.by_ptr.get(z.data_ptr()) if self.by_ptr and z.numel() else None
+        if not self.by_ptr or not z.numel() or tracing(z):  # a fake z (opcheck, torch.compile) has no storage
+            return None
+        slot = self.by_ptr.get(z.data_ptr())
         return None if slot is None or not slot.leased else Lease(slot)
 
     def clear(self) -> None:
