@@ -24,6 +24,7 @@ bench/results/launches.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -85,7 +86,9 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
     return _row("forward-graph" if cuda_graph else "forward", counts)
 
 
-def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False) -> dict:
+@contextlib.contextmanager
+def _trainer(device: torch.device, deterministic: bool):
+    """A Trainer at the original configuration's structure (small widths) on a tiny corpus."""
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
@@ -104,14 +107,38 @@ def measure_train_step(device: torch.device, deterministic: bool = False, graphs
         vocab = Vocabulary(words=["<S>", "</S>", "<UNK>"] + words)
         trainer = Trainer(cfg, vocab, [str(corpus)], None, d, device=device)
         try:
-            with common.loop_graphs(graphs, device):
-                for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
-                    trainer.train_step()
-                with probe(count_ops=True) as counts:
-                    trainer.train_step()
+            yield trainer
         finally:
             trainer.close()
+
+
+def _probed_step(trainer):
+    with probe(count_ops=True) as counts:
+        trainer.train_step()
+    return counts
+
+
+def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False) -> dict:
+    with _trainer(device, deterministic) as trainer, common.loop_graphs(graphs, device):
+        for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
+            trainer.train_step()
+        counts = _probed_step(trainer)
     return _row("train-step-loop-graphs" if graphs else "train-step-det" if deterministic else "train-step", counts)
+
+
+def measure_train_steps(device: torch.device) -> dict[str, dict]:
+    """``train-step`` and ``train-step-loop-graphs`` from one trainer, in 4 steps instead of 5 (and one trainer
+    instead of two): the warm-up step runs with loop graphs on (it is their first sight of the shapes, so it runs
+    every launch and compiles), then a probed step with them off, a step that captures them, a probed replay."""
+    with _trainer(device, False) as trainer:
+        with common.loop_graphs(True, device):
+            trainer.train_step()
+        with common.loop_graphs(False, device):
+            eager = _probed_step(trainer)
+        with common.loop_graphs(True, device):
+            trainer.train_step()
+            graphs = _probed_step(trainer)
+    return {"train-step": _row("train-step", eager), "train-step-loop-graphs": _row("train-step-loop-graphs", graphs)}
 
 
 def _row(case: str, counts) -> dict:
