@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
                  "unique", "unique_consecutive", "masked_select")
-_SYNC_FUNCS = ("nonzero", "unique", "unique_consecutive", "equal", "masked_select")
+SYNC_FUNCS = ("nonzero", "unique", "unique_consecutive", "equal", "masked_select")
 
 
 class HostSyncError(RuntimeError):
@@ -130,9 +130,9 @@ def probe(forbid: bool = False, count_ops: bool = False):
             return wrapped
         return make
 
-    for name in _SYNC_METHODS:
+    for name in SYNC_METHODS:
         patch(torch.Tensor, name, sync_wrapper(f"Tensor.{name}"))
-    for name in _SYNC_FUNCS:
+    for name in SYNC_FUNCS:
         patch(torch, name, sync_wrapper(f"torch.{name}"))
     patch(torch.cuda, "synchronize", sync_wrapper("torch.cuda.synchronize"))
 
