@@ -1,3 +1,4 @@
+import contextlib
 import random
 
 import numpy as np
@@ -42,3 +43,19 @@ def triton_available() -> bool:
 requires_triton = pytest.mark.skipif(
     not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1 (make test sets it)"
 )
+
+
+@contextlib.contextmanager
+def programs_backwards():
+    """Every Triton grid run backwards under the interpreter (program ids handed out from the last to the first):
+    a bit-equality test whose second run goes through this can fail where the result depends on program order,
+    which two runs in the interpreter's fixed order never show."""
+    from triton.runtime import interpreter
+
+    b = interpreter.interpreter_builder
+    real = type(b).set_grid_idx
+    b.set_grid_idx = lambda x, y, z: real(b, *(n - 1 - i for n, i in zip(b.grid_dim, (x, y, z))))
+    try:
+        yield
+    finally:
+        del b.set_grid_idx

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import triton_available
+from conftest import programs_backwards, triton_available
 from test_kernel_report import _check, spy  # noqa: F401 - spy: the launch-recording fixture
 
 from elmo_fast._backend import triton_interpret
@@ -30,20 +30,6 @@ requires_interpreter = pytest.mark.skipif(not (triton_available() and triton_int
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 FILTERS = [[1, 4], [2, 3], [3, 5], [5, 6], [4, 27]]  # F = 45: two 32-filter blocks, widths mixed in a block
-
-
-@contextlib.contextmanager
-def programs_backwards():
-    """Every grid run backwards: the interpreter hands out the program ids from the last to the first."""
-    from triton.runtime import interpreter
-
-    b = interpreter.interpreter_builder
-    real = type(b).set_grid_idx
-    b.set_grid_idx = lambda x, y, z: real(b, *(n - 1 - i for n, i in zip(b.grid_dim, (x, y, z))))
-    try:
-        yield
-    finally:
-        del b.set_grid_idx
 
 
 @pytest.fixture
