@@ -16,7 +16,9 @@ H=4096, P=512, D=512, cell/proj clip 3, bf16 and fp32, modes ``fwd`` and ``fwd+b
 
 Per kernel (``bench_kernels``): every launch of the chain's plan (``elmo_fast.kernels.lstmp.launch_plan``) at
 a middle step, timed alone with ``do_bench`` on the buffers the launchers build, beside its roofline estimate
-from bench/lstmp_compile.py (``ratio`` = measured / estimated) -> ``lstmp_kernels.csv``.
+from bench/lstmp_compile.py (``ratio`` = measured / estimated) -> ``lstmp_kernels.csv``. Split-K alternatives
+(``bench_splits``): the projection and the recurrent backward with their reduce kernel, tuned tile against
+tiles with fewer splits -> ``lstmp_splits.csv`` (the pick the compile-time model cannot make).
 
 All rows are full length (lengths = T) so the three do the same amount of work. The Triton kernel is checked
 against the reference before anything is timed; a mismatch stops the sweep. Each case appends a CSV row
@@ -270,6 +272,91 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
     return rows
 
 
+def _split_alternatives():
+    from elmo_fast.kernels.lstmp import Tile
+
+    # None = the tuned tile. At B=384 (bf16: 128x128, 11 splits; 128x256, 22 splits) the alternatives keep >= 132
+    # programs with 6 splits: about half the fp32 partials written and read back, but narrower tiles, so the
+    # activations and the weights are re-read by more tiles. performance.md's model (compulsory bytes, partials
+    # in HBM) puts the pair at 8.2 -> 5.8 us (projection) and 20.0 -> 12.5 us (recurrent backward); with an L2
+    # term of 5.5 TB/s for the re-reads the tuned tile wins. Compiled for sm_90a: no spill, wgmma, cp.async.
+    return {"fwd_proj": (None, Tile(128, 64, 32, 4, 4), Tile(64, 128, 32, 4, 4)),
+            "bwd_rec": (None, Tile(128, 128, 32, 8, 4), Tile(128, 64, 32, 4, 4))}
+
+
+def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, device="cuda",
+                 alternatives=None) -> list[dict]:
+    """The split-K GEMMs of the time loop (projection, recurrent backward) with their reduce kernel, timed as a
+    pair at step T // 2 for the tuned tile and each alternative (``_split_alternatives``).
+
+    The compile-time model cannot rank them: a wider tile needs more K splits to give every SM a program, so more
+    fp32 partials cross L2 or HBM, while a narrower one makes more tiles re-read the same activations and weights
+    (bench/results/lstmp_compile.md). Each alternative's result must match the tuned one's before it counts.
+    Rows -> ``lstmp_splits.csv``; under the interpreter (CPU tensors) the same code runs with a plain clock."""
+    from elmo_fast.kernels import lstmp as KL
+
+    alternatives = alternatives or _split_alternatives()
+    H, P = dims["H"], dims["P"]
+    fl = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
+    target = KL.device_target(torch.device(device))
+    meta = dict(op="lstmp", **common.environment())
+    rows = []
+    s = T // 2
+    for dtype in dtypes:
+        acc = KL.acc_dtype(dtype)
+        for B in batches:
+            c = make_chain(B, T, dtype=dtype, device=device, **dims)
+            args = [c[k] for k in ARGS]
+            with torch.no_grad():
+                plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **fl)
+                KL._fwd_loop(plan, bufs)  # every buffer a launch at step s reads holds real values
+                _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **fl)
+                up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
+                      torch.randn(B, H, device=device)]
+                bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **fl)
+                KL._bwd_loop(bplan, bbufs)
+            for gemm, reduce, b, out in (("fwd_proj", "fwd_reduce", bufs, lambda b: b["y"][:, s]),
+                                         ("bwd_rec", "bwd_reduce", bbufs, lambda b: b["dh"])):
+                first = None
+                for tile in alternatives[gemm]:
+                    pl = KL.launch_plan(B, T, H, P, dtype, training=True, target=target,
+                                        tiles={gemm: tile} if tile else None, **fl)
+                    bb = dict(b, part=torch.empty(pl[gemm].grid[2], B, P, dtype=acc, device=device))
+
+                    def pair(first=pl[gemm], then=pl[reduce], bb=bb):
+                        KL._run(first, bb, s)
+                        KL._run(then, bb, s)
+
+                    p50, p20, p80 = common.time_ms(pair, device)
+                    got = out(bb).float().clone()
+                    first = got if first is None else first
+                    if not torch.allclose(got, first, rtol=2e-2, atol=2e-2) or not torch.isfinite(got).all():
+                        raise AssertionError(f"bench_splits: {gemm} with {tile} differs from the tuned tile's "
+                                             f"result (max |diff| {(got - first).abs().max().item():.3g})")
+                    t = pl[gemm].tile
+                    est = _estimate_us(pl[gemm], dtype) + _estimate_us(pl[reduce], dtype)
+                    rows.append(dict(
+                        meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        kernel=f"{gemm}+{reduce}", B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
+                        grid="x".join(map(str, pl[gemm].grid)),
+                        tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tile is None else ""),
+                        us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
+                        est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=pl[gemm].bytes + pl[reduce].bytes
+                        + 2 * pl[gemm].scratch_bytes, flops=pl[gemm].flops))
+                    print(f"{gemm:>8}+reduce {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
+                          f"S={pl[gemm].grid[2]:<3}: {p50 * 1e3:8.2f} us (estimate, partials in HBM {est:6.2f})",
+                          flush=True)
+            del c, args, bufs, bbufs, plan, bplan
+    return rows
+
+
+def _estimate_us(launch, dtype) -> float:
+    """The roofline estimate with the partials as HBM traffic (the upper bound: the pair writes and reads them)."""
+    import lstmp_compile
+
+    return lstmp_compile.estimate_us(launch, dtype != torch.float32, scratch_in_hbm=True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sweep():
     rows = bench_gpu()
@@ -283,3 +370,5 @@ if __name__ == "__main__":
     print(f"wrote rows to {append_csv(bench_gpu())}")
     path = common.append_rows("lstmp_kernels", bench_kernels(), KERNEL_FIELDS)
     print(f"wrote per-kernel rows to {path}")
+    path = common.append_rows("lstmp_splits", bench_splits(), KERNEL_FIELDS)
+    print(f"wrote split-K alternative rows to {path}")
