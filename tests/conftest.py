@@ -1,4 +1,5 @@
 import contextlib
+import math
 import random
 
 import numpy as np
@@ -59,3 +60,25 @@ def programs_backwards():
         yield
     finally:
         del b.set_grid_idx
+
+
+_ALLOCATORS = {"empty": (torch, "empty"), "empty_like": (torch, "empty_like"), "new_empty": (torch.Tensor, "new_empty")}
+
+
+def poison_allocations(monkeypatch, allocators=("empty", "empty_like", "new_empty"), int_fill=None) -> None:
+    """Every floating tensor from ``allocators`` (of torch.empty, torch.empty_like, Tensor.new_empty) starts as NaN,
+    and every integer one as ``int_fill`` when given (bool untouched), so an element no kernel writes cannot pass a
+    comparison. Undone with the monkeypatch."""
+    for name in allocators:
+        owner, attr = _ALLOCATORS[name]
+        real = getattr(owner, attr)
+
+        def poisoned(*args, _real=real, **kwargs):
+            t = _real(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(math.nan)
+            elif int_fill is not None and t.dtype != torch.bool:
+                t.fill_(int_fill)
+            return t
+
+        monkeypatch.setattr(owner, attr, poisoned)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import poison_allocations, requires_triton
 
 from elmo_fast.chars import word_to_char_ids
 from elmo_fast.reference.char_cnn import char_cnn_reference, highway_reference
@@ -281,13 +281,7 @@ def test_outputs_fully_written_under_nan_poisoning(monkeypatch):
     from elmo_fast.kernels.char_cnn import char_cnn_triton
     from elmo_fast.kernels.highway import highway_triton
 
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(99)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    poison_allocations(monkeypatch, ("empty", "empty_like"), int_fill=99)
     dev = _device()
     ids = make_ids(13, 12, seed=40)
     emb, ws, bs, hw = make_params(n_highway=1, seed=41)

@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from conftest import poison_allocations
 
 import elmo_fast
 from elmo_fast._backend import BackendUnavailableError, select_backend
@@ -24,16 +25,7 @@ SENTS = [["The", "cat", "sat", "on", "the", "mat", "."], ["A", "dog", "."], ["th
 @pytest.fixture
 def nan_poison(monkeypatch):
     """Uninitialised allocations come back NaN-filled, so an element a backend forgets to write shows up."""
-    empty_like, new_empty = torch.empty_like, torch.Tensor.new_empty
-
-    def poisoned(fn):
-        def wrapper(*a, **k):
-            t = fn(*a, **k)
-            return t.fill_(float("nan")) if t.is_floating_point() else t
-        return wrapper
-
-    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
-    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(new_empty))
+    poison_allocations(monkeypatch, ("empty_like", "new_empty"))
 
 
 SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import programs_backwards, triton_available
+from conftest import poison_allocations, programs_backwards, triton_available
 from test_kernel_report import _check, spy  # noqa: F401 - spy: the launch-recording fixture
 
 from elmo_fast._backend import triton_interpret
@@ -177,13 +177,7 @@ def test_ordered_kernels_write_every_element(monkeypatch, small_blocks):
 
     from elmo_fast.reference.char_cnn import char_cnn_reference
 
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(99)
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    poison_allocations(monkeypatch, ("empty", "empty_like"), int_fill=99)
     ids = make_ids(37, 10, seed=6)
     with deterministic():
         got = _cnn_grads(ids, torch.float64, seed=7)

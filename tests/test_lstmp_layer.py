@@ -2,14 +2,13 @@
 states and every gradient (input, h0, c0, every weight) within 1e-12 in fp64 and 1e-5 in fp32, on the reference,
 cpu and Triton (interpreter) backends; packed unsorted lengths, batch_first both ways, bidirectional, 3 layers,
 proj_size 0 and > 0. Then the state_dict both ways, the layout cache, the ELMo extras and the errors."""
-import math
 
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import elmo_fast
-from conftest import triton_available
+from conftest import poison_allocations, triton_available
 from elmo_fast.modules import lstmp_layer
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -21,16 +20,7 @@ BACKENDS = ["reference", "cpu", pytest.param("triton", marks=[pytest.mark.triton
 @pytest.fixture(autouse=True)
 def _nan_poison(monkeypatch):
     """torch.empty / empty_like / new_empty start as NaN: an element no kernel writes cannot pass."""
-    for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
-        real = getattr(owner, name)
-
-        def poisoned(*args, _real=real, **kwargs):
-            t = _real(*args, **kwargs)
-            if t.is_floating_point():
-                t.fill_(math.nan)
-            return t
-
-        monkeypatch.setattr(owner, name, poisoned)
+    poison_allocations(monkeypatch)
 
 
 def _run(module, x, hx, lengths, batch_first, weights):

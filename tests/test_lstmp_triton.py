@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import poison_allocations, requires_triton
 
 pytestmark = [pytest.mark.triton, requires_triton]
 
@@ -25,18 +25,7 @@ SLACK = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.fixture(autouse=True)
 def _nan_poison(monkeypatch):
     """Every float tensor from torch.empty starts as NaN (ints as -1): unwritten outputs cannot pass."""
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(math.nan)
-        elif t.dtype != torch.bool:
-            t.fill_(-1)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-    yield
+    poison_allocations(monkeypatch, ("empty",), int_fill=-1)
 
 
 def _kernels():

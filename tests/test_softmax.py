@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import programs_backwards, requires_triton
+from conftest import poison_allocations, programs_backwards, requires_triton
 from elmo_fast import ops
 from elmo_fast.modules.sampled_softmax import SampledSoftmaxLoss
 from elmo_fast.reference.sampled_softmax import (
@@ -322,15 +322,7 @@ def test_full_softmax_column_splits(splits):
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty returns NaN-filled tensors: an output element a kernel never writes fails the test."""
-    real = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = real(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(math.nan)
-        return t
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+    poison_allocations(monkeypatch, ("empty",))
 
 
 @pytest.mark.triton
