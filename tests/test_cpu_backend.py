@@ -34,9 +34,10 @@ SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}
 @pytest.fixture(params=["onednn", "torch.mm"])
 def gemm_path(request, monkeypatch):
     """Both product paths of the cpu backend at test sizes: packed oneDNN weights (normally only for weights of
-    1 MiB and more) and plain torch.mm."""
+    1 MiB and more, and in training's forward only where ``pack_pays``) and plain torch.mm."""
     if request.param == "onednn":
         monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+        monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")  # training's forward packs too (else measured)
     else:
         monkeypatch.setattr(packed, "_ONEDNN_OK", False)
     return request.param
@@ -388,6 +389,59 @@ def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
     counts = {e.key: e.count for e in prof.key_averages()}
     assert counts.get("aten::mm") == 1 and counts.get("aten::addmm") == 1
     assert "aten::sum" not in counts
+
+
+def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):
+    """Training's forward packs a weight for one call only where uses x (t_mm - t_packed) > t_pack, measured once per
+    (rows, shape, strides); ELMO_FAST_CPU_TRAIN_PACK fixes the choice; deterministic mode never packs there."""
+    from elmo_fast.determinism import deterministic
+
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(packed, "_PAYS", {})
+    monkeypatch.delenv("ELMO_FAST_CPU_TRAIN_PACK", raising=False)
+    w = torch.randn(8, 64)
+    key = (4, (8, 64), (64, 1))
+    packed._PAYS[key] = (0.030, 0.0020, 0.0005)  # pack 30 ms; 1.5 ms saved a product
+    assert packed.pack_pays(w, 4, 21) and not packed.pack_pays(w, 4, 20)
+    with deterministic():
+        assert not packed.pack_pays(w, 4, 1000)
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "0")
+    assert not packed.pack_pays(w, 4, 1000)
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")
+    assert packed.pack_pays(w, 4, 1)
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "yes")
+    with pytest.raises(ValueError, match="ELMO_FAST_CPU_TRAIN_PACK='yes': expected one of auto, 0, 1"):
+        packed.pack_pays(w, 4, 1)
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "auto")
+    assert packed.pack_pays(w, 4, 10) in (True, False) and len(packed._PAYS) == 1  # measured key reused
+    packed.pack_pays(w.t().contiguous().t(), 4, 10)  # other strides: measured once more, on that weight
+    assert len(packed._PAYS) == 2 and all(t > 0 for t in packed._PAYS[(4, (8, 64), (1, 8))])
+    monkeypatch.setattr(packed, "_ONEDNN_OK", False)
+    assert not packed.pack_pays(w, 4, 1000)
+
+
+def test_training_forward_packs_only_where_it_pays(monkeypatch):
+    """The choice reaches the time loop: training's forward builds its per-step weights packed or not as pack_pays
+    says (inference always packs, through the module's cache)."""
+    from elmo_fast.cpu import lstmp as cpu_lstmp
+
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    built = []
+    real = cpu_lstmp.PackedLinear
+
+    def spy(w, rows, dtype=None, pack=True):
+        built.append(pack)
+        return real(w, rows, dtype, pack)
+
+    monkeypatch.setattr(cpu_lstmp, "PackedLinear", spy)
+    args = _chain(3, 4, 5, 6, 3, True, torch.float32, seed=3)
+    for mode, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", mode)
+        built.clear()
+        y, _, _ = lstmp_cpu(*args, torch.tensor([4, 2, 3]), cell_clip=1.0, proj_clip=0.5)
+        assert built[:2] == [want, want], (mode, built)  # forward: w_rec, w_proj
+        y.sum().backward()
+        assert built[2:] == [True, True]  # backward's transposed products always pack
 
 
 def test_cpu_weight_cache_follows_weight_updates(tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ from torch.library import custom_op
 from .ext import cpu_ext
 from .._backend import BackendUnavailableError
 from ..ops._library import nothing, qualname, tracing
-from .packed import PackedLinear, PackedWeightCache, bf16_supported, cache_by_id
+from .packed import PackedLinear, PackedWeightCache, bf16_supported, cache_by_id, pack_pays
 
 _SAVED = ("xs", "gates", "c_pre", "tc", "m_all", "h_pre", "hs")  # the packed buffers training keeps for backward
 
@@ -93,9 +93,11 @@ class _Plan:
         return self.n[s + 1] if s + 1 < len(self.n) else 0
 
 
-def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, transposed=False, pack=True):
+def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, transposed=False, uses=None):
     """Per-step weights: forward (·w_rec, ·w_proj) or, with ``transposed``, backward (·w_recᵀ, ·w_projᵀ); packed
-    for oneDNN unless ``pack`` is False (then torch.mm).
+    for oneDNN, except that with ``uses`` (training's forward: the weights change before the next call, so a pack
+    serves only this call's ``uses`` steps) each is packed only where that pays on this machine (``pack_pays``),
+    else run by torch.mm.
 
     ``cache`` keeps the packed copies across calls, per weight version. Backward takes from it only the packs that
     copy a transposed view (column-major weights, as ``elmo_fast.LSTMP`` passes them: 40 MiB of transposing copy
@@ -110,6 +112,7 @@ def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, tran
         keep = cache is not None and (not transposed or not w.is_contiguous())
         if transposed:
             w, role = w.t(), role + "_t"
+        pack = uses is None or pack_pays(w, B, uses)
         out.append(cache.get(w, B, dtype, role) if keep else PackedLinear(w, B, dtype, pack))
     return out
 
@@ -209,9 +212,11 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
             gates = torch.index_select(project(uniq), 0, inv, out=out)
     if gates is None:
         gates = project(xs, out)  # (N, 4H)
-    # Training packs nothing for forward: the weights change every step, and packing w_rec for oneDNN's forward
-    # product is a 32 MiB transpose (30 ms on 2 cores, more than it saves at B=16); backward's packing is cheap.
-    rec, proj = _weights(w_rec, w_proj, B, cache, dtype, pack=not save)
+    # Training's weights change every step: its forward packs a weight for this call only, and only where that pays
+    # over the call's steps on this machine (packing w_rec is a 32 MiB transposing copy and a reorder: 13-30 ms
+    # on the Xeon for 0.16 ms saved a step at B=16, 40-60 ms on the EPYC for 7.5 ms a step); backward's packing
+    # is cheap.
+    rec, proj = _weights(w_rec, w_proj, B, cache, dtype, uses=len(plan.n) if save else None)
     hs = packed("hs", P)  # the (clipped) outputs h_t, packed
     if save:
         c_pre, tc, m_all = (packed(k, H) for k in ("c_pre", "tc", "m_all"))

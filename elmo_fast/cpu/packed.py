@@ -8,11 +8,19 @@ input projection in the same pass. Only the summation order differs from ``torch
 
 ``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``); a failed pack or probe also
 turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
+
+Packing costs a reorder of the whole weight (plus a transposing copy for a row-major one): inference keeps the
+packs across calls, but training's weights change every step. Whether a pack pays for itself over one training
+call's T products is a property of the machine, not of the shape alone: on the AVX-512/AMX Xeon of
+bench/results/cpu_lstmp.md MKL's small-M sgemm is within 15% of oneDNN (h·W_rec at B=16: 1.36 against 1.20 ms,
+the pack ~13-30 ms), on the AVX2 EPYC of the same file it is 2.4x slower (12.7 against 5.2 ms, the pack ~40-60
+ms). :func:`pack_pays` measures it once per process and shape (``ELMO_FAST_CPU_TRAIN_PACK`` overrides it).
 """
 from __future__ import annotations
 
 import itertools
 import os
+import time
 import weakref
 
 import torch
@@ -85,6 +93,58 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
 
 _VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_test`` in this process
 
+_TRAIN_PACK_CHOICES = ("auto", "0", "1")
+_PAYS: dict = {}  # (rows, shape, strides) -> (pack s, torch.mm s, packed product s), measured once per process
+
+
+def train_pack_mode() -> str:
+    """``ELMO_FAST_CPU_TRAIN_PACK``: ``auto`` (default) measures, ``1`` always packs, ``0`` never does."""
+    mode = os.environ.get("ELMO_FAST_CPU_TRAIN_PACK", "auto").strip().lower() or "auto"
+    if mode not in _TRAIN_PACK_CHOICES:
+        raise ValueError(f"ELMO_FAST_CPU_TRAIN_PACK={mode!r}: expected one of {', '.join(_TRAIN_PACK_CHOICES)}")
+    return mode
+
+
+def _best_seconds(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
+    """Whether packing ``w`` (K, N) for oneDNN and running ``uses`` products of ``rows`` rows with it beats ``uses``
+    plain ``torch.mm`` products on this machine (a training call: the weight changes before the next one).
+
+    Measured the first time a (rows, shape, strides) is seen in this process, on ``w`` itself: two packs (the
+    first also runs the self-test) and the best of three products each way, about the cost of two packs; then
+    ``uses · (t_mm − t_packed) > t_pack`` decides. Under deterministic mode (``elmo_fast.determinism``) never: a
+    timing must not choose between two summation orders there. ``ELMO_FAST_CPU_TRAIN_PACK`` = 1 / 0 fixes it."""
+    from elmo_fast.determinism import is_deterministic
+
+    if not onednn_usable(w):
+        return False
+    mode = train_pack_mode()
+    if mode != "auto":
+        return mode == "1"
+    if is_deterministic():
+        return False
+    key = (rows, tuple(w.shape), tuple(w.stride()))
+    if key not in _PAYS:
+        x = torch.randn(max(1, rows), w.shape[0], dtype=w.dtype)
+        w = w.detach()
+        lin = PackedLinear(w, rows)
+        if lin.packed is None:  # the pack failed: oneDNN is off from now on
+            return False
+        t_pack = _best_seconds(lambda: PackedLinear(w, rows), 1)
+        t_mm = _best_seconds(lambda: torch.mm(x, w), 3)
+        t_packed = _best_seconds(lambda: lin(x), 3)
+        _PAYS[key] = (t_pack, t_mm, t_packed)
+    t_pack, t_mm, t_packed = _PAYS[key]
+    return uses * (t_mm - t_packed) > t_pack
+
 
 def _self_test(w: torch.Tensor, packed, dtype: torch.dtype) -> None:
     """One product with the first packed weight of each dtype, once per process: a row of the identity must read
@@ -102,7 +162,8 @@ class PackedWeightCache:
     An entry is keyed by the weight's storage, shape, strides, role and packing dtype, and is valid while the
     weight is unchanged by ``elmo_fast._stamp``'s rule (its version counter, and a sample of its values, which
     catches writes that bypass the counter: ``.data``, torch's fused optimizers). Training's forward packs
-    nothing; its backward keeps here only the packs that copy a transposed view (``elmo_fast.cpu.lstmp._weights``)
+    nothing across calls (it packs a weight for one call where :func:`pack_pays`); its backward keeps here only the
+    packs that copy a transposed view (``elmo_fast.cpu.lstmp._weights``)
     and packs the others afresh. Pickling (``pickle``, ``torch.save``, ``copy.deepcopy``, a
     spawned worker) drops the entries: they hold oneDNN tensors that cannot be pickled, and they are rebuilt on
     the next call.
