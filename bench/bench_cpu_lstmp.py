@@ -18,6 +18,7 @@ The weights do not change between calls, as in inference; in training they do, s
 forward+backward packs nothing from one call to the next (see elmo_fast/cpu/lstmp.py).
 
     .venv/bin/python bench/bench_cpu_lstmp.py [--rounds 5] [--batch 32] [--keep-freed-memory]   # + cpu_lstmp.csv
+        [--variant ELMO_FAST_CPU_TRAIN_PACK=0]   # + the cpu provider with that switch, in the same rounds
     .venv/bin/python -m pytest bench/bench_cpu_lstmp.py --benchmark-only -s
 
 Both append to build/bench/cpu_lstmp.csv, or to the committed bench/results/cpu_lstmp.csv with
@@ -47,8 +48,9 @@ FIELDS = ["provider", "mode", "B", "T", "ms", "gflops", "pct_of_mm", "speedup_vs
           "date", "device", "torch", "commit", "command"]
 
 
-def providers(B: int, T: int):
-    """name -> (mode, FLOP, callable) for one round."""
+def providers(B: int, T: int, variants=()):
+    """name -> (mode, FLOP, callable) for one round; each (NAME, VALUE) of ``variants`` adds the cpu provider run
+    with that environment variable (``cpu[NAME=VALUE]``)."""
     D, H, P = DIMS["D"], DIMS["H"], DIMS["P"]
     chain = make_chain(B, T, dtype=torch.float32, device="cpu", requires_grad=True, **DIMS)
     up = [torch.randn(B, T, P), torch.randn(B, P), torch.randn(B, H)]
@@ -79,22 +81,26 @@ def providers(B: int, T: int):
            "nn.LSTM fwd+bwd": ("fwd+bwd", 3 * fwd, lambda: fwd_bwd(nn_lstm, chain, up))}
     if bf16_supported():
         out["cpu-bf16 fwd"] = ("fwd", fwd, no_grad(cpu16))
+    for name, value in variants:
+        tag = f"cpu[{name}={value}]"
+        out[f"{tag} fwd"] = ("fwd", fwd, common.with_env(no_grad(cpu), name, value))
+        out[f"{tag} fwd+bwd"] = ("fwd+bwd", 3 * fwd, common.with_env(lambda: fwd_bwd(cpu, chain, up), name, value))
     return out
 
 
-def run(B: int = 32, T: int = 20, rounds: int = 5, keep_freed: bool = False) -> list[dict]:
+def run(B: int = 32, T: int = 20, rounds: int = 5, keep_freed: bool = False, variants=()) -> list[dict]:
     torch.set_num_threads(N_THREADS)
     if keep_freed:  # as elmo_fast's trainer runs on the CPU; every provider in this process benefits
         keep_freed_memory()
     warnings.filterwarnings("ignore", message="LSTM with projections is not supported with oneDNN")
-    provs = providers(B, T)
+    provs = providers(B, T, variants)
     best = common.best_times({name: fn for name, (_, _, fn) in provs.items()}, rounds)  # warm-up: packing, allocations
     mm_rate = provs["mm"][1] / best["mm"]
     rows = []
     for name, (mode, flop, _) in provs.items():
         rate = flop / best[name]
         base = f"nn.LSTM {mode}"
-        rows.append({"provider": name.split(" ")[0], "mode": mode, "B": B, "T": T, "ms": round(1e3 * best[name], 2),
+        rows.append({"provider": name.rsplit(" ", 1)[0], "mode": mode, "B": B, "T": T, "ms": round(1e3 * best[name], 2),
                      "gflops": round(rate / 1e9, 1), "pct_of_mm": round(100 * rate / mm_rate, 1),
                      "speedup_vs_nn_lstm": round(best[base] / best[name], 2) if base in best else "",
                      "malloc": "keep-freed" if keep_freed else "default", "rounds": rounds,
@@ -120,8 +126,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--keep-freed-memory", action="store_true", help="glibc keeps freed large buffers (as the trainer)")
+    ap.add_argument("--variant", action="append", metavar="NAME=VALUE",
+                    help="also time the cpu provider with this ELMO_FAST_* variable set (repeatable)")
     a = ap.parse_args(argv)
-    report(run(a.batch, 20, a.rounds, a.keep_freed_memory))
+    report(run(a.batch, 20, a.rounds, a.keep_freed_memory, common.parse_variants(a.variant)))
     return 0
 
 

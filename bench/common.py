@@ -60,6 +60,28 @@ def env_var(name: str, value: str | None):
             os.environ[name] = old
 
 
+def parse_variants(specs) -> list[tuple[str, str]]:
+    """``--variant NAME=VALUE`` arguments -> [(NAME, VALUE)]: an extra elmo_fast provider that runs with the
+    environment variable NAME set to VALUE around each of its calls, timed in turn with the others (a same-run A/B
+    of a switch such as ELMO_FAST_CPU_TRAIN_PACK=0)."""
+    out = []
+    for spec in specs or ():
+        name, sep, value = spec.partition("=")
+        if not sep or not name.startswith("ELMO_FAST_"):
+            raise ValueError(f"--variant {spec!r}: expected NAME=VALUE with an ELMO_FAST_* variable, e.g. "
+                             "ELMO_FAST_CPU_TRAIN_PACK=0")
+        out.append((name, value))
+    return out
+
+
+def with_env(fn, name: str, value: str):
+    """``fn`` called with os.environ[name] = value (restored after each call)."""
+    def call(*args, **kwargs):
+        with env_var(name, value):
+            return fn(*args, **kwargs)
+    return call
+
+
 def loop_graphs(on: bool, device: torch.device):
     """LSTMP loop graphs on (CUDA graphs on a GPU, their recorded stand-in on the CPU) or off inside the block."""
     return env_var("ELMO_FAST_LOOP_GRAPHS", ("1" if device.type == "cuda" else "record") if on else "0")

@@ -1,5 +1,6 @@
 """bench/common.py: where benchmark rows go (never the committed results by default), the rounds variable, and
 the best-of-N timing loop the CPU benchmarks share."""
+import os
 import sys
 from pathlib import Path
 
@@ -47,3 +48,27 @@ def test_best_times_takes_the_best_round_of_interleaved_calls(monkeypatch):
                              calls=3)
     assert order == ["a", "b"] + (["a"] * 3 + ["b"] * 3) * 2  # warm-up, then the providers in turn each round
     assert best == {"a": 1 / 3, "b": 1 / 3}  # one clock tick per round of 3 calls
+
+
+def test_variants_are_env_switches_timed_as_extra_providers(monkeypatch):
+    assert common.parse_variants(None) == []
+    assert common.parse_variants(["ELMO_FAST_CPU_TRAIN_PACK=0", "ELMO_FAST_CPU_EXT="]) == [
+        ("ELMO_FAST_CPU_TRAIN_PACK", "0"), ("ELMO_FAST_CPU_EXT", "")]
+    for bad in ("ELMO_FAST_CPU_TRAIN_PACK", "OMP_NUM_THREADS=1"):
+        with pytest.raises(ValueError, match="expected NAME=VALUE with an ELMO_FAST_\\* variable"):
+            common.parse_variants([bad])
+    monkeypatch.setenv("ELMO_FAST_X", "outer")
+    seen = []
+    fn = common.with_env(lambda a: seen.append((a, os.environ["ELMO_FAST_X"])), "ELMO_FAST_X", "inner")
+    fn(1)
+    assert seen == [(1, "inner")] and os.environ["ELMO_FAST_X"] == "outer"
+
+
+def test_cpu_lstmp_bench_times_a_variant_in_the_same_rounds():
+    import bench_cpu_lstmp
+
+    rows = bench_cpu_lstmp.run(B=2, T=2, rounds=1, variants=[("ELMO_FAST_CPU_TRAIN_PACK", "0")])
+    got = {(r["provider"], r["mode"]) for r in rows}
+    assert {("cpu", "fwd+bwd"), ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd"),
+            ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd+bwd"), ("nn.LSTM", "fwd+bwd"), ("mm", "gemm")} <= got
+    assert all(r["speedup_vs_nn_lstm"] for r in rows if r["provider"] != "mm")
