@@ -15,6 +15,14 @@ KW = dict(cell_clip=0.9, proj_clip=0.6, reverse=True, residual=False, forget_bia
 LENGTHS = [6, 2, 5, 0]
 
 
+@pytest.fixture(autouse=True)
+def _training_forward_unpacked(monkeypatch):
+    """Training's forward packs a weight for one call only where ``packed.pack_pays`` measures that it pays, which
+    at these sizes may go either way: these counts are of the other packs, so that choice is fixed to "never" here
+    (``test_training_forward_packs_are_fresh_every_call`` covers "always")."""
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "0")
+
+
 def _spy(monkeypatch, name):
     """Count the calls of ``packed.<name>`` (recording the dtype argument)."""
     calls, real = [], getattr(packed, name)
@@ -92,6 +100,33 @@ def test_backward_packs_column_major_weights_once_per_version(monkeypatch, dtype
             assert_close_to_oracle(g, r64, r, f"step {step} d{name}")
     assert counts == [2, 0, 2]
     assert len(cache) == 2  # w_recᵀ and w_projᵀ, each replaced when its weight changed
+
+
+@needs_onednn
+def test_training_forward_packs_are_fresh_every_call(monkeypatch):
+    """Where training's forward packs (``ELMO_FAST_CPU_TRAIN_PACK=1``), it packs w_rec and w_proj afresh in every
+    call and keeps nothing: the weights change between training calls (the cache holds backward's packs only),
+    and every gradient still matches the reference's."""
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")
+    packs = _spy(monkeypatch, "_pack")
+    B, T, D, H, P = 4, 6, 5, 8, 3
+    args = _chain(B, T, D, H, P, True, torch.float32, seed=4)
+    args[2], args[4] = _column_major(args[2]), _column_major(args[4])
+    up = [torch.randn(B, T, P), torch.randn(B, P), torch.randn(B, H)]
+    args64 = [a.detach().double().requires_grad_() for a in args]
+    _, g64 = _run_lstmp(lstmp_reference, args64, LENGTHS, [u.double() for u in up], **KW)
+    _, gref = _run_lstmp(lstmp_reference, args, LENGTHS, up, **KW)
+    cache = PackedWeightCache()
+    counts = []
+    for _ in range(2):
+        before = len(packs)
+        _, got = _run_lstmp(lstmp_cpu, args, LENGTHS, up, weight_cache=cache, **KW)
+        counts.append(len(packs) - before)
+        for name, g, r64, r in zip(["x", "w_in", "w_rec", "bias", "w_proj", "h0", "c0"], got, g64, gref):
+            assert_close_to_oracle(g, r64, r, f"d{name}")
+    assert counts == [4, 2]  # forward's two every call; backward's two column-major packs once per version
+    assert len(cache) == 2
 
 
 @needs_onednn
