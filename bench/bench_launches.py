@@ -61,6 +61,21 @@ BUDGET = {
     "train-step-det": {"launches": 502, "syncs": 3, "uploads": 0},
     "train-step-loop-graphs": {"launches": 25, "syncs": 3, "uploads": 0},
 }
+STEPS = 20  # the original configuration's unroll steps (and the forward's tokens), at which BUDGET holds
+CHAINS = 4
+
+
+def budget(case: str, steps: int = STEPS) -> dict:
+    """BUDGET for ``steps`` tokens (forward) or unroll steps (training) instead of 20: the LSTMP launches scale with
+    the steps (3 a forward step, 6 a training step, + 1 backward prologue per chain), the encoder's and the
+    softmax's do not, nor do the loop graphs' replays, the syncs or the uploads (the tests run a few steps: the
+    interpreter's time grows with every launch)."""
+    b = dict(BUDGET[case])
+    if case == "forward":
+        b["launches"] += CHAINS * 3 * (steps - STEPS)
+    elif case in ("train-step", "train-step-det"):
+        b["launches"] += CHAINS * 6 * (steps - STEPS)
+    return b
 
 
 def small_original_options() -> dict:
@@ -71,9 +86,9 @@ def small_original_options() -> dict:
     return opts
 
 
-def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
-    words = "the cat sat on the mat and then it ran off to see what the dog had done today .".split()
-    assert len(words) == 20
+def measure_forward(device: torch.device, cuda_graph: bool = False, steps: int = STEPS) -> dict:
+    words = "the cat sat on the mat and then it ran off to see what the dog had done today .".split()[:steps]
+    assert len(words) == steps, f"measure_forward: at most 20 tokens, got steps={steps}"
     with tempfile.TemporaryDirectory() as d:
         model = elmo_fast.ElmoBiLM(*write_random_model(d, small_original_options()), backend="triton",
                                    cuda_graph=cuda_graph).to(device).eval()
@@ -87,8 +102,9 @@ def measure_forward(device: torch.device, cuda_graph: bool = False) -> dict:
 
 
 @contextlib.contextmanager
-def _trainer(device: torch.device, deterministic: bool):
-    """A Trainer at the original configuration's structure (small widths) on a tiny corpus."""
+def _trainer(device: torch.device, deterministic: bool, steps: int = STEPS):
+    """A Trainer at the original configuration's structure (small widths, ``steps`` unroll steps) on a tiny
+    corpus."""
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
@@ -99,7 +115,7 @@ def _trainer(device: torch.device, deterministic: bool):
     cfg.filters = opts["char_cnn"]["filters"]
     cfg.lstm_dim, cfg.projection_dim = opts["lstm"]["dim"], opts["lstm"]["projection_dim"]
     cfg.batch_size, cfg.n_negative_samples_batch, cfg.backend, cfg.check_memory = 2, 64, "triton", False
-    cfg.deterministic = deterministic
+    cfg.deterministic, cfg.unroll_steps = deterministic, steps
     words = [f"w{i}" for i in range(300)]
     with tempfile.TemporaryDirectory() as d:
         corpus = Path(d) / "train.txt"
@@ -118,19 +134,20 @@ def _probed_step(trainer):
     return counts
 
 
-def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False) -> dict:
-    with _trainer(device, deterministic) as trainer, common.loop_graphs(graphs, device):
+def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False,
+                       steps: int = STEPS) -> dict:
+    with _trainer(device, deterministic, steps) as trainer, common.loop_graphs(graphs, device):
         for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
             trainer.train_step()
         counts = _probed_step(trainer)
     return _row("train-step-loop-graphs" if graphs else "train-step-det" if deterministic else "train-step", counts)
 
 
-def measure_train_steps(device: torch.device) -> dict[str, dict]:
+def measure_train_steps(device: torch.device, steps: int = STEPS) -> dict[str, dict]:
     """``train-step`` and ``train-step-loop-graphs`` from one trainer, in 4 steps instead of 5 (and one trainer
     instead of two): the warm-up step runs with loop graphs on (it is their first sight of the shapes, so it runs
     every launch and compiles), then a probed step with them off, a step that captures them, a probed replay."""
-    with _trainer(device, False) as trainer:
+    with _trainer(device, False, steps) as trainer:
         with common.loop_graphs(True, device):
             trainer.train_step()
         with common.loop_graphs(False, device):
@@ -151,24 +168,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det,train-step-loop-graphs")
+    ap.add_argument("--steps", type=int, default=STEPS, help="tokens of the forward / unroll steps of the training "
+                    "step (the budget scales with them: budget())")
     args = ap.parse_args(argv)
+    if not 1 <= args.steps <= STEPS:
+        ap.error(f"--steps {args.steps}: expected 1 to {STEPS}")
     dev = torch.device(args.device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("the Triton kernels run on CPU tensors only under the interpreter: run "
                  "`TRITON_INTERPRET=1 python bench/bench_launches.py` (or run it on a GPU)")
     rows = []
+    n = args.steps
     for case in args.cases.split(","):
         if case == "forward-graph" and dev.type != "cuda":
             continue
-        fn = {"forward": lambda: measure_forward(dev), "forward-graph": lambda: measure_forward(dev, True),
-              "train-step": lambda: measure_train_step(dev),
-              "train-step-det": lambda: measure_train_step(dev, deterministic=True),
-              "train-step-loop-graphs": lambda: measure_train_step(dev, graphs=True)}[case]
+        fn = {"forward": lambda: measure_forward(dev, steps=n), "forward-graph": lambda: measure_forward(dev, True, n),
+              "train-step": lambda: measure_train_step(dev, steps=n),
+              "train-step-det": lambda: measure_train_step(dev, deterministic=True, steps=n),
+              "train-step-loop-graphs": lambda: measure_train_step(dev, graphs=True, steps=n)}[case]
         rows.append(fn())
+        if n != STEPS:  # the CSV's case names the step count when it is not the budget's 20
+            rows[-1]["case"] += f" ({n} steps)"
         r = rows[-1]
-        budget = BUDGET.get(case, {})
-        print(f"{case:14s} launches {r['triton_launches']:4d} (budget {budget.get('launches', '-')})  "
-              f"syncs {r['host_syncs']:3d} (budget {budget.get('syncs', '-')})  uploads {r['pageable_uploads']:2d}  "
+        b = budget(case, n) if case in BUDGET else {}
+        print(f"{case:14s} launches {r['triton_launches']:4d} (budget {b.get('launches', '-')})  "
+              f"syncs {r['host_syncs']:3d} (budget {b.get('syncs', '-')})  uploads {r['pageable_uploads']:2d}  "
               f"torch ops {r['torch_ops']:5d}  syncs at: {r['syncs_at'] or '-'}", flush=True)
     common.append_rows("launches", rows)
     return 0

@@ -1,7 +1,9 @@
-"""Launches, host syncs and pageable uploads per biLM forward (batch 1 x 20 tokens) and per training step (the
-original configuration's structure; also in deterministic mode) stay within the design's budget
-(bench/bench_launches.py, BUDGET): syncs and uploads at most the budget, launches exactly the design's count (a
-launch that goes missing is a code path that stopped running)."""
+"""Launches, host syncs and pageable uploads per biLM forward and per training step (the original configuration's
+structure; also in deterministic mode) stay within the design's budget (bench/bench_launches.py, BUDGET at 20
+tokens / unroll steps; ``budget(case, steps)`` scales the LSTMP launches): syncs and uploads at most the budget,
+launches exactly the design's count (a launch that goes missing is a code path that stopped running). The tests
+run 4 tokens / steps: under the interpreter a 20-step training step takes ~40 s on a slow 2-core machine, and
+what the count checks (every path taken once per step, nothing per step that syncs) shows at any T."""
 import functools
 import sys
 from pathlib import Path
@@ -17,21 +19,34 @@ import bench_launches  # noqa: E402
 pytestmark = [pytest.mark.triton, requires_triton]
 
 
+STEPS = 4
+
+
 @functools.lru_cache(maxsize=None)
 def _train_steps(dev: torch.device) -> dict:
-    return bench_launches.measure_train_steps(dev)  # two cases from one trainer (the suite's slowest tests)
+    return bench_launches.measure_train_steps(dev, STEPS)  # two cases from one trainer (the suite's slowest tests)
+
+
+def test_budget_at_a_few_steps_is_the_designs_count_scaled():
+    """The scaled budget is the design's formula: 4 chains x (steps + 2 boundaries) x 3 launches + char CNN and 2
+    highway in a forward; 4 chains x (6 a step + 1) + 17 encoder and softmax launches in a training step."""
+    assert [bench_launches.budget(c, 20) for c in bench_launches.BUDGET] == list(bench_launches.BUDGET.values())
+    assert bench_launches.budget("forward", STEPS)["launches"] == 4 * (STEPS + 2) * 3 + 3
+    assert bench_launches.budget("train-step", STEPS)["launches"] == 4 * (6 * STEPS + 1) + 17
+    assert bench_launches.budget("train-step-det", STEPS)["launches"] == 4 * (6 * STEPS + 1) + 18
+    assert bench_launches.budget("train-step-loop-graphs", STEPS)["launches"] == 4 * 2 + 17
 
 
 @pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det", "train-step-loop-graphs"])
 def test_launches_and_syncs_within_budget(case):
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if case == "forward":
-        row = bench_launches.measure_forward(dev)
+        row = bench_launches.measure_forward(dev, steps=STEPS)
     elif case == "train-step-det":
-        row = bench_launches.measure_train_step(dev, deterministic=True)
+        row = bench_launches.measure_train_step(dev, deterministic=True, steps=STEPS)
     else:
         row = _train_steps(dev)[case]
-    budget = bench_launches.BUDGET[case]
+    budget = bench_launches.budget(case, STEPS)
     assert row["triton_launches"] == budget["launches"], row  # exact: fewer launches is a path not taken
     assert row["host_syncs"] <= budget["syncs"], row
     assert row["pageable_uploads"] <= budget["uploads"], row
