@@ -7,6 +7,10 @@ STAMP := $(VENV)/.elmo_fast-setup
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 PYTEST_ARGS ?=
+# Test processes for the main suite (pytest-xdist, whole files per process: module fixtures stay shared);
+# 0 or 1 runs it in this process.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile,)
 
 .PHONY: setup test test-parity demo bench lint gpu-check gpu-check-smoke clean cuda-compile-check kernel-report \
 	kernel-report-subset
@@ -16,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-	$(PY) -m pip install -q "setuptools>=77" wheel "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy h5py tqdm pytest pytest-benchmark ninja pybind11
+	$(PY) -m pip install -q "setuptools>=77" wheel "$(TORCH_SPEC)" "$(TRITON_SPEC)" numpy h5py tqdm pytest pytest-benchmark pytest-xdist ninja pybind11
 	ELMO_FAST_BUILD_CUDA=0 $(PY) -m pip install -q --no-build-isolation -e ".[dev]"
 	touch $(STAMP)
 
@@ -29,7 +33,7 @@ RESULTS := $(VENV)/test-results
 test: setup
 	@mkdir -p $(RESULTS)
 	@rm -f $(RESULTS)/main.xml $(RESULTS)/parity.xml
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu" $(addprefix --ignore=,$(PARITY_TESTS)) \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) -m "not slow and not gpu" $(addprefix --ignore=,$(PARITY_TESTS)) \
 		--junitxml=$(RESULTS)/main.xml $(PYTEST_ARGS) tests; main=$$?; \
 	$(MAKE) --no-print-directory test-parity; parity=$$?; \
 	$(PY) tests/junit_total.py main=$(RESULTS)/main.xml parity=$(RESULTS)/parity.xml; total=$$?; \
