@@ -1,13 +1,16 @@
 """Plot tokens/s against batch size for CPU embedding and CPU training (bench/results/cpu_throughput.png).
 
 Reads the rows that ``bench_cpu_embedding.py --batch ...`` and ``bench_cpu_train.py --batch ...`` appended to
-bench/results/cpu_embedding.csv and cpu_train.csv; for every (provider, batch size) the latest row is drawn.
-Needs matplotlib (``.venv-allennlp/bin/python -m pip install matplotlib``).
+bench/results/cpu_embedding.csv and cpu_train.csv; for every (provider, batch size) the latest row of one device is
+drawn (``--device``: a substring of the CSV's device column; default the device of cpu_train.csv's last row), so
+machines are never mixed in one figure. Providers timed with an ``ELMO_FAST_*`` switch (``--variant``) are left out
+unless ``--variants``. Needs matplotlib (``.venv-allennlp/bin/python -m pip install matplotlib``).
 
-    .venv-allennlp/bin/python bench/bench_cpu_plot.py
+    .venv-allennlp/bin/python bench/bench_cpu_plot.py [--device EPYC] [--out cpu_throughput_epyc.png]
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from pathlib import Path
@@ -19,16 +22,34 @@ PANELS = [("cpu_embedding", "sentences", "embedding (biLM forward), sentences pe
           ("cpu_train", "B", "pretraining step, rows per direction (x 20 steps)")]
 
 
-def latest(name: str, xkey: str) -> dict[str, dict[int, dict]]:
-    """provider -> batch -> the last row written for it."""
-    out: dict[str, dict[int, dict]] = {}
+def rows_of(name: str) -> list[dict]:
     with open(common.RESULTS / f"{name}.csv", newline="") as fh:
-        for row in csv.DictReader(fh):
+        return list(csv.DictReader(fh))
+
+
+def latest(rows: list[dict], xkey: str, device: str, variants: bool = False) -> dict[str, dict[int, dict]]:
+    """provider -> batch -> the last row written for it on a device whose name contains ``device``."""
+    out: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        if device in row["device"] and (variants or "[" not in row["provider"]):
             out.setdefault(row["provider"], {})[int(row[xkey])] = row
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", help="substring of the device column (default: the device of the last train row)")
+    ap.add_argument("--out", default="cpu_throughput.png", help="file name under bench/results/")
+    ap.add_argument("--variants", action="store_true", help="also draw providers timed with an ELMO_FAST_* switch")
+    args = ap.parse_args(argv)
+    data = {name: rows_of(name) for name, _, _ in PANELS}
+    device = args.device if args.device is not None else data["cpu_train"][-1]["device"]
+    picked = {name: latest(data[name], xkey, device, args.variants) for name, xkey, _ in PANELS}
+    if not all(picked.values()):
+        empty = [name for name, v in picked.items() if not v]
+        raise SystemExit(f"no rows for a device matching {device!r} in {', '.join(empty)} "
+                         f"(devices there: {sorted({r['device'] for n in empty for r in data[n]})})")
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -37,7 +58,7 @@ def main() -> int:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     commits, devices = set(), set()
     for ax, (name, xkey, title) in zip(axes, PANELS):
-        for provider, rows in sorted(latest(name, xkey).items()):
+        for provider, rows in sorted(picked[name].items()):
             xs = sorted(rows)
             ax.plot(xs, [float(rows[x]["tokens_per_s"]) for x in xs], marker="o", label=provider)
             commits.update(rows[x]["commit"] for x in xs)
@@ -51,7 +72,7 @@ def main() -> int:
     fig.suptitle(f"original-size ELMo on the CPU, fp32 unless marked\n"
                  f"{'; '.join(sorted(devices))}; commit {', '.join(sorted(commits))}", fontsize=9)
     fig.tight_layout()
-    path = common.RESULTS / "cpu_throughput.png"
+    path = common.RESULTS / args.out
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
     return 0

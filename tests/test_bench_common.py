@@ -72,3 +72,25 @@ def test_cpu_lstmp_bench_times_a_variant_in_the_same_rounds():
     assert {("cpu", "fwd+bwd"), ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd"),
             ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd+bwd"), ("nn.LSTM", "fwd+bwd"), ("mm", "gemm")} <= got
     assert all(r["speedup_vs_nn_lstm"] for r in rows if r["provider"] != "mm")
+
+
+def test_cpu_plot_draws_one_device_and_leaves_variants_out(monkeypatch, tmp_path):
+    """bench_cpu_plot.py picks, per provider and batch, the last row of one device: a figure never mixes machines,
+    and providers timed with an ELMO_FAST_* switch are left out unless asked for."""
+    import bench_cpu_plot
+
+    def row(provider, B, tps, device):
+        return {"provider": provider, "B": str(B), "tokens_per_s": str(tps), "device": device}
+
+    rows = [row("elmo_fast", 16, 100, "cpu: Xeon"), row("elmo_fast", 16, 50, "cpu: AMD EPYC"),
+            row("elmo_fast", 8, 40, "cpu: AMD EPYC"), row("elmo_fast", 16, 60, "cpu: AMD EPYC"),
+            row("elmo_fast[ELMO_FAST_X=0]", 16, 55, "cpu: AMD EPYC"), row("allennlp", 16, 20, "cpu: Xeon")]
+    got = bench_cpu_plot.latest(rows, "B", "EPYC")
+    assert sorted(got) == ["elmo_fast"]
+    assert {b: r["tokens_per_s"] for b, r in got["elmo_fast"].items()} == {16: "60", 8: "40"}
+    assert "elmo_fast[ELMO_FAST_X=0]" in bench_cpu_plot.latest(rows, "B", "EPYC", variants=True)
+    assert sorted(bench_cpu_plot.latest(rows, "B", "Xeon")) == ["allennlp", "elmo_fast"]
+    # a device with no rows is an error that names the devices there are
+    monkeypatch.setattr(bench_cpu_plot, "rows_of", lambda name: rows)
+    with pytest.raises(SystemExit, match="no rows for a device matching 'Graviton'.*EPYC"):
+        bench_cpu_plot.main(["--device", "Graviton"])
