@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     commits, devices = set(), set()
-    for ax, (name, xkey, title) in zip(axes, PANELS):
+    for ax, (name, _, title) in zip(axes, PANELS):
         for provider, rows in sorted(picked[name].items()):
             xs = sorted(rows)
             ax.plot(xs, [float(rows[x]["tokens_per_s"]) for x in xs], marker="o", label=provider)
