@@ -393,14 +393,16 @@ def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
 
 def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):
     """Training's forward packs a weight for one call only where uses x (t_mm - t_packed) > t_pack, measured once per
-    (rows, shape, strides); ELMO_FAST_CPU_TRAIN_PACK fixes the choice; deterministic mode never packs there."""
+    (rows, shape, strides, dtype, threads); ELMO_FAST_CPU_TRAIN_PACK fixes the choice; deterministic mode never packs
+    there."""
     from elmo_fast.determinism import deterministic
 
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     monkeypatch.setattr(packed, "_PAYS", {})
     monkeypatch.delenv("ELMO_FAST_CPU_TRAIN_PACK", raising=False)
     w = torch.randn(8, 64)
-    key = (4, (8, 64), (64, 1))
+    key = packed._pays_key(w, 4)
+    assert key == (4, (8, 64), (64, 1), torch.float32, torch.get_num_threads())
     packed._PAYS[key] = (0.030, 0.0020, 0.0005)  # pack 30 ms; 1.5 ms saved a product
     assert packed.pack_pays(w, 4, 21) and not packed.pack_pays(w, 4, 20)
     with deterministic():
@@ -414,8 +416,16 @@ def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):
         packed.pack_pays(w, 4, 1)
     monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "auto")
     assert packed.pack_pays(w, 4, 10) in (True, False) and len(packed._PAYS) == 1  # measured key reused
-    packed.pack_pays(w.t().contiguous().t(), 4, 10)  # other strides: measured once more, on that weight
-    assert len(packed._PAYS) == 2 and all(t > 0 for t in packed._PAYS[(4, (8, 64), (1, 8))])
+    wt = w.t().contiguous().t()
+    packed.pack_pays(wt, 4, 10)  # other strides: measured once more, on that weight
+    assert len(packed._PAYS) == 2 and all(t > 0 for t in packed._PAYS[packed._pays_key(wt, 4)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:  # another intra-op thread count: measured once more
+        packed.pack_pays(w, 4, 10)
+        assert len(packed._PAYS) == 3
+    finally:
+        torch.set_num_threads(threads)
     monkeypatch.setattr(packed, "_ONEDNN_OK", False)
     assert not packed.pack_pays(w, 4, 1000)
 

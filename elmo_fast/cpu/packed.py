@@ -118,7 +118,7 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
     """Whether packing ``w`` (K, N) for oneDNN and running ``uses`` products of ``rows`` rows with it beats ``uses``
     plain ``torch.mm`` products on this machine (a training call: the weight changes before the next one).
 
-    Measured the first time a (rows, shape, strides) is seen in this process, on ``w`` itself: two packs (the
+    Measured the first time a (rows, shape, strides, dtype, intra-op threads) is seen in this process, on ``w`` itself: two packs (the
     first also runs the self-test) and the best of three products each way, about the cost of two packs; then
     ``uses · (t_mm − t_packed) > t_pack`` decides. Under deterministic mode (``elmo_fast.determinism``) never: a
     timing must not choose between two summation orders there. ``ELMO_FAST_CPU_TRAIN_PACK`` = 1 / 0 fixes it."""
@@ -131,7 +131,7 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
         return mode == "1"
     if is_deterministic():
         return False
-    key = (rows, tuple(w.shape), tuple(w.stride()))
+    key = _pays_key(w, rows)
     if key not in _PAYS:
         x = torch.randn(max(1, rows), w.shape[0], dtype=w.dtype)
         w = w.detach()
@@ -144,6 +144,12 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
         _PAYS[key] = (t_pack, t_mm, t_packed)
     t_pack, t_mm, t_packed = _PAYS[key]
     return uses * (t_mm - t_packed) > t_pack
+
+
+def _pays_key(w: torch.Tensor, rows: int) -> tuple:
+    """What :func:`pack_pays`'s measurement holds for: the product's rows, the weight's shape, strides and dtype, and
+    the intra-op threads that run both ways."""
+    return rows, tuple(w.shape), tuple(w.stride()), w.dtype, torch.get_num_threads()
 
 
 def _self_test(w: torch.Tensor, packed, dtype: torch.dtype) -> None:
