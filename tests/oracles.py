@@ -15,7 +15,8 @@ import os
 import pytest
 
 REQUIRED = os.environ.get("ELMO_FAST_REQUIRE_PARITY", "") not in ("", "0")
-HOW = "run `make test-parity` (it builds .venv-allennlp with bench/setup_allennlp.sh)"
+HOW = ("run `make test-parity` (it builds .venv-allennlp with bench/setup_allennlp.sh; "
+       "ALLENNLP_SETUP_FORCE=1 make test-parity rebuilds a broken one)")
 
 
 def require(module: str):
