@@ -17,6 +17,7 @@ best round's mean step time (the machine may be shared).
 
     .venv-allennlp/bin/python bench/bench_cpu_train.py --batch 4,8,16,32    # table + cpu_train.csv
     .venv-allennlp/bin/python -m pytest bench/bench_cpu_train.py --benchmark-only -s   # B=16 (the issue's shape)
+    .venv-allennlp/bin/python bench/bench_cpu_train.py --profile 2 --batch 16   # where each step's time goes
 
 Rows go to build/bench/cpu_train.csv, or to the committed bench/results/cpu_train.csv with
 ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
@@ -24,6 +25,7 @@ Rows go to build/bench/cpu_train.csv, or to the committed bench/results/cpu_trai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -53,6 +55,7 @@ except ImportError:  # the project's own venv: elmo_fast alone
 
 N_THREADS = 2
 N_WORDS = 50_000
+N_TOKENS = 400_000  # the synthetic corpus
 FIELDS = ["provider", "B", "T", "S", "V", "tokens_per_s", "ms_per_step", "speedup", "steps", "rounds", "load1",
           "date", "device", "torch", "commit", "command"]
 
@@ -138,29 +141,38 @@ def _finite(step):
     return call
 
 
-def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, n_tokens: int = 400_000,
-        variants=()) -> list[dict]:
+@contextlib.contextmanager
+def providers_for(tmp: str, B: int, n_batches: int, variants=()):
+    """The timed callables for batch size ``B``: elmo_fast's trainer step (and one per variant) and, where allennlp
+    imports, the composition's step over ``n_batches`` pre-packed batches. Closes the trainer on exit."""
+    cfg, vocab, files = _setup(tmp, B, N_TOKENS)
+    V = len(vocab)
+    trainer = Trainer(cfg, vocab, files, None, os.path.join(tmp, f"run{B}"), device=torch.device("cpu"))
+    try:
+        providers = {"elmo_fast": _finite(trainer.train_step)}
+        for name, value in variants:
+            providers[f"elmo_fast[{name}={value}]"] = _finite(common.with_env(trainer.train_step, name, value))
+        if _ElmoCharacterEncoder is not None:
+            opt_file, wts_file = os.path.join(tmp, "model", "options.json"), os.path.join(tmp, "model", "weights.hdf5")
+            if not os.path.exists(opt_file):
+                opt_file, wts_file = write_random_model(os.path.join(tmp, "model"), ORIGINAL_OPTIONS, seed=0)
+            allen = AllenNLPStep(cfg, V, opt_file, wts_file)
+            stream = BidirectionalStream(files, vocab, B, cfg.unroll_steps, cfg.max_characters_per_token, seed=1)
+            batches = iter([stream.next_batch() for _ in range(n_batches)])
+            providers["allennlp"] = _finite(lambda: allen.step(next(batches)))
+        yield cfg, V, providers
+    finally:
+        trainer.close()
+
+
+def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, variants=()) -> list[dict]:
     """Alternating rounds of both providers per batch size; returns one row per (provider, B). Each (NAME, VALUE)
     of ``variants`` adds ``elmo_fast[NAME=VALUE]``: the same trainer's steps with that environment variable set."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        opt_file, wts_file = write_random_model(os.path.join(tmp, "model"), ORIGINAL_OPTIONS, seed=0)
         for B in batches:
-            cfg, vocab, files = _setup(tmp, B, n_tokens)
-            V = len(vocab)
-            trainer = Trainer(cfg, vocab, files, None, os.path.join(tmp, "run"), device=torch.device("cpu"))
-            providers = {"elmo_fast": _finite(trainer.train_step)}
-            for name, value in variants:
-                providers[f"elmo_fast[{name}={value}]"] = _finite(common.with_env(trainer.train_step, name, value))
-            if _ElmoCharacterEncoder is not None:
-                allen = AllenNLPStep(cfg, V, opt_file, wts_file)
-                stream = BidirectionalStream(files, vocab, B, cfg.unroll_steps, cfg.max_characters_per_token, seed=1)
-                batches = iter([stream.next_batch() for _ in range(warmup + rounds * steps)])
-                providers["allennlp"] = _finite(lambda allen=allen, batches=batches: allen.step(next(batches)))
-            try:
+            with providers_for(tmp, B, warmup + rounds * steps, variants) as (cfg, V, providers):
                 best = common.best_times(providers, rounds, warmup=warmup, calls=steps)
-            finally:
-                trainer.close()
             for name, t in best.items():
                 rows.append({"provider": name, "B": B, "T": cfg.unroll_steps, "S": cfg.n_negative_samples_batch,
                              "V": V, "tokens_per_s": round(B * cfg.unroll_steps / t, 1),
@@ -171,6 +183,19 @@ def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, n_token
                     if r["provider"] != "allennlp":
                         r["speedup"] = round(best["allennlp"] / best[r["provider"]], 2)
     return rows
+
+
+def profile(B: int = 16, steps: int = 2, warmup: int = 2, top: int = 25) -> dict[str, list[dict]]:
+    """Each provider's step under torch.profiler after ``warmup`` steps: the ``top`` ops by self time per step,
+    grouped by input shapes (common.op_profile). Nothing is written to the results."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with providers_for(tmp, B, 2 * (warmup + steps)) as (_, _, providers):
+            for name, step in providers.items():
+                for _ in range(warmup):
+                    step()
+                out[name] = common.op_profile(step, steps, top)
+    return out
 
 
 def report(rows: list[dict]) -> None:
@@ -193,7 +218,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variant", action="append", metavar="NAME=VALUE",
                     help="also time elmo_fast's step with this ELMO_FAST_* variable set (repeatable)")
+    ap.add_argument("--profile", type=int, metavar="STEPS", default=0,
+                    help="instead of timing: profile STEPS steps of each provider at the first --batch size and "
+                         "print where the time goes (self time per step by op and input shapes)")
+    ap.add_argument("--top", type=int, default=25, help="rows of each --profile table")
     a = ap.parse_args(argv)
+    if a.profile:
+        for name, rows in profile(int(a.batch.split(",")[0]), a.profile, top=a.top).items():
+            common.print_op_profile(f"{name} B={a.batch.split(',')[0]}", rows)
+        return 0
     report(run(tuple(int(b) for b in a.batch.split(",")), a.rounds, a.steps,
                variants=common.parse_variants(a.variant)))
     return 0

@@ -217,3 +217,27 @@ def peak_memory_mib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def op_profile(fn, steps: int = 2, top: int = 25) -> list[dict]:
+    """Where ``fn``'s time goes: ``steps`` calls under torch.profiler (CPU), grouped by op and input shapes, the
+    ``top`` rows by self time, as per-call figures (self ms per call of ``fn``, op calls per call of ``fn``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            fn()
+    rows = [{"op": e.key, "shapes": str(e.input_shapes), "self_ms": e.self_cpu_time_total / 1000.0 / steps,
+             "calls": e.count / steps} for e in prof.key_averages(group_by_input_shape=True)]
+    rows.sort(key=lambda r: -r["self_ms"])
+    total = sum(r["self_ms"] for r in rows)
+    for r in rows:
+        r["share"] = r["self_ms"] / total if total else 0.0
+    return rows[:top]
+
+
+def print_op_profile(name: str, rows: list[dict]) -> None:
+    print(f"\n{name}: self time per call, by op and input shapes (torch.profiler)")
+    print(f"{'ms':>9} {'share':>6} {'calls':>7}  op  shapes")
+    for r in rows:
+        print(f"{r['self_ms']:9.2f} {100 * r['share']:5.1f}% {r['calls']:7.1f}  {r['op']}  {r['shapes'][:110]}")

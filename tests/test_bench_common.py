@@ -94,3 +94,26 @@ def test_cpu_plot_draws_one_device_and_leaves_variants_out(monkeypatch, tmp_path
     monkeypatch.setattr(bench_cpu_plot, "rows_of", lambda name: rows)
     with pytest.raises(SystemExit, match="no rows for a device matching 'Graviton'.*EPYC"):
         bench_cpu_plot.main(["--device", "Graviton"])
+
+
+def test_op_profile_counts_per_call(capsys):
+    """common.op_profile: an op's self time and calls are per call of the profiled function, grouped by shapes,
+    sorted by self time; print_op_profile prints every row."""
+    import torch
+
+    a, b, c = torch.randn(64, 64), torch.randn(64, 64), torch.randn(8, 64)
+
+    def step():
+        torch.mm(a, b)
+        torch.mm(a, b)
+        torch.mm(c, b)
+
+    rows = common.op_profile(step, steps=3, top=50)
+    mm = {r["shapes"]: r for r in rows if r["op"] == "aten::mm"}
+    assert mm["[[64, 64], [64, 64]]"]["calls"] == 2 and mm["[[8, 64], [64, 64]]"]["calls"] == 1
+    assert [r["self_ms"] for r in rows] == sorted((r["self_ms"] for r in rows), reverse=True)
+    assert abs(sum(r["share"] for r in common.op_profile(step, steps=1, top=1000)) - 1) < 1e-6
+    assert len(common.op_profile(step, steps=1, top=1)) == 1
+    common.print_op_profile("t", rows)
+    out = capsys.readouterr().out
+    assert "aten::mm  [[8, 64], [64, 64]]" in out and out.count("aten::mm") == 2
