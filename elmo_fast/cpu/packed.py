@@ -118,8 +118,9 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
     """Whether packing ``w`` (K, N) for oneDNN and running ``uses`` products of ``rows`` rows with it beats ``uses``
     plain ``torch.mm`` products on this machine (a training call: the weight changes before the next one).
 
-    Measured the first time a (rows, shape, strides, dtype, intra-op threads) is seen in this process, on ``w`` itself: two packs (the
-    first also runs the self-test) and the best of three products each way, about the cost of two packs; then
+    Measured the first time a (rows, shape, strides, dtype, intra-op threads) is seen in this process, on ``w``
+    itself: two packs (the first also runs the self-test) and the best of three products each way, about the cost
+    of two packs; then
     ``uses · (t_mm − t_packed) > t_pack`` decides. Under deterministic mode (``elmo_fast.determinism``) never: a
     timing must not choose between two summation orders there. ``ELMO_FAST_CPU_TRAIN_PACK`` = 1 / 0 fixes it."""
     from elmo_fast.determinism import is_deterministic
