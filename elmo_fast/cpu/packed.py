@@ -120,9 +120,9 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
 
     Measured the first time a (rows, shape, strides, dtype, intra-op threads) is seen in this process, on ``w``
     itself: two packs (the first also runs the self-test) and the best of three products each way, about the cost
-    of two packs; then
-    ``uses · (t_mm − t_packed) > t_pack`` decides. Under deterministic mode (``elmo_fast.determinism``) never: a
-    timing must not choose between two summation orders there. ``ELMO_FAST_CPU_TRAIN_PACK`` = 1 / 0 fixes it."""
+    of two packs; then ``uses · (t_mm − t_packed) > t_pack`` decides. Under deterministic mode
+    (``elmo_fast.determinism``) never: a timing must not choose between two summation orders there.
+    ``ELMO_FAST_CPU_TRAIN_PACK`` = 1 / 0 fixes it."""
     from elmo_fast.determinism import is_deterministic
 
     if not onednn_usable(w):
