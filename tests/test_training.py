@@ -494,3 +494,34 @@ def test_resolve_device_applies_the_one_device_rule(pref):
     assert trainer_mod.resolve_device("cpu", dinfo) == torch.device("cpu")
     if not torch.cuda.is_available():
         assert trainer_mod.resolve_device("auto", dinfo) == torch.device("cpu")
+
+
+def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
+    """The cpu backend times whether training's forward packs a weight (cpu.packed.pack_pays): a checkpoint holds
+    those timings and a resumed trainer restores them, so it makes the interrupted run's choices (the summation
+    orders they imply) instead of timing afresh."""
+    from elmo_fast.cpu import packed
+
+    monkeypatch.setattr(packed, "_PAYS", {})
+    key = (16, (512, 16384), (16384, 1), torch.float32, 2)
+    packed._PAYS[key] = (0.05, 0.012, 0.005)
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob)
+    try:
+        ck = tr.state_dict()
+    finally:
+        tr.close()
+    assert ck["cpu_pack_timings"] == [[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012, 0.005]]
+    packed._PAYS.clear()
+    tr2, _ = _trainer(tmp_path / "b", train_glob)
+    try:
+        tr2._load_state(ck)
+    finally:
+        tr2.close()
+    assert packed._PAYS == {key: (0.05, 0.012, 0.005)}
+    # older checkpoints have none: nothing restored, nothing fails
+    packed._PAYS.clear()
+    tr2._load_state({k: v for k, v in ck.items() if k != "cpu_pack_timings"})
+    assert packed._PAYS == {}
+    with pytest.raises(ValueError, match="a pack timing row of 7 fields, expected 8"):
+        packed.restore_pack_timings([[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012]])

@@ -147,6 +147,22 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
     return uses * (t_mm - t_packed) > t_pack
 
 
+def pack_timings() -> list[list]:
+    """:func:`pack_pays`'s measurements so far, as plain data (``[rows, shape, strides, dtype name, threads, t_pack,
+    t_mm, t_packed]`` rows) for a training checkpoint: a resumed run restores them with
+    :func:`restore_pack_timings` and makes the choices the interrupted one made, bit for bit."""
+    return [[r, list(sh), list(st), str(dt).removeprefix("torch."), th, *t]
+            for (r, sh, st, dt, th), t in sorted(_PAYS.items(), key=lambda kv: str(kv[0]))]
+
+
+def restore_pack_timings(rows: list[list] | None) -> None:
+    """Put back measurements from :func:`pack_timings` (they replace this process's for the same keys)."""
+    for r, sh, st, dt, th, *t in rows or ():
+        if len(t) != 3:
+            raise ValueError(f"a pack timing row of {len(t) + 5} fields, expected 8: {[r, sh, st, dt, th, *t]}")
+        _PAYS[(int(r), tuple(sh), tuple(st), getattr(torch, dt), int(th))] = tuple(float(x) for x in t)
+
+
 def _pays_key(w: torch.Tensor, rows: int) -> tuple:
     """What :func:`pack_pays`'s measurement holds for: the product's rows, the weight's shape, strides and dtype, and
     the intra-op threads that run both ways."""

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..chars import Vocabulary
 from ..cpu.memory import keep_freed_memory
+from ..cpu.packed import pack_timings, restore_pack_timings
 from ..determinism import deterministic
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
@@ -459,6 +460,7 @@ class Trainer:
         self.train_seconds = ck.get("train_seconds", 0.0)
         torch.set_rng_state(ck["torch_rng"])
         random.setstate(ck["py_random"])
+        restore_pack_timings(ck.get("cpu_pack_timings"))
 
     def tower_states(self) -> list[dict]:
         local = [{"gid": tw.gid, **tw.state(), "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
@@ -490,6 +492,9 @@ class Trainer:
             "towers": self.tower_states(),
             "torch_rng": torch.get_rng_state(),
             "py_random": random.getstate(),
+            # the cpu backend's timed packing choices (elmo_fast.cpu.packed.pack_pays): restored on resume so a
+            # resumed run makes the choices, and so the summation orders, of the interrupted one
+            "cpu_pack_timings": pack_timings(),
         }
 
     def save_checkpoint(self) -> str | None:
