@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -141,6 +142,12 @@ def _finite(step):
     return call
 
 
+@functools.lru_cache(maxsize=None)
+def _random_model(tmp: str) -> tuple[str, str]:
+    """The original-size random model AllenNLP's modules load, written once per temporary directory."""
+    return write_random_model(os.path.join(tmp, "model"), ORIGINAL_OPTIONS, seed=0)
+
+
 @contextlib.contextmanager
 def providers_for(tmp: str, B: int, n_batches: int, variants=()):
     """The timed callables for batch size ``B``: elmo_fast's trainer step (and one per variant) and, where allennlp
@@ -153,10 +160,7 @@ def providers_for(tmp: str, B: int, n_batches: int, variants=()):
         for name, value in variants:
             providers[f"elmo_fast[{name}={value}]"] = _finite(common.with_env(trainer.train_step, name, value))
         if _ElmoCharacterEncoder is not None:
-            opt_file, wts_file = os.path.join(tmp, "model", "options.json"), os.path.join(tmp, "model", "weights.hdf5")
-            if not os.path.exists(opt_file):
-                opt_file, wts_file = write_random_model(os.path.join(tmp, "model"), ORIGINAL_OPTIONS, seed=0)
-            allen = AllenNLPStep(cfg, V, opt_file, wts_file)
+            allen = AllenNLPStep(cfg, V, *_random_model(tmp))
             stream = BidirectionalStream(files, vocab, B, cfg.unroll_steps, cfg.max_characters_per_token, seed=1)
             batches = iter([stream.next_batch() for _ in range(n_batches)])
             providers["allennlp"] = _finite(lambda: allen.step(next(batches)))
@@ -185,12 +189,12 @@ def run(batches=(16,), rounds: int = 3, steps: int = 3, warmup: int = 2, variant
     return rows
 
 
-def profile(B: int = 16, steps: int = 2, warmup: int = 2, top: int = 25) -> dict[str, list[dict]]:
+def profile(B: int = 16, steps: int = 2, warmup: int = 2, top: int = 25, variants=()) -> dict[str, list[dict]]:
     """Each provider's step under torch.profiler after ``warmup`` steps: the ``top`` ops by self time per step,
     grouped by input shapes (common.op_profile). Nothing is written to the results."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with providers_for(tmp, B, 2 * (warmup + steps)) as (_, _, providers):
+        with providers_for(tmp, B, warmup + steps, variants) as (_, _, providers):
             for name, step in providers.items():
                 for _ in range(warmup):
                     step()
@@ -223,12 +227,12 @@ def main(argv=None) -> int:
                          "print where the time goes (self time per step by op and input shapes)")
     ap.add_argument("--top", type=int, default=25, help="rows of each --profile table")
     a = ap.parse_args(argv)
+    batches, variants = tuple(int(b) for b in a.batch.split(",")), common.parse_variants(a.variant)
     if a.profile:
-        for name, rows in profile(int(a.batch.split(",")[0]), a.profile, top=a.top).items():
-            common.print_op_profile(f"{name} B={a.batch.split(',')[0]}", rows)
+        for name, rows in profile(batches[0], a.profile, top=a.top, variants=variants).items():
+            common.print_op_profile(f"{name} B={batches[0]}", rows)
         return 0
-    report(run(tuple(int(b) for b in a.batch.split(",")), a.rounds, a.steps,
-               variants=common.parse_variants(a.variant)))
+    report(run(batches, a.rounds, a.steps, variants=variants))
     return 0
 
 

@@ -90,6 +90,12 @@ def test_cpu_plot_draws_one_device_and_leaves_variants_out(monkeypatch, tmp_path
     assert {b: r["tokens_per_s"] for b, r in got["elmo_fast"].items()} == {16: "60", 8: "40"}
     assert "elmo_fast[ELMO_FAST_X=0]" in bench_cpu_plot.latest(rows, "B", "EPYC", variants=True)
     assert sorted(bench_cpu_plot.latest(rows, "B", "Xeon")) == ["allennlp", "elmo_fast"]
+    # what the figure names: the device, torch, commits, dates and commands of the rows it draws
+    drawn = [dict(r, torch="2.13", commit=c, date=d, command="python x") for r, c, d in
+             zip(got["elmo_fast"].values(), ["c2", "c1"], ["2026-11-25T06:00Z", "2026-11-25T03:00Z"])]
+    assert bench_cpu_plot.provenance(drawn) == {"device": "cpu: AMD EPYC", "torch": "2.13", "commit": "c1, c2",
+                                                "date": "2026-11-25T03:00Z to 2026-11-25T06:00Z",
+                                                "command": "python x"}
     # a device with no rows is an error that names the devices there are
     monkeypatch.setattr(bench_cpu_plot, "rows_of", lambda name: rows)
     with pytest.raises(SystemExit, match="no rows for a device matching 'Graviton'.*EPYC"):
@@ -117,3 +123,19 @@ def test_op_profile_counts_per_call(capsys):
     common.print_op_profile("t", rows)
     out = capsys.readouterr().out
     assert "aten::mm  [[8, 64], [64, 64]]" in out and out.count("aten::mm") == 2
+
+
+def test_cpu_products_bench_runs_every_product(bench_env, tmp_path):
+    """bench_cpu_products.py --small: every provider of every product timed, with its rates; rows go to scratch."""
+    import bench_cpu_products
+
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    rows = bench_cpu_products.run(batches=(2,), rounds=1, small=True)
+    names = {r["provider"] for r in rows}
+    assert {"mm", "read", "dW fresh", "dW out="} <= names
+    for p, _, _, _ in bench_cpu_products.PRODUCTS:
+        assert {f"{p} packed", f"{p} packed-cold", f"{p} mm"} <= names
+    assert all(r["ms"] > 0 for r in rows) and all(r["gflops"] for r in rows if r["provider"] != "read")
+    assert all(r["weight_gbps"] for r in rows if "." in r["provider"] and "dW" not in r["provider"])
+    bench_cpu_products.report(rows)
+    assert (tmp_path / "cpu_products.csv").read_text().count("\n") == len(rows) + 1
