@@ -10,7 +10,10 @@ Rows (provider, shape, rows B, ms, GFLOP/s, GB/s of weight read):
   as four chains' weights are in a step: what the last-level cache cannot hold comes from memory) and ``mm``
   (torch.mm on the plain weight, MKL);
 * the chain's weight gradient ``[x; h]ᵀ·dz`` (1024 x 320 by 320 x 16384): into a fresh 64 MiB output (``fresh``,
-  as autograd's) and into one written before (``out=``): the cost of the fresh pages.
+  as autograd's) and into one written before (``out=``): the cost of the fresh pages;
+* the step's whole-sequence GEMMs (``WIDE``: input projection, weight gradient, ``dx``, the sampled softmax's
+  two) through MKL (``torch.mm``/``addmm``) and through oneDNN's matmul, in turn: what ``elmo_fast.cpu.gemm``
+  chooses between.
 
 The per-step products' GB/s column is the weight's bytes over the time: compare it with ``read``'s to see whether
 a product is bandwidth bound. ``--small`` shrinks every size (the CI smoke run).
@@ -31,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+from elmo_fast.cpu import gemm, packed  # noqa: E402
 from elmo_fast.cpu.packed import PackedLinear  # noqa: E402
 
 N_THREADS = 2
@@ -39,6 +43,11 @@ FIELDS = ["provider", "shape", "B", "ms", "gflops", "weight_gbps", "rounds", "da
 # (name, K, N) of x (B, K) · W (K, N); a dz·W_recᵀ weight is the transposed view of a row-major W_rec, as the
 # backward passes it
 PRODUCTS = [("h.W_rec", 512, 16384, False), ("dz.W_rec^T", 16384, 512, True), ("m.W_proj", 4096, 512, False)]
+# the whole-sequence GEMMs of a B=16 training step that elmo_fast.cpu.gemm runs through MKL or oneDNN (whichever it
+# measures faster): (name, M, K, N, a transposed view, b transposed view, bias)
+WIDE = [("in-proj", 320, 512, 16384, False, False, True), ("[x;h]^T.dz", 1024, 320, 16384, True, False, False),
+        ("dz.W_in^T", 320, 16384, 512, False, True, False), ("softmax h.W_s^T", 320, 512, 8192, False, True, True),
+        ("softmax d^T.[h;1]", 8192, 320, 513, True, False, False)]
 
 
 def _best(fn, rounds: int) -> float:
@@ -86,6 +95,16 @@ def run(batches=(1, 4, 16, 32), rounds: int = 8, small: bool = False) -> list[di
     out = torch.empty(K, N)
     for provider, fn in (("dW fresh", lambda: torch.mm(A.t(), dz)), ("dW out=", lambda: torch.mm(A.t(), dz, out=out))):
         row(provider, f"{K}x{R} . {R}x{N}", R, _best(fn, rounds), 2 * R * K * N)
+    if packed.onednn_enabled():
+        for name, M, K, N, a_t, b_t, bias in WIDE:
+            M, K, N = M // s, K // s, N // s
+            a = torch.randn(K, M, generator=gen).t() if a_t else torch.randn(M, K, generator=gen)
+            b = torch.randn(N, K, generator=gen).t() if b_t else torch.randn(K, N, generator=gen)
+            c = torch.randn(N, generator=gen) if bias else None
+            best = common.best_times({"mkl": lambda a=a, b=b, c=c: gemm._mkl(a, b, c),
+                                      "onednn": lambda a=a, b=b, c=c: gemm._onednn(a, b, c)}, rounds)
+            for lib, t in best.items():
+                row(f"{name} {lib}", f"{M}x{K} . {K}x{N}", M, t, 2 * M * K * N)
     return rows
 
 

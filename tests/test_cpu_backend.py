@@ -33,11 +33,13 @@ SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}
 
 @pytest.fixture(params=["onednn", "torch.mm"])
 def gemm_path(request, monkeypatch):
-    """Both product paths of the cpu backend at test sizes: packed oneDNN weights (normally only for weights of
-    1 MiB and more, and in training's forward only where ``pack_pays``) and plain torch.mm."""
+    """Both product paths of the cpu backend at test sizes: oneDNN (packed weights, normally only for weights of
+    1 MiB and more, and in training's forward only where ``pack_pays``; the plain GEMMs through oneDNN's matmul,
+    normally only where ``gemm.uses_onednn`` measured it faster) and plain torch.mm (MKL)."""
     if request.param == "onednn":
         monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
         monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")  # training's forward packs too (else measured)
+        monkeypatch.setenv("ELMO_FAST_CPU_GEMM", "onednn")
     else:
         monkeypatch.setattr(packed, "_ONEDNN_OK", False)
     return request.param
@@ -377,8 +379,8 @@ def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan
 
 
 def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
-    """Backward reads the (N, S) logit gradient once for the weight and bias rows together: one aten::mm (plus
-    dh's addmm), no separate column sum."""
+    """Backward reads the (N, S) logit gradient once for the weight and bias rows together: one product, MKL's
+    aten::mm or oneDNN's (``gemm``), plus dh's addmm; no separate column sum."""
     from torch.profiler import profile
 
     targets, ids, q_t, q_s, base = _softmax_inputs()
@@ -387,7 +389,8 @@ def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
     with profile() as prof:
         torch.autograd.grad(loss, (h, w, b))
     counts = {e.key: e.count for e in prof.key_averages()}
-    assert counts.get("aten::mm") == 1 and counts.get("aten::addmm") == 1
+    products = counts.get("aten::mm", 0) + counts.get("mkldnn::_linear_pointwise", 0)
+    assert products == 1 and counts.get("aten::addmm") == 1
     assert "aten::sum" not in counts
 
 

@@ -497,14 +497,17 @@ def test_resolve_device_applies_the_one_device_rule(pref):
 
 
 def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
-    """The cpu backend times whether training's forward packs a weight (cpu.packed.pack_pays): a checkpoint holds
-    those timings and a resumed trainer restores them, so it makes the interrupted run's choices (the summation
-    orders they imply) instead of timing afresh."""
-    from elmo_fast.cpu import packed
+    """The cpu backend times whether training's forward packs a weight (cpu.packed.pack_pays) and which library
+    runs each GEMM shape (cpu.gemm.uses_onednn): a checkpoint holds those timings and a resumed trainer restores
+    them, so it makes the interrupted run's choices (the summation orders they imply) instead of timing afresh."""
+    from elmo_fast.cpu import gemm, packed
 
     monkeypatch.setattr(packed, "_PAYS", {})
+    monkeypatch.setattr(gemm, "_TIMES", {})
     key = (16, (512, 16384), (16384, 1), torch.float32, 2)
     packed._PAYS[key] = (0.05, 0.012, 0.005)
+    gkey = (512, 512, 16384, True, True, True, 2)
+    gemm._TIMES[gkey] = (0.05, 0.04)
     train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
     tr, _ = _trainer(tmp_path, train_glob)
     try:
@@ -512,16 +515,20 @@ def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
     finally:
         tr.close()
     assert ck["cpu_pack_timings"] == [[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012, 0.005]]
+    assert ck["cpu_gemm_timings"] == [[512, 512, 16384, True, True, True, 2, 0.05, 0.04]]
     packed._PAYS.clear()
+    gemm._TIMES.clear()
     tr2, _ = _trainer(tmp_path / "b", train_glob)
     try:
         tr2._load_state(ck)
     finally:
         tr2.close()
     assert packed._PAYS == {key: (0.05, 0.012, 0.005)}
+    assert gemm._TIMES == {gkey: (0.05, 0.04)}
     # older checkpoints have none: nothing restored, nothing fails
     packed._PAYS.clear()
-    tr2._load_state({k: v for k, v in ck.items() if k != "cpu_pack_timings"})
-    assert packed._PAYS == {}
+    gemm._TIMES.clear()
+    tr2._load_state({k: v for k, v in ck.items() if k not in ("cpu_pack_timings", "cpu_gemm_timings")})
+    assert packed._PAYS == {} and gemm._TIMES == {}
     with pytest.raises(ValueError, match="a pack timing row of 7 fields, expected 8"):
         packed.restore_pack_timings([[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012]])

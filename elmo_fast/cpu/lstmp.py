@@ -14,7 +14,9 @@ nothing and no step needs a mask. All per-position tensors live in "packed" buff
 *Products.* The input projection ``x · w_in + bias`` (forget bias folded in) is one GEMM over the N positions
 before the loop. Per step only the recurrent parts run: ``h · w_rec`` (added to the step's input projection in
 the same oneDNN pass) and ``m · w_proj``, with the weights packed once per call (``packed.PackedLinear``; the
-module's ``PackedWeightCache`` keeps them across calls while the weights do not change).
+module's ``PackedWeightCache`` keeps them across calls while the weights do not change). The GEMMs over all
+positions (input projection, weight gradients, ``dx``) go through ``gemm.gemm``: MKL or oneDNN, whichever this
+machine runs faster for the shape.
 
 *Training* (``_LSTMPFunction``). Forward writes, per position, the activated gates (σ(i), tanh(j), σ(f+1), σ(o)),
 the pre-clip cell, tanh of the clipped cell, ``m`` and the pre-clip projection into preallocated (N, ·) buffers:
@@ -36,6 +38,7 @@ import torch
 from torch.library import custom_op
 
 from .ext import cpu_ext
+from .gemm import gemm
 from .._backend import BackendUnavailableError
 from ..ops._library import nothing, qualname, tracing
 from .packed import PackedLinear, PackedWeightCache, bf16_supported, cache_by_id, pack_pays
@@ -199,7 +202,7 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
     out = cache.scratch((N, 4 * H), x.dtype) if cache is not None and not save else packed("gates", 4 * H)
     if dtype is None:
         def project(rows, out=None):
-            return torch.addmm(bias_f, rows, w_in, out=out)
+            return gemm(rows, w_in, bias_f, out)
     else:  # bf16 inference: the input projection packed like the per-step weights
         w_lin = PackedLinear(w_in, N, dtype) if cache is None else cache.get(w_in, N, dtype, "in")
 
@@ -329,11 +332,11 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
         carry_h[:n] = rec_t(dz[blk])
     dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
     if needs[0]:
-        dxs = torch.addmm(dys, dz, w_in.t()) if residual else torch.mm(dz, w_in.t())
+        dxs = torch.addmm(dys, dz, w_in.t()) if residual else gemm(dz, w_in.t())
         dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
-        dw_stack = torch.mm(torch.cat([xs, h_prev], 1).t(), dz)
+        dw_stack = gemm(torch.cat([xs, h_prev], 1).t(), dz)
     if needs[1]:
         dw_in = _weight_grad(w_in, xs, dz)
     if needs[2]:
@@ -351,8 +354,8 @@ def _weight_grad(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
     the same FLOPs, and no transposing copy anywhere after it. The fake below (``empty_like``) has the same
     strides."""
     if w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous():
-        return torch.mm(b.t(), a).t()
-    return torch.mm(a.t(), b)
+        return gemm(b.t(), a).t()
+    return gemm(a.t(), b)
 
 
 @_lstmp_cpu_backward.register_fake

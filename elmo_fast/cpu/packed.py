@@ -61,9 +61,14 @@ class PackedLinear:
 _MIN_ELEMENTS = 1 << 18
 
 
+def onednn_enabled() -> bool:
+    """oneDNN's products are on: torch has oneDNN, and neither ``ELMO_FAST_CPU_ONEDNN=0`` nor a failed pack turned
+    them off."""
+    return _ONEDNN_OK and torch.backends.mkldnn.is_available()
+
+
 def onednn_usable(t: torch.Tensor) -> bool:
-    return (_ONEDNN_OK and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MIN_ELEMENTS
-            and torch.backends.mkldnn.is_available())
+    return onednn_enabled() and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MIN_ELEMENTS
 
 
 def bf16_supported() -> bool:
@@ -105,7 +110,8 @@ def train_pack_mode() -> str:
     return mode
 
 
-def _best_seconds(fn, reps: int) -> float:
+def best_seconds(fn, reps: int) -> float:
+    """The shortest of ``reps`` calls of ``fn``, in seconds."""
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -139,9 +145,9 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
         lin = PackedLinear(w, rows)
         if lin.packed is None:  # the pack failed: oneDNN is off from now on
             return False
-        t_pack = _best_seconds(lambda: PackedLinear(w, rows), 1)
-        t_mm = _best_seconds(lambda: torch.mm(x, w), 3)
-        t_packed = _best_seconds(lambda: lin(x), 3)
+        t_pack = best_seconds(lambda: PackedLinear(w, rows), 1)
+        t_mm = best_seconds(lambda: torch.mm(x, w), 3)
+        t_packed = best_seconds(lambda: lin(x), 3)
         _PAYS[key] = (t_pack, t_mm, t_packed)
     t_pack, t_mm, t_packed = _PAYS[key]
     return uses * (t_mm - t_packed) > t_pack

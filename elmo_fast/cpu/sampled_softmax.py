@@ -13,6 +13,7 @@ import torch
 from torch.library import custom_op
 
 from ..ops._library import nothing, qualname
+from .gemm import gemm
 
 Tensor = torch.Tensor
 
@@ -26,7 +27,7 @@ def _sampled_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: T
     w_t, w_s = weight.index_select(0, targets), weight.index_select(0, sampled_ids)
     N, S = hidden.shape[0], sampled_ids.shape[0]
     logits = hidden.new_empty(N, 1 + S)
-    torch.addmm(bias.index_select(0, sampled_ids) - samp_logq, hidden, w_s.t(), out=logits[:, 1:])
+    gemm(hidden, w_s.t(), bias.index_select(0, sampled_ids) - samp_logq, out=logits[:, 1:])
     logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
     if remove_hits:
         logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0), torch.finfo(hidden.dtype).min)
@@ -64,7 +65,7 @@ def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Te
         return dh, nothing(hidden)
     # d loss / d (w_row, b_row) = Σ_n d_n·(hidden_n, 1): the bias column rides along the weight's product
     h1 = torch.cat([hidden] * need_w + [hidden.new_ones(N, 1)] * need_b, 1)
-    return dh, torch.cat([d_true.unsqueeze(1) * h1, torch.mm(d_samp.t(), h1)])
+    return dh, torch.cat([d_true.unsqueeze(1) * h1, gemm(d_samp.t(), h1)])
 
 
 @_sampled_softmax_backward.register_fake

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..chars import Vocabulary
 from ..cpu.memory import keep_freed_memory
+from ..cpu.gemm import gemm_timings, restore_gemm_timings
 from ..cpu.packed import pack_timings, restore_pack_timings
 from ..determinism import deterministic
 from ..models.bilm import BiLM
@@ -461,6 +462,7 @@ class Trainer:
         torch.set_rng_state(ck["torch_rng"])
         random.setstate(ck["py_random"])
         restore_pack_timings(ck.get("cpu_pack_timings"))
+        restore_gemm_timings(ck.get("cpu_gemm_timings"))
 
     def tower_states(self) -> list[dict]:
         local = [{"gid": tw.gid, **tw.state(), "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
@@ -492,9 +494,11 @@ class Trainer:
             "towers": self.tower_states(),
             "torch_rng": torch.get_rng_state(),
             "py_random": random.getstate(),
-            # the cpu backend's timed packing choices (elmo_fast.cpu.packed.pack_pays): restored on resume so a
-            # resumed run makes the choices, and so the summation orders, of the interrupted one
+            # the cpu backend's timed choices (packing: elmo_fast.cpu.packed.pack_pays; MKL or oneDNN per GEMM
+            # shape: elmo_fast.cpu.gemm.uses_onednn): restored on resume so a resumed run makes the choices, and so
+            # the summation orders, of the interrupted one
             "cpu_pack_timings": pack_timings(),
+            "cpu_gemm_timings": gemm_timings(),
         }
 
     def save_checkpoint(self) -> str | None:
