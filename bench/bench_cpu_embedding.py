@@ -6,6 +6,7 @@ AMX/AVX512-BF16) vs the real AllenNLP 2.10.1 ``_ElmoBiLm`` when allennlp is impo
 
     .venv-allennlp/bin/python -m pytest bench/bench_cpu_embedding.py --benchmark-only -s
     .venv-allennlp/bin/python bench/bench_cpu_embedding.py --batch 1,8,32,64   # sweep -> cpu_embedding.csv
+    .venv-allennlp/bin/python bench/bench_cpu_embedding.py --batch 32 --variant ELMO_FAST_CPU_GEMM=mkl  # + an A/B
 
 One timed call = the biLM forward (char CNN, highway, projection, both 2-layer LSTMP stacks; inference,
 ``torch.no_grad``, stateful as in AllenNLP) on one batch of 32 deterministic pseudo-English sentences of 20-30
@@ -188,8 +189,10 @@ def test_bench_elmo_fast_bf16(benchmark, engines, batch):
     _run(benchmark, "elmo_fast-bf16", engines["elmo_fast-bf16"], ids, n_tokens)
 
 
-def sweep(batches, rounds: int = 3) -> list[dict]:
-    """tokens/s per engine and batch size (sentences), rounds alternating the engines, best round each."""
+def sweep(batches, rounds: int = 3, variants=()) -> list[dict]:
+    """tokens/s per engine and batch size (sentences), rounds alternating the engines, best round each. Each
+    (NAME, VALUE) of ``variants`` adds ``elmo_fast[NAME=VALUE]``: the fp32 engine with that environment variable
+    set around its calls."""
     import tempfile
 
     torch.set_num_threads(N_THREADS)
@@ -200,8 +203,11 @@ def sweep(batches, rounds: int = 3) -> list[dict]:
             sents = pseudo_english(n)
             ids, n_tokens = batch_to_ids(sents), sum(len(s) for s in sents)
             models = make_engines(opt, wts, ids)  # its agreement check is the warm-up
+            calls = {k: functools.partial(m, ids) for k, m in models.items()}
+            for name, value in variants:
+                calls[f"elmo_fast[{name}={value}]"] = common.with_env(calls["elmo_fast"], name, value)
             with torch.no_grad():
-                best = common.best_times({k: functools.partial(m, ids) for k, m in models.items()}, rounds, warmup=0)
+                best = common.best_times(calls, rounds, warmup=0)
             for k, t in best.items():
                 rows.append({"provider": k, "sentences": n, "tokens": n_tokens, "tokens_per_s": round(n_tokens / t, 1),
                              "s_per_batch": round(t, 4), "rounds": rounds, "load1": round(os.getloadavg()[0], 2)})
@@ -215,8 +221,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", default="1,8,32,64", help="comma-separated numbers of sentences per batch")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variant", action="append", metavar="NAME=VALUE",
+                    help="also time elmo_fast's fp32 engine with this ELMO_FAST_* variable set (repeatable)")
     a = ap.parse_args(argv)
-    rows = sweep([int(b) for b in a.batch.split(",")], a.rounds)
+    rows = sweep([int(b) for b in a.batch.split(",")], a.rounds, common.parse_variants(a.variant))
     fields = ["provider", "sentences", "tokens", "tokens_per_s", "s_per_batch", "rounds", "load1", "date", "device",
               "torch", "commit", "command"]
     print(f"appended to {common.append_rows('cpu_embedding', rows, fields)}")

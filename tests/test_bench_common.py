@@ -143,3 +143,27 @@ def test_cpu_products_bench_runs_every_product(bench_env, tmp_path):
     assert all(r["weight_gbps"] for r in rows if r["provider"].split(" ")[0] in per_step)
     bench_cpu_products.report(rows)
     assert (tmp_path / "cpu_products.csv").read_text().count("\n") == len(rows) + 1
+
+
+def test_cpu_embedding_sweep_times_each_variant_beside_the_engines(bench_env, tmp_path):
+    """bench_cpu_embedding's sweep at the tiny model's size: a --variant adds the fp32 engine run with that switch,
+    timed in the same rounds."""
+    import bench_cpu_embedding
+    from elmo_fast.testing import TINY_OPTIONS
+
+    bench_env.setattr(bench_cpu_embedding, "ORIGINAL_OPTIONS", TINY_OPTIONS)
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    seen = []
+    real = bench_cpu_embedding.ElmoBiLM.__call__
+
+    def spy(self, *a, **k):
+        seen.append(os.environ.get("ELMO_FAST_CPU_GEMM"))
+        return real(self, *a, **k)
+
+    bench_env.setattr(bench_cpu_embedding.ElmoBiLM, "__call__", spy)
+    rows = bench_cpu_embedding.sweep([2], rounds=1, variants=[("ELMO_FAST_CPU_GEMM", "mkl")])
+    names = {r["provider"] for r in rows}
+    assert {"elmo_fast", "elmo_fast[ELMO_FAST_CPU_GEMM=mkl]"} <= names
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert "mkl" in seen and None in seen  # the variant's calls ran with the switch, the engine's without
+    assert "ELMO_FAST_CPU_GEMM" not in os.environ
