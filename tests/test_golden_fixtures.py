@@ -37,6 +37,9 @@ BACKENDS = ["auto", "reference", "cpu", pytest.param("triton", marks=_NO_TRITON)
 # interpreter takes ~15 s a batch on 2 cores: CI runs Triton on the first two, `-m slow` on all ten.
 BATCHES = [("auto", 10), ("reference", 10), ("cpu", 10), pytest.param("triton", 2, marks=_NO_TRITON),
            pytest.param("triton", 10, marks=[_NO_TRITON, pytest.mark.slow])]
+# The AllenNLP fixture's model differs from bilm-tf's by its residual connection: CI runs it through Triton on the
+# first batch (the state carried between batches is the bilm-tf fixture's check above), `-m slow` on all ten.
+ALLENNLP_BATCHES = [*BATCHES[:3], pytest.param("triton", 1, marks=_NO_TRITON), BATCHES[4]]
 
 
 def _expected(path: Path, batch: int) -> np.ndarray:
@@ -66,7 +69,7 @@ def test_bilm_tf_fixture(backend, n_batches):
     assert worst < ATOL, f"bilm-tf fixture, backend {backend}: top layer off by {worst:.3g}"
 
 
-@pytest.mark.parametrize("backend, n_batches", BATCHES)
+@pytest.mark.parametrize("backend, n_batches", ALLENNLP_BATCHES)
 def test_allennlp_fixture(backend, n_batches):
     sents = json.loads((ALLENNLP / "sentences.json").read_text())
     bilm = elmo_fast.ElmoBiLM(str(ALLENNLP / "options.json"), str(ALLENNLP / "lm_weights.hdf5"), backend=backend)
