@@ -138,9 +138,10 @@ def test_cpu_products_bench_runs_every_product(bench_env, tmp_path):
     if bench_cpu_products.packed.onednn_enabled():
         for w, *_ in bench_cpu_products.WIDE:
             assert {f"{w} mkl", f"{w} onednn"} <= names
-    assert all(r["ms"] > 0 for r in rows) and all(r["gflops"] for r in rows if r["provider"] != "read")
+    # every rate computed (at --small sizes on a busy machine one may round to 0.0: present is what counts)
+    assert all(r["ms"] > 0 for r in rows) and all(r["gflops"] != "" for r in rows if r["provider"] != "read")
     per_step = {p for p, *_ in bench_cpu_products.PRODUCTS}
-    assert all(r["weight_gbps"] for r in rows if r["provider"].split(" ")[0] in per_step)
+    assert all(r["weight_gbps"] != "" for r in rows if r["provider"].split(" ")[0] in per_step)
     bench_cpu_products.report(rows)
     assert (tmp_path / "cpu_products.csv").read_text().count("\n") == len(rows) + 1
 
