@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, _signals
 from ._backend import BACKENDS
 from .util import check_backend, check_input_file, check_output_file, parse_device, read_utf8, text_lines
 from .weights import atomic_h5
@@ -91,6 +91,7 @@ def cmd_embed(args) -> int:
     with atomic_h5(args.output) as out, torch.no_grad():
         for start in tqdm(range(0, len(sentences), args.batch_size), desc="embed", unit="batch",
                           disable=args.quiet or not sys.stderr.isatty()):
+            _signals.check_signals()  # a signal whose exception a finalizer swallowed stops us here
             batch = sentences[start : start + args.batch_size]
             res = model(batch_to_ids(batch).to(dev))
             layers = torch.stack(res["activations"], 1)  # (B, 3, T+2, D)
@@ -193,18 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Signalled(BaseException):
-    """Raised by the SIGINT / SIGTERM handler, so that every ``finally`` (temporary files) runs on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _on_signal(signum, frame):
-    raise _Signalled(signum)
-
-
 def _warn_one_line(message, category, filename, lineno, file=None, line=None):
     print(f"elmo-fast: warning: {message}", file=sys.stderr)
 
@@ -223,7 +212,8 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        _signals.PENDING.clear()
+        handlers = {s: signal.signal(s, _signals.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     show = warnings.showwarning
     warnings.showwarning = _warn_one_line
     try:
@@ -232,7 +222,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
             OSError) as exc:
         print(f"elmo-fast {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    except _Signalled as sig:
+    except _signals.Signalled as sig:
         name = signal.Signals(sig.signum).name
         print(f"elmo-fast {args.command}: interrupted by {name}; temporary files removed", file=sys.stderr)
         return 128 + sig.signum
@@ -240,6 +230,8 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         warnings.showwarning = show
         for s, h in handlers.items():
             signal.signal(s, h)
+        if handlers:
+            _signals.PENDING.clear()
 
 
 def main(argv: list[str] | None = None) -> int:

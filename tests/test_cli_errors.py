@@ -191,6 +191,41 @@ def test_dump_weights_writes_both_files_or_neither(work, tmp_path, monkeypatch, 
     assert sorted(os.listdir(tmp_path)) == ["options.json", "w.hdf5"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed exception, reported
+def test_a_signal_swallowed_by_a_finalizer_still_stops_embed(work, tmp_path, monkeypatch, capsys):
+    """Python swallows an exception raised inside a finalizer ("Exception ignored in ..."): a SIGINT whose handler
+    runs there is recorded, and the embed loop raises it again before its next batch (elmo_fast._signals)."""
+    from elmo_fast.models import elmo as elmo_mod
+
+    inp = tmp_path / "many.txt"
+    inp.write_text("the cat sat .\n" * 50)
+    out = tmp_path / "out.hdf5"
+
+    class SignalInFinalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecode: still in here
+            for _ in range(1000):
+                pass
+
+    calls = []
+    real = elmo_mod.ElmoBiLM.forward
+
+    def forward(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            SignalInFinalizer()  # made and collected at once: its finalizer swallows the handler's exception
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(elmo_mod.ElmoBiLM, "forward", forward)
+    argv = ["embed", "--options", work["opts"], "--weights", work["weights"], "--input", str(inp), "--output",
+            str(out), "--batch-size", "1", "--backend", "reference", "--quiet"]
+    assert main(argv) == 130
+    assert len(calls) == 3  # stopped before the 4th batch, not after the 50th
+    assert "interrupted by SIGINT; temporary files removed" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["many.txt"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's handler is back
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_during_embed_cleans_up(work, tmp_path, sig, code):
     inp = tmp_path / "many.txt"
@@ -211,3 +246,27 @@ def test_signal_during_embed_cleans_up(work, tmp_path, sig, code):
     assert err.strip().splitlines() == [f"elmo-fast embed: interrupted by {signal.Signals(sig).name}; "
                                         "temporary files removed"]
     assert sorted(os.listdir(tmp_path)) == ["many.txt"]
+
+
+def test_a_swallowed_signal_stops_training_at_the_next_step(work, tmp_path, monkeypatch, capsys):
+    """The training loop raises a recorded SIGTERM again before its next step (elmo_fast._signals), as embed does:
+    here the signal's exception is taken to have been swallowed during step 2."""
+    from elmo_fast import _signals
+    from elmo_fast.training.trainer import Trainer
+
+    steps = []
+    real = Trainer.train_step
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 2:
+            _signals.PENDING.append(signal.SIGTERM)  # what the handler records before its exception is lost
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    argv = _train(work, str(tmp_path / "run"))
+    argv[argv.index("--max-steps") + 1] = "50"
+    assert main(argv) == 143
+    assert len(steps) == 2
+    assert "interrupted by SIGTERM" in capsys.readouterr().err
+    assert _signals.PENDING == []  # cleared when the command returns

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._signals import check_signals
 from ..chars import Vocabulary
 from ..cpu.memory import keep_freed_memory
 from ..cpu.gemm import gemm_timings, restore_gemm_timings
@@ -657,6 +658,7 @@ def train_loop(trainer: Trainer, log: JsonLog, progress: bool = True) -> dict:
                 if float(stop) > 0:
                     stopped_by = "time_budget"
                     break
+            check_signals()  # a SIGINT / SIGTERM whose exception a finalizer swallowed stops the run here
             t0 = time.perf_counter()
             loss = trainer.train_step()
             loss_acc = loss if loss_acc is None else loss_acc + loss
