@@ -159,9 +159,7 @@ def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
                 for name, fn in provs.items():
                     with torch.no_grad():
                         p50, p20, p80 = common.time_ms(lambda fn=fn, ids=ids: fn(ids), dev, reps=1)
-                        # off CUDA (the smoke run) there is no device memory to read: no second call
-                        mem = (common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids)) if dev.type == "cuda"
-                               else float("nan"))
+                        mem = common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids))
                     rows.append({"case": case, "provider": name, "dtype": str(dtype).replace("torch.", ""),
                                  "sentences": len(sents), "tokens": n_tok, "ms_p50": round(p50, 4),
                                  "ms_p20": round(p20, 4), "ms_p80": round(p80, 4),

@@ -109,11 +109,11 @@ def run(B: int = 32, T: int = 20, rounds: int = 5, keep_freed: bool = False, var
 
 
 def report(rows: list[dict]) -> None:
-    for r in rows:
+    def line(r):
         vs = f"{r['speedup_vs_nn_lstm']}x nn.LSTM" if r["speedup_vs_nn_lstm"] else ""
-        print(f"{r['provider']:>9} {r['mode']:>8}: {r['ms']:9.2f} ms {r['gflops']:7.1f} GFLOP/s "
-              f"({r['pct_of_mm']:5.1f}% of mm) {vs}  load1 {r['load1']}")
-    print(f"appended to {common.append_rows('cpu_lstmp', rows, FIELDS)}")
+        return (f"{r['provider']:>9} {r['mode']:>8}: {r['ms']:9.2f} ms {r['gflops']:7.1f} GFLOP/s "
+                f"({r['pct_of_mm']:5.1f}% of mm) {vs}  load1 {r['load1']}")
+    common.report_rows("cpu_lstmp", rows, line, FIELDS)
 
 
 def test_bench_cpu_lstmp(benchmark):

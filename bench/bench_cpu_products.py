@@ -109,10 +109,8 @@ def run(batches=(1, 4, 16, 32), rounds: int = 8, small: bool = False) -> list[di
 
 
 def report(rows: list[dict]) -> None:
-    for r in rows:
-        print(f"{r['provider']:>24} {r['shape']:>24} {r['ms']:9.3f} ms  {r['gflops']!s:>6} GFLOP/s  "
-              f"{r['weight_gbps']!s:>5} GB/s")
-    print(f"appended to {common.append_rows('cpu_products', rows, FIELDS)}")
+    common.report_rows("cpu_products", rows, lambda r: f"{r['provider']:>24} {r['shape']:>24} {r['ms']:9.3f} ms  "
+                       f"{r['gflops']!s:>6} GFLOP/s  {r['weight_gbps']!s:>5} GB/s", FIELDS)
 
 
 def main(argv=None) -> int:

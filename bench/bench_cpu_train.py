@@ -203,10 +203,9 @@ def profile(B: int = 16, steps: int = 2, warmup: int = 2, top: int = 25, variant
 
 
 def report(rows: list[dict]) -> None:
-    for r in rows:
-        print(f"{r['provider']:>10} B={r['B']:<3} {r['tokens_per_s']:8.1f} tokens/s {r['ms_per_step']:9.1f} ms/step"
-              f"  {('speed-up ' + str(r['speedup']) + 'x') if r.get('speedup') else ''}  load1 {r['load1']}")
-    print(f"appended to {common.append_rows('cpu_train', rows, FIELDS)}")
+    common.report_rows("cpu_train", rows, lambda r: (
+        f"{r['provider']:>10} B={r['B']:<3} {r['tokens_per_s']:8.1f} tokens/s {r['ms_per_step']:9.1f} ms/step"
+        f"  {('speed-up ' + str(r['speedup']) + 'x') if r.get('speedup') else ''}  load1 {r['load1']}"), FIELDS)
 
 
 @pytest.mark.skipif(_ElmoCharacterEncoder is None, reason="allennlp not importable (run from .venv-allennlp)")

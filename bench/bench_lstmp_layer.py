@@ -138,10 +138,9 @@ def run(device: str = "cpu", dtype: torch.dtype = torch.float32, backend: str = 
 
 
 def report(rows: list[dict], path=None) -> None:
-    for r in rows:
-        print(f"{r['provider']:>8} {r['mode']:>20}: {r['ms']:9.2f} ms {r['gflops']:7.1f} GFLOP/s "
-              f"{r['speedup_vs_nn_lstm']:5.2f}x nn.LSTM  load1 {r['load1']}", flush=True)
-    print(f"appended to {common.append_rows('lstmp_layer', rows, FIELDS, path)}")
+    common.report_rows("lstmp_layer", rows, lambda r: f"{r['provider']:>8} {r['mode']:>20}: {r['ms']:9.2f} ms "
+                       f"{r['gflops']:7.1f} GFLOP/s {r['speedup_vs_nn_lstm']:5.2f}x nn.LSTM  load1 {r['load1']}",
+                       FIELDS, path)
 
 
 # ------------------------------------------------------------------------------------- pytest-benchmark (CPU)

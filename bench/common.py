@@ -146,6 +146,17 @@ def environment() -> dict[str, str]:
     }
 
 
+def report_rows(name: str, rows: list[dict], line, fields: list[str] | None = None,
+                path: str | os.PathLike | None = None) -> Path:
+    """Print ``line(row)`` for every row, then append the rows to the ``name`` table (:func:`append_rows`) and say
+    where they went: what every benchmark's ``report`` does."""
+    for r in rows:
+        print(line(r), flush=True)
+    out = append_rows(name, rows, fields, path)
+    print(f"appended to {out}")
+    return out
+
+
 def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
                 path: str | os.PathLike | None = None) -> Path:
     """Append rows to ``path`` (default ``<results_dir()>/<name>.csv``: see the module docstring). Each row is
@@ -209,9 +220,9 @@ def time_ms(fn, device: torch.device, reps: int = 5) -> tuple[float, float, floa
 
 
 def peak_memory_mib(fn) -> float:
-    """Peak device memory (MiB) that ``fn`` allocates beyond what was allocated before; NaN off CUDA."""
+    """Peak device memory (MiB) that ``fn`` allocates beyond what was allocated before; NaN off CUDA, where ``fn``
+    is not called (a smoke run has nothing to read and need not pay for a second call)."""
     if not torch.cuda.is_available():
-        fn()
         return float("nan")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

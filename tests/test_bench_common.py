@@ -168,3 +168,20 @@ def test_cpu_embedding_sweep_times_each_variant_beside_the_engines(bench_env, tm
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert "mkl" in seen and None in seen  # the variant's calls ran with the switch, the engine's without
     assert "ELMO_FAST_CPU_GEMM" not in os.environ
+
+
+def test_report_rows_prints_each_row_then_appends_them(bench_env, tmp_path, capsys):
+    rows = [{"a": 1, "b": 2.5}, {"a": 3, "b": 4.0}]
+    path = common.report_rows("t", rows, lambda r: f"row a={r['a']}", ["a", "b"], tmp_path / "t.csv")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["row a=1", "row a=3", f"appended to {path}"]
+    assert path.read_text().splitlines()[0] == "a,b" and len(path.read_text().splitlines()) == 3
+
+
+def test_peak_memory_off_cuda_is_nan_without_a_call():
+    import math
+
+    if common.torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    calls = []
+    assert math.isnan(common.peak_memory_mib(lambda: calls.append(1))) and calls == []

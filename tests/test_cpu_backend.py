@@ -164,7 +164,7 @@ def test_lstmp_cpu_zero_fills_only_where_positions_are_padded(nan_poison, dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_lstmp_cpu_stacked_weight_gets_one_gradient(gate_path, dtype):
+def test_lstmp_cpu_stacked_weight_gets_one_gradient(gemm_path, gate_path, dtype):
     """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
     directly (no slice gradients), and equals the reference's."""
     B, T, D, H, P = 3, 5, 4, 17, 4

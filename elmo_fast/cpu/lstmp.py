@@ -336,7 +336,7 @@ def _lstmp_cpu_backward(dy: Tensor | None, dh_n: Tensor | None, dc_n: Tensor | N
         dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
-        dw_stack = gemm(torch.cat([xs, h_prev], 1).t(), dz)
+        dw_stack = gemm(torch.cat([xs.t(), h_prev.t()]), dz)  # [x ; h_prev]ᵀ built row-major: one copy
     if needs[1]:
         dw_in = _weight_grad(w_in, xs, dz)
     if needs[2]:
