@@ -1,6 +1,6 @@
 // The single registration of every compiled op into elmo_fast._C. Importing elmo_fast never imports this
 // module; elmo_fast._backend loads it lazily when a CUDA backend is selected.
-#include <torch/extension.h>
+#include <pybind11/pybind11.h>
 
 namespace elmo_fast_bind {
 void register_lstmp(pybind11::module_& m);
