@@ -44,10 +44,10 @@ def _run(model, batches):
     return outs
 
 
-def _same(a, b):
+def _same(a, b, atol=1e-6):
     for xs, ys in zip(a, b):
         for x, y in zip(xs, ys):
-            torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+            torch.testing.assert_close(x, y, atol=atol, rtol=0)
 
 
 @pytest.mark.triton
@@ -56,16 +56,18 @@ def test_graph_path_is_taken_and_matches_eager(tiny_model, monkeypatch):
     log = []
     monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
     monkeypatch.setattr(_graphs, "capture", _fake_capture(log))
-    eager = elmo_fast.ElmoBiLM(*tiny_model, backend="triton")
+    # Eager on the reference backend: a stale buffer or a lost state is off by O(0.1), Triton by < 1e-6 on this
+    # model (7.2e-7 measured); an eager Triton run under the interpreter would add ~15 s.
+    eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
     graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", cuda_graph=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = _run(graphed, BATCHES)
-    _same(got, _run(eager, BATCHES))
+    _same(got, _run(eager, BATCHES), atol=1e-5)
     # (2, 4) is seen at calls 1, 3, 4, 6: captured at call 3, replayed at 3, 4, 6; (2, 3) captured at call 5
     assert log == [((2, 4, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,)), ((2, 3, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,))]
     assert graphed._graphs.replays == 4
-    torch.testing.assert_close(graphed._bilm._states[1], eager._bilm._states[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(graphed._bilm._states[1], eager._bilm._states[1], atol=1e-5, rtol=0)
 
 
 def test_graph_capture_that_syncs_falls_back_with_one_warning(tiny_model, monkeypatch):
