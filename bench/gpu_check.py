@@ -110,7 +110,7 @@ STEPS = (
          ((PY, "bench/bench_lstmp_cuda.py"),), ((PY, "bench/bench_lstmp_cuda.py", "--batches", "1"),)),
 )
 BY_NAME = {s.name: s for s in STEPS}
-# install: pure Python (the optional CPU extension elmo_fast._cpu is for the cpu backend: 90 s of a 2-core smoke
+# install: pure Python (the optional CPU extension elmo_fast._cpu is for the cpu backend: 10-20 s of a 2-core smoke
 # run's compile, and nothing on the GPU steps runs it; the cpu backend works without it).
 STEP_ENV = {"install": {"ELMO_FAST_BUILD_CPU": "0"},
             "build-cuda": {"ELMO_FAST_BUILD_CUDA": "1", "MAX_JOBS": os.environ.get("MAX_JOBS", "16")}}
