@@ -1,0 +1,148 @@
+// elmo_fast._cpu: the sparse softmax rows of a training step, summed and updated in one pass each (no temporaries).
+//
+// The sampled softmax gives its weight M gradient rows (the targets and samples of both directions: 17,024 rows of
+// 512 at the original sizes, 35 MB). elmo_fast/training/trainer.py sums the rows that share an id (sum_rows) and
+// applies TF1 Adagrad to the touched rows only (adagrad_rows). As torch ops that is a gather, a zero fill and a
+// scatter for the sums, then six whole-size temporaries for the update (g / f, g², the gathered accumulator, its
+// sum, the quotient, the scaled step): ~10 passes over 35 MB plus the page traffic of fresh buffers. Here each is
+// one pass, with the same arithmetic in the same order, so the results are bit-identical to the torch ops:
+//   sums[s] = ((0 + v[perm[a]]) + v[perm[a+1]]) + ...   over the sorted rows a.. of segment s (index_add_'s order)
+//   g = v / f;  a = acc + g*g;  acc = a;  p = p + (g / sqrt(a)) * (-lr)
+// Plain loops, compiled for the baseline instruction set (no FMA contraction can change a rounding); both
+// are memory bound.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2,
+              "elmo_fast._cpu: ", name, " must be a contiguous 2-d CPU float32 tensor, got ", t.scalar_type(), " ",
+              t.sizes());
+  TORCH_CHECK((rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols), "elmo_fast._cpu: ", name,
+              " must be (", rows, ", ", cols, "), got ", t.sizes());
+}
+
+void check_ids(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 &&
+                  t.size(0) == n,
+              "elmo_fast._cpu: ", name, " must be a contiguous 1-d CPU int64 tensor of ", n, " ids, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+// sid (M,) sorted ids, perm (M,) the sort's permutation, vals (M, k). Returns (ids (M,), sums (M, k)): every
+// distinct id once with the sum of its rows, in sid's order, then id 0 with zero rows (trainer.sum_rows).
+std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& sid, const at::Tensor& perm, const at::Tensor& vals) {
+  check_rows(vals, "vals", -1, -1);
+  const int64_t M = vals.size(0), k = vals.size(1);
+  check_ids(sid, "sid", M);
+  check_ids(perm, "perm", M);
+  const int64_t* s = sid.data_ptr<int64_t>();
+  const int64_t* pm = perm.data_ptr<int64_t>();
+  std::vector<int64_t> start;  // first sorted row of every segment, then M
+  start.reserve(M + 1);
+  for (int64_t i = 0; i < M; ++i) {
+    TORCH_CHECK(pm[i] >= 0 && pm[i] < M, "elmo_fast._cpu: sum_rows: perm[", i, "] = ", pm[i], " is not a row of vals");
+    if (i == 0 || s[i] != s[i - 1]) {
+      TORCH_CHECK(i == 0 || s[i] > s[i - 1], "elmo_fast._cpu: sum_rows: sid must be sorted (sid[", i, "] = ", s[i],
+                  " after ", s[i - 1], ")");
+      start.push_back(i);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(start.size());
+  start.push_back(M);
+  at::Tensor ids = at::empty({M}, sid.options());
+  at::Tensor sums = at::empty({M, k}, vals.options());
+  int64_t* out_id = ids.data_ptr<int64_t>();
+  float* out = sums.data_ptr<float>();
+  const float* v = vals.data_ptr<float>();
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* o = out + r * k;
+      if (r >= n) {  // padding: (id 0, zeros), an exact no-op for an index_add_ row update
+        out_id[r] = 0;
+        std::memset(o, 0, sizeof(float) * k);
+        continue;
+      }
+      out_id[r] = s[start[r]];
+      for (int64_t c = 0; c < k; ++c) o[c] = 0.0f;
+      for (int64_t i = start[r]; i < start[r + 1]; ++i) {
+        const float* src = v + pm[i] * k;
+        for (int64_t c = 0; c < k; ++c) o[c] += src[c];
+      }
+    }
+  });
+  return {ids, sums};
+}
+
+// TF1 Adagrad on the rows `rows` (M,) of p and acc (V, k) with gradient rows g (M, k) divided by inv_factor. Rows
+// whose gradient is all zero are left alone (what the update does to them where acc > 0: sum_rows's padding; where
+// acc = 0 the torch ops would write 0/0 = NaN into such a row).
+// The other rows must have distinct ids: returns false, changing nothing, where they do not (the caller then runs
+// the general update).
+bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& rows, const at::Tensor& g, double lr,
+                  const at::Tensor& inv_factor) {
+  TORCH_CHECK(inv_factor.device().is_cpu() && inv_factor.numel() == 1, "elmo_fast._cpu: adagrad_rows: inv_factor must "
+              "be a one-element CPU tensor, got ", inv_factor.sizes(), " on ", inv_factor.device());
+  check_rows(p, "p", -1, -1);
+  const int64_t V = p.size(0), k = p.size(1);
+  check_rows(acc, "acc", V, k);
+  check_rows(g, "g", -1, k);
+  const int64_t M = g.size(0);
+  check_ids(rows, "rows", M);
+  const int64_t* id = rows.data_ptr<int64_t>();
+  const float* gv = g.data_ptr<float>();
+  std::vector<uint8_t> live(M);
+  at::parallel_for(0, M, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = gv + r * k;
+      bool any = false;
+      for (int64_t c = 0; c < k; ++c) any |= x[c] != 0.0f;  // NaN counts as non-zero
+      live[r] = any;
+    }
+  });
+  std::vector<uint8_t> seen(V, 0);
+  for (int64_t r = 0; r < M; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < V, "elmo_fast._cpu: adagrad_rows: rows[", r, "] = ", id[r], " is not a row of p (",
+                V, " rows)");
+    if (!live[r]) continue;
+    if (seen[id[r]]) return false;
+    seen[id[r]] = 1;
+  }
+  float* pw = p.data_ptr<float>();
+  float* aw = acc.data_ptr<float>();
+  const float f = static_cast<float>(inv_factor.item<double>()), step = static_cast<float>(-lr);
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (!live[r]) continue;
+      const float* x = gv + r * k;
+      float* pr = pw + id[r] * k;
+      float* ar = aw + id[r] * k;
+      for (int64_t c = 0; c < k; ++c) {
+        const float gc = x[c] / f;
+        const float a = ar[c] + gc * gc;
+        ar[c] = a;
+        pr[c] = pr[c] + (gc / std::sqrt(a)) * step;
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace
+
+void add_sparse_rows(pybind11::module_& m) {
+  m.def("sum_rows", &sum_rows, "the rows of vals that share an id summed (trainer.sum_rows)", pybind11::arg("sid"),
+        pybind11::arg("perm"), pybind11::arg("vals"));
+  m.def("adagrad_rows", &adagrad_rows, "TF1 Adagrad on the touched rows, in place (trainer.adagrad_rows)",
+        pybind11::arg("p"), pybind11::arg("acc"), pybind11::arg("rows"), pybind11::arg("g"), pybind11::arg("lr"),
+        pybind11::arg("inv_factor"));
+}
