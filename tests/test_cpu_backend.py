@@ -208,6 +208,56 @@ def test_lstmp_cpu_inference_with_repeated_rows_and_cache(gemm_path, gate_path):
     assert len(cache) == 2  # one entry per weight role, replaced when the weight changes
 
 
+def test_inference_dedups_only_where_rows_may_repeat(monkeypatch):
+    """The dedup's row sort (torch.unique over rows) runs only where a cheap hash says a quarter of the rows may
+    repeat: a first layer's repeated tokens, never the LSTM outputs of a second layer."""
+    from elmo_fast.cpu import lstmp as cpu_lstmp
+
+    sorts = []
+    real_unique = torch.unique
+
+    def unique(*a, **k):
+        sorts.append(k.get("dim"))
+        return real_unique(*a, **k)
+
+    monkeypatch.setattr(torch, "unique", unique)
+    B, T, D, H, P = 4, 9, 8, 16, 8
+    args = [a.detach() for a in _chain(B, T, D, H, P, True, torch.float32, seed=4)]
+    lengths = torch.tensor([9, 4, 7, 9])
+    with torch.no_grad():
+        lstmp_cpu(*args, lengths, cell_clip=3.0, proj_clip=3.0)
+        assert 0 not in sorts  # distinct rows: hashed, not sorted
+        args[0][:, 3:] = args[0][:, :1]
+        lstmp_cpu(*args, lengths, cell_clip=3.0, proj_clip=3.0)
+        assert 0 in sorts
+    x = torch.randn(40, 8)
+    assert not cpu_lstmp._may_repeat(x) and not cpu_lstmp._may_repeat(torch.cat([x[:31], x[:9]]))  # 9 of 40 repeat
+    assert cpu_lstmp._may_repeat(torch.cat([x[:30], x[:10]]))  # 10 of 40: a quarter
+
+
+def test_weight_stamps_sample_runs_over_the_whole_storage():
+    """elmo_fast._stamp: a write that bypasses the version counter (as torch's fused optimizers do) is caught by the
+    value sample, for a weight far larger than the sample, in either storage order; an untouched weight matches."""
+    from elmo_fast._stamp import RUN, SAMPLE_RUNS, stamp, unchanged
+
+    for w in (torch.randn(700, 90), torch.randn(90, 700).t()):
+        st = stamp(w)
+        assert st[3].numel() == SAMPLE_RUNS * RUN < w.numel() and unchanged(st, w)
+        in_storage_order = w if w.is_contiguous() else w.t()
+        in_storage_order.data[:5].mul_(0.5)  # the first run sees the head ...
+        assert not unchanged(st, w)
+        st = stamp(w)
+        in_storage_order.data[-5:].mul_(0.5)  # ... and the last run the tail
+        assert not unchanged(st, w)
+        st = stamp(w)
+        w.data.add_(1.0)
+        assert not unchanged(st, w)
+    small = torch.randn(30, 40)
+    st = stamp(small)
+    small.data[17, 3] += 1  # a weight within the sample's size is compared whole
+    assert not unchanged(st, small)
+
+
 needs_bf16 = pytest.mark.skipif(not packed.bf16_supported(), reason="this CPU has neither AVX512-BF16 nor AMX")
 
 
