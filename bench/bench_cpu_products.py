@@ -5,10 +5,11 @@ Rows (provider, shape, rows B, ms, GFLOP/s, GB/s of weight read):
 * ``mm``: a 2048^3 ``torch.mm`` (the machine's GEMM rate now) and ``read``: a sum over a 512 MiB tensor (the read
   bandwidth);
 * the three per-step products of an LSTMP chain at the original size, ``h·W_rec`` (512 x 16384),
-  ``dz·W_recᵀ`` (16384 x 512) and ``m·W_proj`` (4096 x 512), at B rows: ``packed`` (the cpu backend's oneDNN-packed
-  weight, the same weight every call: hot in cache where it fits), ``packed-cold`` (four such weights in turn,
-  as four chains' weights are in a step: what the last-level cache cannot hold comes from memory) and ``mm``
-  (torch.mm on the plain weight, MKL);
+  ``dz·W_recᵀ`` (16384 x 512) and ``m·W_proj`` (4096 x 512), at B rows: ``packed`` (the weight packed for oneDNN,
+  the same weight every call: hot in cache where it fits), ``packed-cold`` (four such weights in turn, as four
+  chains' weights are in a step: what the last-level cache cannot hold comes from memory), ``panels`` and
+  ``panels-cold`` (the same through elmo_fast._cpu's ``small_mm``, where the CPU has AVX-512; the cpu backend
+  takes it for at most 32 rows and K <= 1024) and ``mm`` (torch.mm on the plain weight, MKL);
 * the chain's weight gradient ``[x; h]ᵀ·dz`` (1024 x 320 by 320 x 16384): into a fresh 64 MiB output (``fresh``,
   as autograd's) and into one written before (``out=``): the cost of the fresh pages;
 * the step's whole-sequence GEMMs (``WIDE``: input projection, weight gradient, ``dx``, the sampled softmax's
@@ -50,6 +51,12 @@ WIDE = [("in-proj", 320, 512, 16384, False, False, True), ("[x;h]^T.dz", 1024, 3
         ("softmax d^T.[h;1]", 8192, 320, 513, True, False, False)]
 
 
+def _forced() -> bool:
+    """Whether elmo_fast._cpu's small_mm runs here at all (ELMO_FAST_CPU_PANELS=1 and an AVX-512 CPU)."""
+    with common.env_var("ELMO_FAST_CPU_PANELS", "1"):
+        return packed.panels_apply(torch.empty(1, 1), 1)
+
+
 def _best(fn, rounds: int) -> float:
     return common.best_times({"f": fn}, rounds, warmup=1)["f"]
 
@@ -78,18 +85,23 @@ def run(batches=(1, 4, 16, 32), rounds: int = 8, small: bool = False) -> list[di
         wbytes = K * N * 4
         for B in batches:
             x = torch.randn(B, K, generator=gen)
-            packs = [PackedLinear(w, B) for w in ws]
-
-            def cold(packs=packs, x=x):
-                for p in packs:
-                    p(x)
-
             shape = f"{B}x{K} . {K}x{N}"
             flops = 2 * B * K * N
-            for provider, fn, per in (("packed", lambda p=packs[0], x=x: p(x), 1), ("packed-cold", cold, 4),
-                                      ("mm", lambda w=ws[0], x=x: torch.mm(x, w), 1)):
-                t = _best(fn, rounds) / per
-                row(f"{name} {provider}", shape, B, t, flops, wbytes)
+            # "packed": oneDNN's pack; "panels": elmo_fast._cpu's small_mm where it runs (the cpu backend takes it for
+            # at most 32 rows and K <= 1024, elmo_fast.cpu.packed)
+            kinds = [("packed", "0")] + ([("panels", "1")] if _forced() else [])
+            for kind, panels in kinds:
+                with common.env_var("ELMO_FAST_CPU_PANELS", panels):
+                    packs = [PackedLinear(w, B) for w in ws]
+
+                def cold(packs=packs, x=x):
+                    for p in packs:
+                        p(x)
+
+                for provider, fn, per in ((kind, lambda p=packs[0], x=x: p(x), 1), (f"{kind}-cold", cold, 4)):
+                    t = _best(fn, rounds) / per
+                    row(f"{name} {provider}", shape, B, t, flops, wbytes)
+            row(f"{name} mm", shape, B, _best(lambda w=ws[0], x=x: torch.mm(x, w), rounds), flops, wbytes)
     R, K, N = 320 // s, 1024 // s, 16384 // s
     A, dz = torch.randn(R, K, generator=gen), torch.randn(R, N, generator=gen)
     out = torch.empty(K, N)

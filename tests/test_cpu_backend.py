@@ -446,8 +446,8 @@ def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
 
 def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):
     """Training's forward packs a weight for one call only where uses x (t_mm - t_packed) > t_pack, measured once per
-    (rows, shape, strides, dtype, threads); ELMO_FAST_CPU_TRAIN_PACK fixes the choice; deterministic mode never packs
-    there."""
+    (rows, shape, strides, dtype, threads, panels or oneDNN); ELMO_FAST_CPU_TRAIN_PACK fixes the choice; deterministic
+    mode never packs there."""
     from elmo_fast.determinism import deterministic
 
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
@@ -455,7 +455,7 @@ def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):
     monkeypatch.delenv("ELMO_FAST_CPU_TRAIN_PACK", raising=False)
     w = torch.randn(8, 64)
     key = packed._pays_key(w, 4)
-    assert key == (4, (8, 64), (64, 1), torch.float32, torch.get_num_threads())
+    assert key == (4, (8, 64), (64, 1), torch.float32, torch.get_num_threads(), packed.panels_apply(w, 4))
     packed._PAYS[key] = (0.030, 0.0020, 0.0005)  # pack 30 ms; 1.5 ms saved a product
     assert packed.pack_pays(w, 4, 21) and not packed.pack_pays(w, 4, 20)
     with deterministic():

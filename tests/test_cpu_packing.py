@@ -37,6 +37,7 @@ def _spy(monkeypatch, name):
 
 @needs_onednn
 def test_self_test_runs_once_per_process_and_dtype(monkeypatch):
+    monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "0")  # oneDNN's packs (test_cpu_small_gemm.py: the panels' probe)
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     monkeypatch.setattr(packed, "_VERIFIED", set())
     tests, packs = _spy(monkeypatch, "_self_test"), _spy(monkeypatch, "_pack")
@@ -51,6 +52,7 @@ def test_self_test_runs_once_per_process_and_dtype(monkeypatch):
 
 @needs_onednn
 def test_failed_self_test_turns_the_packed_path_off(monkeypatch):
+    monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "0")
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     monkeypatch.setattr(packed, "_VERIFIED", set())
     monkeypatch.setattr(packed, "_ONEDNN_OK", True)

@@ -504,7 +504,7 @@ def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
 
     monkeypatch.setattr(packed, "_PAYS", {})
     monkeypatch.setattr(gemm, "_TIMES", {})
-    key = (16, (512, 16384), (16384, 1), torch.float32, 2)
+    key = (16, (512, 16384), (16384, 1), torch.float32, 2, True)
     packed._PAYS[key] = (0.05, 0.012, 0.005)
     gkey = (512, 512, 16384, True, True, True, 2)
     gemm._TIMES[gkey] = (0.05, 0.04)
@@ -514,7 +514,7 @@ def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
         ck = tr.state_dict()
     finally:
         tr.close()
-    assert ck["cpu_pack_timings"] == [[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012, 0.005]]
+    assert ck["cpu_pack_timings"] == [[16, [512, 16384], [16384, 1], "float32", 2, True, 0.05, 0.012, 0.005]]
     assert ck["cpu_gemm_timings"] == [[512, 512, 16384, True, True, True, 2, 0.05, 0.04]]
     packed._PAYS.clear()
     gemm._TIMES.clear()
@@ -530,5 +530,7 @@ def test_checkpoints_carry_the_cpu_packing_timings(tmp_path, monkeypatch):
     gemm._TIMES.clear()
     tr2._load_state({k: v for k, v in ck.items() if k not in ("cpu_pack_timings", "cpu_gemm_timings")})
     assert packed._PAYS == {} and gemm._TIMES == {}
-    with pytest.raises(ValueError, match="a pack timing row of 7 fields, expected 8"):
+    with pytest.raises(ValueError, match="a pack timing row of 7 fields, expected 9 \\(or 8, without panels\\)"):
         packed.restore_pack_timings([[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012]])
+    packed.restore_pack_timings([[16, [512, 16384], [16384, 1], "float32", 2, 0.05, 0.012, 0.005]])  # before panels
+    assert packed._PAYS[key[:5] + (False,)] == (0.05, 0.012, 0.005)

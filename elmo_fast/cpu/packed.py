@@ -6,8 +6,16 @@ products faster on these shapes (measured on the 2-core AVX-512 machine of bench
 K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
 input projection in the same pass. Only the summation order differs from ``torch.mm``.
 
-``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``); a failed pack or probe also
-turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
+Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 32) with a short inner dimension (at most
+1024: ``h·W_rec``, 512 x 16384) take the extension's own kernel instead (``small_mm``, csrc/cpu/small_gemm.cpp:
+the weight in panels of 16 columns, streamed from memory while the FMAs run): on the 2-core AVX-512 Xeon of
+bench/results/cpu_train.md, with the weight out of cache as in a step, 1.85 against 2.26 ms at 16 rows and 2.99
+against 3.06 ms at 32 (bench_cpu_products.py, rows of cpu_products.csv), and the B=16 training step 8.8-9.7%
+faster in same-run A/Bs; at a long inner dimension oneDNN stays faster and keeps those products.
+``ELMO_FAST_CPU_PANELS`` = auto (that rule) / 1 (every packed fp32 product) / 0 (oneDNN only).
+
+``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``, no panels either); a failed pack
+or probe also turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
 
 Packing costs a reorder of the whole weight (plus a transposing copy for a row-major one): inference keeps the
 packs across calls, but training's weights change every step. Whether a pack pays for itself over one training
@@ -46,7 +54,9 @@ class PackedLinear:
         self.packed = _pack(w, rows, self.dtype) if pack else None
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is None:
+        if isinstance(self.packed, _Panels) and x.dtype == torch.float32:
+            return self.packed(x, add)
+        if self.packed is None or isinstance(self.packed, _Panels):
             return torch.mm(x, self.w) if add is None else torch.addmm(add, x, self.w)
         if self.dtype == x.dtype:
             if add is not None:
@@ -85,6 +95,11 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
     global _ONEDNN_OK
     if not onednn_usable(w):
         return None
+    if dtype == torch.float32 and panels_apply(w, rows):
+        try:
+            return _Panels(w)
+        except Exception:  # noqa: BLE001 - the kernel or its probe failed: oneDNN from now on
+            _panels_off()
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().to(dtype), max(1, rows))
         if dtype not in _VERIFIED:
@@ -97,6 +112,61 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
 
 
 _VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_test`` in this process
+
+_PANEL_CHOICES = ("auto", "0", "1")
+_PANELS_OK = True  # False once a panel product failed its probe: oneDNN for the rest of the process
+PANEL_MAX_ROWS, PANEL_MAX_K = 32, 1024  # auto's rule (module docstring)
+
+
+def panels_mode() -> str:
+    """``ELMO_FAST_CPU_PANELS``: ``auto`` (default), ``1`` or ``0``."""
+    mode = os.environ.get("ELMO_FAST_CPU_PANELS", "auto").strip().lower() or "auto"
+    if mode not in _PANEL_CHOICES:
+        raise ValueError(f"ELMO_FAST_CPU_PANELS={mode!r}: expected one of {', '.join(_PANEL_CHOICES)}")
+    return mode
+
+
+def _panels_off() -> None:
+    global _PANELS_OK
+    _PANELS_OK = False
+
+
+def panels_apply(w: torch.Tensor, rows: int) -> bool:
+    """Whether products of ``rows`` rows with the fp32 weight ``w`` (K, N) run on ``elmo_fast._cpu``'s ``small_mm``."""
+    from .ext import cpu_ext
+
+    mode = panels_mode()
+    if mode == "0" or not _PANELS_OK or w.dtype != torch.float32 or w.dim() != 2:
+        return False
+    ext = cpu_ext()
+    if ext is None or not hasattr(ext, "small_mm") or not ext.small_mm_available():
+        return False
+    return mode == "1" or (rows <= PANEL_MAX_ROWS and w.shape[0] <= PANEL_MAX_K)
+
+
+class _Panels:
+    """``w`` (K, N) packed for ``small_mm`` (panels of 16 columns); checked once per process against ``w`` itself."""
+
+    def __init__(self, w: torch.Tensor):
+        from .ext import cpu_ext
+
+        self.ext, self.n = cpu_ext(), w.shape[1]
+        self.t = self.ext.pack_panels(w.detach())
+        if "panels" not in _VERIFIED:  # a row of the identity must read back the first row of w, bit for bit
+            probe = torch.zeros(1, w.shape[0])
+            probe[0, 0] = 1.0
+            got = torch.empty(1, self.n)
+            self.ext.small_mm(probe, self.t, self.n, None, got)
+            if not torch.equal(got[0], w[0].detach()):
+                raise RuntimeError("elmo_fast._cpu small_mm returned unexpected values")
+            _VERIFIED.add("panels")
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.n)
+        if add is not None and add.stride(-1) != 1:
+            add = add.contiguous()
+        self.ext.small_mm(x, self.t, self.n, add, out)
+        return out
 
 _TRAIN_PACK_CHOICES = ("auto", "0", "1")
 _PAYS: dict = {}  # (rows, shape, strides) -> (pack s, torch.mm s, packed product s), measured once per process
@@ -154,25 +224,29 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
 
 
 def pack_timings() -> list[list]:
-    """:func:`pack_pays`'s measurements so far, as plain data (``[rows, shape, strides, dtype name, threads, t_pack,
-    t_mm, t_packed]`` rows) for a training checkpoint: a resumed run restores them with
-    :func:`restore_pack_timings` and makes the choices the interrupted one made, bit for bit."""
-    return [[r, list(sh), list(st), str(dt).removeprefix("torch."), th, *t]
-            for (r, sh, st, dt, th), t in sorted(_PAYS.items(), key=lambda kv: str(kv[0]))]
+    """:func:`pack_pays`'s measurements so far, as plain data (``[rows, shape, strides, dtype name, threads, panels,
+    t_pack, t_mm, t_packed]`` rows; ``panels``: the pack was elmo_fast._cpu's) for a training checkpoint: a resumed
+    run restores them with :func:`restore_pack_timings` and makes the choices the interrupted one made, bit for
+    bit."""
+    return [[r, list(sh), list(st), str(dt).removeprefix("torch."), th, pn, *t]
+            for (r, sh, st, dt, th, pn), t in sorted(_PAYS.items(), key=lambda kv: str(kv[0]))]
 
 
 def restore_pack_timings(rows: list[list] | None) -> None:
-    """Put back measurements from :func:`pack_timings` (they replace this process's for the same keys)."""
-    for r, sh, st, dt, th, *t in rows or ():
-        if len(t) != 3:
-            raise ValueError(f"a pack timing row of {len(t) + 5} fields, expected 8: {[r, sh, st, dt, th, *t]}")
-        _PAYS[(int(r), tuple(sh), tuple(st), getattr(torch, dt), int(th))] = tuple(float(x) for x in t)
+    """Put back measurements from :func:`pack_timings` (they replace this process's for the same keys); rows of 8
+    fields, from checkpoints written before the panels, were timed with oneDNN's packs."""
+    for row in rows or ():
+        if len(row) not in (8, 9):
+            raise ValueError(f"a pack timing row of {len(row)} fields, expected 9 (or 8, without panels): {row}")
+        r, sh, st, dt, th, *rest = row
+        pn, t = (rest[0], rest[1:]) if len(row) == 9 else (False, rest)
+        _PAYS[(int(r), tuple(sh), tuple(st), getattr(torch, dt), int(th), bool(pn))] = tuple(float(x) for x in t)
 
 
 def _pays_key(w: torch.Tensor, rows: int) -> tuple:
-    """What :func:`pack_pays`'s measurement holds for: the product's rows, the weight's shape, strides and dtype, and
-    the intra-op threads that run both ways."""
-    return rows, tuple(w.shape), tuple(w.stride()), w.dtype, torch.get_num_threads()
+    """What :func:`pack_pays`'s measurement holds for: the product's rows, the weight's shape, strides and dtype, the
+    intra-op threads that run both ways, and whether the pack is elmo_fast._cpu's panels or oneDNN's."""
+    return rows, tuple(w.shape), tuple(w.stride()), w.dtype, torch.get_num_threads(), panels_apply(w, rows)
 
 
 def _self_test(w: torch.Tensor, packed, dtype: torch.dtype) -> None:
@@ -240,7 +314,7 @@ class PackedWeightCache:
         return t.detach()
 
     def get(self, w: torch.Tensor, rows: int, dtype: torch.dtype | None = None, role: str = "") -> PackedLinear:
-        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype)
+        key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), role, dtype, panels_mode())
         hit = self._entries.get(key)
         if hit is not None and unchanged(hit[0], w):
             return hit[1]
