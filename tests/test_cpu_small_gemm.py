@@ -74,25 +74,25 @@ def test_bad_inputs_are_named():
 def test_packed_linear_chooses_panels_by_the_rule(monkeypatch):
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     short, long_k = torch.randn(64, 48), torch.randn(2048, 48)
-    assert isinstance(PackedLinear(short, 32).packed, packed._Panels)  # few rows, short K
+    assert isinstance(PackedLinear(short, 16).packed, packed._Panels)  # few rows, short K
     if torch.backends.mkldnn.is_available():
-        assert not isinstance(PackedLinear(short, 33).packed, packed._Panels)  # more rows than 32: oneDNN
+        assert not isinstance(PackedLinear(short, 17).packed, packed._Panels)  # more rows than 16: oneDNN
         assert not isinstance(PackedLinear(long_k, 16).packed, packed._Panels)  # K > 1024: oneDNN
-    assert not isinstance(PackedLinear(short, 32, torch.bfloat16).packed, packed._Panels)  # fp32 only
+    assert not isinstance(PackedLinear(short, 16, torch.bfloat16).packed, packed._Panels)  # fp32 only
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "1")
     assert isinstance(PackedLinear(long_k, 100).packed, packed._Panels)
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "0")
-    assert not isinstance(PackedLinear(short, 32).packed, packed._Panels)
+    assert not isinstance(PackedLinear(short, 16).packed, packed._Panels)
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "sometimes")
     with pytest.raises(ValueError, match="ELMO_FAST_CPU_PANELS='sometimes': expected one of auto, 0, 1"):
-        PackedLinear(short, 32)
+        PackedLinear(short, 16)
 
 
 def test_packed_linear_panels_compute_the_product(monkeypatch):
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(4)
     w, x, a = torch.randn(300, 70, generator=g), torch.randn(24, 300, generator=g), torch.randn(24, 70, generator=g)
-    lin = PackedLinear(w, 24)
+    lin = PackedLinear(w, 16)  # built for 16 rows, called with 24 and 5
     assert isinstance(lin.packed, packed._Panels)
     torch.testing.assert_close(lin(x, add=a), torch.addmm(a, x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x[:5]), x[:5] @ w, rtol=1e-5, atol=1e-5)

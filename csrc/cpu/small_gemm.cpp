@@ -1,4 +1,4 @@
-// elmo_fast._cpu: the per-step products of an LSTMP chain, x (M, K) · w (K, N) (+ add), for few rows (M <= 32).
+// elmo_fast._cpu: the per-step products of an LSTMP chain, x (M, K) · w (K, N) (+ add), for few rows.
 //
 // An LSTMP step multiplies the B rows of the batch (16-32 in training and embedding) by a weight of 32 MiB
 // (512 x 16384) or 8 MiB (4096 x 512) that does not stay in cache between steps: the product streams the weight
@@ -10,7 +10,7 @@
 //
 // Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py, rows of
 // bench/results/cpu_products.csv; bench/results/cpu_train.md): faster at 16 rows and about even at 32 with the
-// weight out of cache, slower at a long inner dimension; elmo_fast.cpu.packed takes it for at most 32 rows and an
+// weight out of cache, slower at a long inner dimension; elmo_fast.cpu.packed takes it for at most 16 rows and an
 // inner dimension of at most 1024. AVX-512 only (functions with a target attribute, chosen at run time); elsewhere
 // small_mm_available() is false.
 #include <ATen/Parallel.h>

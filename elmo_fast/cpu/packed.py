@@ -6,12 +6,12 @@ products faster on these shapes (measured on the 2-core AVX-512 machine of bench
 K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
 input projection in the same pass. Only the summation order differs from ``torch.mm``.
 
-Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 32) with a short inner dimension (at most
+Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 16) with a short inner dimension (at most
 1024: ``h·W_rec``, 512 x 16384) take the extension's own kernel instead (``small_mm``, csrc/cpu/small_gemm.cpp:
 the weight in panels of 16 columns, streamed from memory while the FMAs run): on the 2-core AVX-512 Xeon of
-bench/results/cpu_train.md, with the weight out of cache as in a step, 1.85 against 2.26 ms at 16 rows and 2.99
-against 3.06 ms at 32 (bench_cpu_products.py, rows of cpu_products.csv), and the B=16 training step 8.8-9.7%
-faster in same-run A/Bs; at a long inner dimension oneDNN stays faster and keeps those products.
+bench/results/cpu_train.md, with the weight out of cache as in a step, 1.85 against 2.26 ms at 16 rows
+(bench_cpu_products.py, rows of cpu_products.csv); at 32 rows the two are even (2.99 against 3.06 ms alone; the
+LSTMP chain within +-4% either way), and at a long inner dimension oneDNN is faster: those stay with oneDNN.
 ``ELMO_FAST_CPU_PANELS`` = auto (that rule) / 1 (every packed fp32 product) / 0 (oneDNN only).
 
 ``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``, no panels either); a failed pack
@@ -115,7 +115,7 @@ _VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_tes
 
 _PANEL_CHOICES = ("auto", "0", "1")
 _PANELS_OK = True  # False once a panel product failed its probe: oneDNN for the rest of the process
-PANEL_MAX_ROWS, PANEL_MAX_K = 32, 1024  # auto's rule (module docstring)
+PANEL_MAX_ROWS, PANEL_MAX_K = 16, 1024  # auto's rule (module docstring)
 
 
 def panels_mode() -> str:
