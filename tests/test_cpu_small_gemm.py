@@ -14,14 +14,14 @@ pytestmark = pytest.mark.skipif(ext is None or not ext.small_mm_available(),
                                 reason="elmo_fast._cpu's small_mm needs the extension built and an AVX-512 CPU")
 
 
-def _check(M, K, N, seed, add=True, x_t=False, w_t=False, out_pad=0):
+def _check(M, K, N, seed, add=True, x_t=False, w_t=False, out_pad=0, width=16):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(K, M, generator=g).t() if x_t else torch.randn(M, K, generator=g)
     w = torch.randn(N, K, generator=g).t() if w_t else torch.randn(K, N, generator=g)
     a = torch.randn(M, N + 3, generator=g)[:, 1 : N + 1] if add else None  # a row stride of N + 3
     buf = torch.full((M, N + out_pad), float("nan"))
     out = buf[:, :N]
-    ext.small_mm(x, ext.pack_panels(w), N, a, out)
+    ext.small_mm(x, ext.pack_panels(w, width), N, a, out)
     want = x.double() @ w.double() + (a.double() if add else 0)
     bound = 1e-6 * (x.double().abs() @ w.double().abs() + (a.double().abs() if add else 0)) + 1e-30
     assert torch.isfinite(out).all(), "an element was not written"
@@ -30,20 +30,23 @@ def _check(M, K, N, seed, add=True, x_t=False, w_t=False, out_pad=0):
         assert torch.isnan(buf[:, N:]).all(), "small_mm wrote past column N"
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 15, 16, 17, 31, 32, 33, 47])
-def test_every_row_block(M):
-    _check(M, 300, 37, seed=M, out_pad=5)
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 14, 15, 16, 17, 29, 31, 32, 33, 47])
+def test_every_row_block(M, width):
+    _check(M, 300, 37, seed=M, out_pad=5, width=width)
 
 
-@pytest.mark.parametrize("K", [1, 7, 255, 256, 257, 600])
-@pytest.mark.parametrize("N", [1, 15, 16, 17, 100])
-def test_every_panel_tail_and_k_block(K, N):
-    _check(6, K, N, seed=K * 1000 + N)
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("K", [0, 1, 7, 255, 256, 257, 600])
+@pytest.mark.parametrize("N", [1, 15, 16, 17, 31, 32, 33, 100])
+def test_every_panel_tail_and_k_block(K, N, width):
+    _check(6, K, N, seed=K * 1000 + N, width=width)
 
 
 def test_strided_operands_and_no_add():
     _check(20, 130, 70, seed=1, add=False, x_t=True, w_t=True)
     _check(9, 513, 33, seed=2, x_t=True, out_pad=3)
+    _check(30, 513, 45, seed=3, x_t=True, w_t=True, out_pad=3, width=32)
 
 
 def test_the_sum_runs_in_k_blocks():
@@ -69,14 +72,20 @@ def test_bad_inputs_are_named():
         ext.small_mm(torch.randn(2, 8, dtype=torch.float64), panels, 20, None, torch.empty(2, 20))
     with pytest.raises(RuntimeError, match="add must be \\(2, 20\\) with unit column stride"):
         ext.small_mm(torch.randn(2, 8), panels, 20, torch.randn(20, 2).t(), torch.empty(2, 20))
+    out = torch.empty(2, 20)
+    with pytest.raises(RuntimeError, match="out must not be add"):
+        ext.small_mm(torch.randn(2, 8), panels, 20, out, out)
+    with pytest.raises(RuntimeError, match="width must be 16 or 32, got 8"):
+        ext.pack_panels(w, 8)
 
 
 def test_packed_linear_chooses_panels_by_the_rule(monkeypatch):
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
     short, long_k = torch.randn(64, 48), torch.randn(2048, 48)
-    assert isinstance(PackedLinear(short, 16).packed, packed._Panels)  # few rows, short K
+    assert PackedLinear(short, 16).packed.t.shape[2] == 16  # few rows, short K: panels of 16 columns ...
+    assert PackedLinear(short, 17).packed.t.shape[2] == 32  # ... or 32 for 17-32 rows
     if torch.backends.mkldnn.is_available():
-        assert not isinstance(PackedLinear(short, 17).packed, packed._Panels)  # more rows than 16: oneDNN
+        assert not isinstance(PackedLinear(short, 33).packed, packed._Panels)  # more rows than 32: oneDNN
         assert not isinstance(PackedLinear(long_k, 16).packed, packed._Panels)  # K > 1024: oneDNN
     assert not isinstance(PackedLinear(short, 16, torch.bfloat16).packed, packed._Panels)  # fp32 only
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "1")
@@ -126,14 +135,15 @@ def test_lstmp_chain_through_panels_matches_the_reference(monkeypatch, dtype):
     from elmo_fast.reference import lstmp_reference
 
     monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(packed, "_PANELS_OK", True)
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "1")
     monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")
     built = []
     real = packed._Panels.__init__
 
-    def spy(self, w):
+    def spy(self, w, rows):
         built.append(tuple(w.shape))
-        real(self, w)
+        real(self, w, rows)
 
     monkeypatch.setattr(packed._Panels, "__init__", spy)
     kw = dict(cell_clip=0.9, proj_clip=0.6, reverse=True, residual=True, forget_bias=1.0)

@@ -2,17 +2,19 @@
 //
 // An LSTMP step multiplies the B rows of the batch (16-32 in training and embedding) by a weight of 32 MiB
 // (512 x 16384) or 8 MiB (4096 x 512) that does not stay in cache between steps: the product streams the weight
-// from memory once per step. The weight is packed once into panels of 16 columns (P = ceil(N/16) panels of K x 16,
-// the last zero-padded), so that each panel is one contiguous stream; x is transposed (K x M) so that each k reads
-// one line of it. A panel's product keeps up to 16 rows x 16 columns in 16 AVX-512 accumulators, one fused
-// multiply-add per row and k with the x value broadcast from memory; the panel is read from memory once and from
-// L1/L2 for the further row blocks. Panels are split over torch's intra-op threads.
+// from memory once per step. The weight is packed once into panels of 16 or 32 columns (P = ceil(N/width) panels
+// of K x width, the last zero-padded), so that each panel is one contiguous stream; x is transposed (K x M) so that
+// each k reads one line of it. A panel's product keeps a block of rows in AVX-512 accumulators (16 rows x 16
+// columns, or 14 rows x 32 columns: 28 accumulators, so that two vector loads of the panel feed 28 fused
+// multiply-adds per k, each row's x value broadcast from memory); the panel comes from memory during the first row
+// block (prefetched ahead) and from L1/L2 for the others, which prefetch the next panel meanwhile. k is summed in
+// blocks of 256 (partial sums in out). Panels are split over torch's intra-op threads.
 //
-// Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py, rows of
-// bench/results/cpu_products.csv; bench/results/cpu_train.md): faster at 16 rows and about even at 32 with the
-// weight out of cache, slower at a long inner dimension; elmo_fast.cpu.packed takes it for at most 16 rows and an
-// inner dimension of at most 1024. AVX-512 only (functions with a target attribute, chosen at run time); elsewhere
-// small_mm_available() is false.
+// Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py; A/Bs in
+// bench/results/cpu_train.md): faster at 16 rows (width 16) and at 32 rows (width 32) with the weight out of cache,
+// slower at a long inner dimension; elmo_fast.cpu.packed takes it for at most 32 rows and an inner dimension of at
+// most 1024. AVX-512 only (functions with a target attribute, chosen at run time); elsewhere small_mm_available()
+// is false.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,8 +31,6 @@
 #endif
 
 namespace {
-
-constexpr int64_t kLanes = 16;  // columns per panel
 
 bool avx512() {
 #ifdef ELMO_X86
@@ -50,21 +50,22 @@ void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
               t.device());
 }
 
-// w (K, N), any strides -> panels (ceil(N/16), K, 16), zero past column N.
-at::Tensor pack_panels(const at::Tensor& w) {
+// w (K, N), any strides -> panels (ceil(N/width), K, width), zero past column N; width 16 or 32.
+at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
   check_f32(w, "w", 2);
-  const int64_t K = w.size(0), N = w.size(1), P = (N + kLanes - 1) / kLanes;
-  at::Tensor out = at::zeros({P, K, kLanes}, w.options());
+  TORCH_CHECK(width == 16 || width == 32, "elmo_fast._cpu: pack_panels: width must be 16 or 32, got ", width);
+  const int64_t K = w.size(0), N = w.size(1), P = (N + width - 1) / width;
+  at::Tensor out = at::zeros({P, K, width}, w.options());
   const float* src = w.data_ptr<float>();
   const int64_t sk = w.stride(0), sn = w.stride(1);
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kLanes, width = std::min(kLanes, N - n0);
+      const int64_t n0 = p * width, cols = std::min(width, N - n0);
       for (int64_t k = 0; k < K; ++k) {
-        float* d = dst + (p * K + k) * kLanes;
+        float* d = dst + (p * K + k) * width;
         const float* s = src + k * sk + n0 * sn;
-        for (int64_t j = 0; j < width; ++j) d[j] = s[j * sn];
+        for (int64_t j = 0; j < cols; ++j) d[j] = s[j * sn];
       }
     }
   });
@@ -77,51 +78,75 @@ at::Tensor pack_panels(const at::Tensor& w) {
 constexpr int64_t kBlock = 256;   // k per accumulation block: partial sums of 256 products, then summed
 constexpr int64_t kAhead = 64;    // prefetch distance in k (4 KiB of panel): the weight streams from memory
 
-// rows r0..r0+R-1 of one panel: out[r][n0 + j] = sum_k xt[k][r] * panel[k][j] (+ add[r][n0 + j]), j < width. The
-// sum over k runs in blocks of kBlock (each block's sum in registers, the blocks' sums added in order): error
-// growing with K/kBlock + kBlock rather than with K, as blocked GEMMs do.
-template <int R>
-ELMO_AVX512 inline void panel_rows(const float* xt, int64_t M, const float* panel, int64_t K, float* out,
-                                   int64_t ldo, const float* add, int64_t lda, int64_t r0, int64_t n0,
-                                   __mmask16 mask, const float* next) {
-  __m512 acc[R], tot[R];
-  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+// rows r0..r0+R-1 of one panel of 16·V columns: out[r][n0 + j] = sum_k xt[k][r] * panel[k][j] (+ add[r][n0 + j]),
+// j < the panel's width in N. The sum over k runs in blocks of kBlock, each block's sum in registers and added to
+// the previous blocks' in out (error growing with K/kBlock + kBlock rather than with K, as blocked GEMMs do), then
+// add. `next`: null for the first row block (it prefetches this panel ahead), else the next panel (prefetched into
+// L2 while this one is in cache).
+template <int R, int V>
+ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, int64_t K, float* out, int64_t ldo,
+                            const float* add, int64_t lda, int64_t r0, int64_t n0, const __mmask16* mask,
+                            const float* next) {
+  constexpr int64_t W = 16 * V;
+  __m512 acc[R][V];
+  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      const __m512 b = _mm512_loadu_ps(panel + k * kLanes);
-      if (next == nullptr)  // the first row block streams this panel in
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kAhead) * kLanes), _MM_HINT_T0);
-      else  // the others (panel in cache) stream the next panel into L2, so that memory and FMAs overlap
-        _mm_prefetch(reinterpret_cast<const char*>(next + k * kLanes), _MM_HINT_T1);
+      const float* pk = panel + k * W;
+      __m512 b[V];
+      for (int v = 0; v < V; ++v) {
+        b[v] = _mm512_loadu_ps(pk + 16 * v);
+        if (next == nullptr)
+          _mm_prefetch(reinterpret_cast<const char*>(pk + kAhead * W + 16 * v), _MM_HINT_T0);
+        else
+          _mm_prefetch(reinterpret_cast<const char*>(next + k * W + 16 * v), _MM_HINT_T1);
+      }
       const float* xk = xt + k * M + r0;
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), b, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(xk[r]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+      }
     }
-    for (int r = 0; r < R; ++r) tot[r] = k0 == 0 ? acc[r] : _mm512_add_ps(tot[r], acc[r]);
-  }
-  for (int r = 0; r < R; ++r) {
-    float* o = out + (r0 + r) * ldo + n0;
-    __m512 v = K > 0 ? tot[r] : _mm512_setzero_ps();
-    if (add != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, add + (r0 + r) * lda + n0));
-    _mm512_mask_storeu_ps(o, mask, v);
+    const bool first = k0 == 0, last = k1 >= K;
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) {
+        float* o = out + (r0 + r) * ldo + n0 + 16 * v;
+        __m512 sum = acc[r][v];
+        if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], o), sum);
+        if (last && add != nullptr)
+          sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], add + (r0 + r) * lda + n0 + 16 * v));
+        _mm512_mask_storeu_ps(o, mask[v], sum);
+      }
+    }
   }
 }
 
+// Rows in blocks of RMax (16 rows x 16 columns, or 14 x 32: 28 accumulators, two panel vectors and a broadcast
+// in the 32 AVX-512 registers), then 8, 4, 2, 1.
+template <int V, int RMax>
 ELMO_AVX512 void small_mm_avx512(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N,
                                  float* out, int64_t ldo, const float* add, int64_t lda) {
-  const int64_t P = (N + kLanes - 1) / kLanes;
-  at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
+  constexpr int64_t W = 16 * V;
+  const int64_t P = (N + W - 1) / W;
+  at::parallel_for(0, P, 16 / V, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const float* panel = panels + p * K * kLanes;
-      const int64_t n0 = p * kLanes, width = std::min(kLanes, N - n0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1u);
-      const float* next = panel + K * kLanes;  // past the last panel: prefetches never fault
+      const float* panel = panels + p * K * W;
+      const float* next = panel + K * W;  // past the last panel: prefetches never fault
+      const int64_t n0 = p * W, cols = std::min(W, N - n0);
+      __mmask16 mask[V];
+      for (int v = 0; v < V; ++v) {
+        const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * v));
+        mask[v] = static_cast<__mmask16>(c == 16 ? 0xFFFFu : (1u << c) - 1u);
+      }
       int64_t r0 = 0;
-      for (; r0 + 16 <= M; r0 += 16) panel_rows<16>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
-      if (r0 + 8 <= M) panel_rows<8>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 8;
-      if (r0 + 4 <= M) panel_rows<4>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 4;
-      if (r0 + 2 <= M) panel_rows<2>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 2;
-      if (r0 < M) panel_rows<1>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
+      for (; r0 + RMax <= M; r0 += RMax)
+        panel_rows<RMax, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
+      if (r0 + 8 <= M) panel_rows<8, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 8;
+      if (r0 + 4 <= M) panel_rows<4, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 4;
+      if (r0 + 2 <= M) panel_rows<2, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 2;
+      if (r0 < M) panel_rows<1, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
     }
   });
 }
@@ -135,8 +160,9 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
   check_f32(panels, "panels", 3);
   check_f32(out, "out", 2);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(panels.is_contiguous() && panels.size(1) == K && panels.size(2) == kLanes &&
-                  panels.size(0) == (N + kLanes - 1) / kLanes,
+  const int64_t W = panels.size(2);
+  TORCH_CHECK(panels.is_contiguous() && panels.size(1) == K && (W == 16 || W == 32) &&
+                  panels.size(0) == (N + W - 1) / W,
               "elmo_fast._cpu: small_mm: panels must be pack_panels of a (", K, ", ", N, ") weight, got ",
               panels.sizes());
   TORCH_CHECK(out.size(0) == M && out.size(1) == N && out.stride(1) == 1, "elmo_fast._cpu: small_mm: out must be (",
@@ -149,6 +175,7 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
                 "be (", M, ", ", N, ") with unit column stride, got ", add->sizes(), " strides ", add->strides());
     add_p = add->data_ptr<float>();
     lda = add->stride(0);
+    TORCH_CHECK(add_p != out.data_ptr<float>(), "elmo_fast._cpu: small_mm: out must not be add (it holds partial sums)");
   }
   if (M == 0 || N == 0) return;
   std::vector<float> xt(static_cast<size_t>(K * M));  // x transposed: one line of it per k
@@ -157,7 +184,12 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) xt[k * M + m] = xp[m * sm + k * sk];
 #ifdef ELMO_X86
-  small_mm_avx512(xt.data(), M, panels.data_ptr<float>(), K, N, out.data_ptr<float>(), out.stride(0), add_p, lda);
+  if (W == 16)
+    small_mm_avx512<1, 16>(xt.data(), M, panels.data_ptr<float>(), K, N, out.data_ptr<float>(), out.stride(0), add_p,
+                           lda);
+  else
+    small_mm_avx512<2, 14>(xt.data(), M, panels.data_ptr<float>(), K, N, out.data_ptr<float>(), out.stride(0), add_p,
+                           lda);
 #endif
 }
 
@@ -165,7 +197,8 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
 
 void add_small_gemm(pybind11::module_& m) {
   m.def("small_mm_available", &avx512, "whether small_mm runs on this CPU (AVX-512)");
-  m.def("pack_panels", &pack_panels, "a (K, N) weight packed for small_mm", pybind11::arg("w"));
+  m.def("pack_panels", &pack_panels, "a (K, N) weight packed for small_mm in panels of 16 or 32 columns",
+        pybind11::arg("w"), pybind11::arg("width") = 16);
   m.def("small_mm", &small_mm, "out = x . w (+ add) for few rows, w as pack_panels(w)", pybind11::arg("x"),
         pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("add"), pybind11::arg("out"));
 }

@@ -6,12 +6,13 @@ products faster on these shapes (measured on the 2-core AVX-512 machine of bench
 K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
 input projection in the same pass. Only the summation order differs from ``torch.mm``.
 
-Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 16) with a short inner dimension (at most
+Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 32) with a short inner dimension (at most
 1024: ``h·W_rec``, 512 x 16384) take the extension's own kernel instead (``small_mm``, csrc/cpu/small_gemm.cpp:
-the weight in panels of 16 columns, streamed from memory while the FMAs run): on the 2-core AVX-512 Xeon of
-bench/results/cpu_train.md, with the weight out of cache as in a step, 1.85 against 2.26 ms at 16 rows
-(bench_cpu_products.py, rows of cpu_products.csv); at 32 rows the two are even (2.99 against 3.06 ms alone; the
-LSTMP chain within +-4% either way), and at a long inner dimension oneDNN is faster: those stay with oneDNN.
+the weight in panels of 16 columns for up to 16 rows, of 32 for more, streamed from memory while the FMAs run).
+On the 2-core AVX-512 Xeon of bench/results/cpu_train.md, alone with the weight out of cache as in a step, 16 rows:
+0.96-1.03 against oneDNN's 1.36-1.41 ms, 32 rows: 1.58-1.83 against 2.22-2.26 ms; in same-run A/Bs against
+``ELMO_FAST_CPU_PANELS=0``, the LSTMP chain's forward 4-10% and the 32-sentence embedding 5% faster, the B=16
+training step 2%. At a long inner dimension (``dz·W_recᵀ``, ``m·W_proj``) oneDNN is faster and keeps them.
 ``ELMO_FAST_CPU_PANELS`` = auto (that rule) / 1 (every packed fp32 product) / 0 (oneDNN only).
 
 ``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``, no panels either); a failed pack
@@ -97,7 +98,7 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
         return None
     if dtype == torch.float32 and panels_apply(w, rows):
         try:
-            return _Panels(w)
+            return _Panels(w, rows)
         except Exception:  # noqa: BLE001 - the kernel or its probe failed: oneDNN from now on
             _panels_off()
     try:
@@ -115,7 +116,7 @@ _VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_tes
 
 _PANEL_CHOICES = ("auto", "0", "1")
 _PANELS_OK = True  # False once a panel product failed its probe: oneDNN for the rest of the process
-PANEL_MAX_ROWS, PANEL_MAX_K = 16, 1024  # auto's rule (module docstring)
+PANEL_MAX_ROWS, PANEL_MAX_K = 32, 1024  # auto's rule (module docstring)
 
 
 def panels_mode() -> str:
@@ -145,13 +146,14 @@ def panels_apply(w: torch.Tensor, rows: int) -> bool:
 
 
 class _Panels:
-    """``w`` (K, N) packed for ``small_mm`` (panels of 16 columns); checked once per process against ``w`` itself."""
+    """``w`` (K, N) packed for ``small_mm``: panels of 16 columns for at most 16 rows, else of 32 (14-row blocks of
+    two vectors); checked once per process against ``w`` itself."""
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, rows: int):
         from .ext import cpu_ext
 
         self.ext, self.n = cpu_ext(), w.shape[1]
-        self.t = self.ext.pack_panels(w.detach())
+        self.t = self.ext.pack_panels(w.detach(), 16 if rows <= 16 else 32)
         if "panels" not in _VERIFIED:  # a row of the identity must read back the first row of w, bit for bit
             probe = torch.zeros(1, w.shape[0])
             probe[0, 0] = 1.0
