@@ -7,9 +7,10 @@ time) and MAX_JOBS; uses ninja. Without a GPU, `make cuda-compile-check` (csrc/c
 source; for development `python csrc/jit_build.py` builds the same sources with
 torch.utils.cpp_extension.load. The sources are listed once, in csrc/sources.txt (CMake reads it too).
 
-ELMO_FAST_BUILD_CPU: the optional CPU extension ``elmo_fast._cpu`` (csrc/cpu/: the fused LSTMP gate math of the
-cpu backend; C++ only, no nvcc). "1" requires it, "0" skips it, unset = build it when torch and a C++ compiler
-are present, and go on without it (the cpu backend then runs the same math as torch ops) if the build fails.
+ELMO_FAST_BUILD_CPU: the optional CPU extension ``elmo_fast._cpu`` (csrc/cpu/: the cpu backend's fused LSTMP gate
+math, the sparse softmax rows' sum and update, the AVX-512 products of few rows; C++ only, no nvcc). "1" requires
+it, "0" skips it, unset = build it when torch and a C++ compiler are present, and go on without it (the cpu backend
+then runs the same math as torch ops) if the build fails.
 Under pip's build isolation torch cannot be imported, so it is skipped with a warning (pip shows it with -v):
 install torch first and use ``pip install --no-build-isolation``.
 """
