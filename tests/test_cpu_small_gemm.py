@@ -4,6 +4,7 @@ and how elmo_fast.cpu.packed chooses it (ELMO_FAST_CPU_PANELS, the probe)."""
 import pytest
 import torch
 
+from conftest import poison_allocations
 from elmo_fast.cpu import lstmp_cpu, packed
 from elmo_fast.cpu.ext import cpu_ext
 from elmo_fast.cpu.packed import PackedLinear
@@ -103,6 +104,7 @@ def test_packed_linear_panels_compute_the_product(monkeypatch):
     w, x, a = torch.randn(300, 70, generator=g), torch.randn(24, 300, generator=g), torch.randn(24, 70, generator=g)
     lin = PackedLinear(w, 16)  # built for 16 rows, called with 24 and 5
     assert isinstance(lin.packed, packed._Panels)
+    poison_allocations(monkeypatch)  # the products' outputs start as NaN
     torch.testing.assert_close(lin(x, add=a), torch.addmm(a, x, w), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(x[:5]), x[:5] @ w, rtol=1e-5, atol=1e-5)
 

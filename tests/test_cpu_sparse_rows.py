@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import elmo_fast.training.trainer as tr
+from conftest import poison_allocations
 from elmo_fast.cpu.ext import cpu_ext
 
 ext = cpu_ext()
@@ -29,9 +30,11 @@ def _torch_ops(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sum_rows_is_bit_identical_to_the_torch_ops(seed, monkeypatch):
     ids, vals, _, _ = _rows(seed)
+    with monkeypatch.context() as m:
+        _torch_ops(m)
+        want_ids, want = tr.sum_rows(ids, vals)
+    poison_allocations(monkeypatch, int_fill=-7)  # every element the kernel leaves unwritten would show
     got_ids, got = tr.sum_rows(ids, vals)  # the extension
-    _torch_ops(monkeypatch)
-    want_ids, want = tr.sum_rows(ids, vals)
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got, want)  # the same additions in the same order, zero padding rows included
 
@@ -103,10 +106,13 @@ def test_bad_inputs_are_named():
         ext.adagrad_rows(w, acc, torch.tensor([1, 2]), torch.ones(2, 3, dtype=torch.float64), 0.1, torch.tensor(1.0))
     with pytest.raises(RuntimeError, match="acc must be \\(5, 3\\)"):
         ext.adagrad_rows(w, torch.ones(4, 3), torch.tensor([1, 2]), torch.ones(2, 3), 0.1, torch.tensor(1.0))
+    out = torch.empty(2, dtype=torch.long), torch.empty(2, 3)
     with pytest.raises(RuntimeError, match="sid must be sorted"):
-        ext.sum_rows(torch.tensor([2, 1]), torch.tensor([0, 1]), torch.ones(2, 3))
+        ext.sum_rows(torch.tensor([2, 1]), torch.tensor([0, 1]), torch.ones(2, 3), *out)
     with pytest.raises(RuntimeError, match="perm\\[1\\] = 7 is not a row of vals"):
-        ext.sum_rows(torch.tensor([1, 2]), torch.tensor([0, 7]), torch.ones(2, 3))
+        ext.sum_rows(torch.tensor([1, 2]), torch.tensor([0, 7]), torch.ones(2, 3), *out)
+    with pytest.raises(RuntimeError, match="sums must be \\(2, 3\\)"):
+        ext.sum_rows(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.ones(2, 3), out[0], torch.empty(3, 3))
 
 
 def test_other_dtypes_take_the_torch_ops():

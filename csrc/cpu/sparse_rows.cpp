@@ -12,13 +12,11 @@
 // are memory bound.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -38,13 +36,16 @@ void check_ids(const at::Tensor& t, const char* name, int64_t n) {
               t.scalar_type(), " ", t.sizes());
 }
 
-// sid (M,) sorted ids, perm (M,) the sort's permutation, vals (M, k). Returns (ids (M,), sums (M, k)): every
+// sid (M,) sorted ids, perm (M,) the sort's permutation, vals (M, k). Writes ids (M,) and sums (M, k): every
 // distinct id once with the sum of its rows, in sid's order, then id 0 with zero rows (trainer.sum_rows).
-std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& sid, const at::Tensor& perm, const at::Tensor& vals) {
+void sum_rows(const at::Tensor& sid, const at::Tensor& perm, const at::Tensor& vals, const at::Tensor& ids,
+              const at::Tensor& sums) {
   check_rows(vals, "vals", -1, -1);
   const int64_t M = vals.size(0), k = vals.size(1);
   check_ids(sid, "sid", M);
   check_ids(perm, "perm", M);
+  check_ids(ids, "ids", M);
+  check_rows(sums, "sums", M, k);
   const int64_t* s = sid.data_ptr<int64_t>();
   const int64_t* pm = perm.data_ptr<int64_t>();
   std::vector<int64_t> start;  // first sorted row of every segment, then M
@@ -59,8 +60,6 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& sid, const at::Ten
   }
   const int64_t n = static_cast<int64_t>(start.size());
   start.push_back(M);
-  at::Tensor ids = at::empty({M}, sid.options());
-  at::Tensor sums = at::empty({M, k}, vals.options());
   int64_t* out_id = ids.data_ptr<int64_t>();
   float* out = sums.data_ptr<float>();
   const float* v = vals.data_ptr<float>();
@@ -80,7 +79,6 @@ std::tuple<at::Tensor, at::Tensor> sum_rows(const at::Tensor& sid, const at::Ten
       }
     }
   });
-  return {ids, sums};
 }
 
 // TF1 Adagrad on the rows `rows` (M,) of p and acc (V, k) with gradient rows g (M, k) divided by inv_factor. Rows
@@ -140,8 +138,8 @@ bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& 
 }  // namespace
 
 void add_sparse_rows(pybind11::module_& m) {
-  m.def("sum_rows", &sum_rows, "the rows of vals that share an id summed (trainer.sum_rows)", pybind11::arg("sid"),
-        pybind11::arg("perm"), pybind11::arg("vals"));
+  m.def("sum_rows", &sum_rows, "the rows of vals that share an id summed into ids, sums (trainer.sum_rows)",
+        pybind11::arg("sid"), pybind11::arg("perm"), pybind11::arg("vals"), pybind11::arg("ids"), pybind11::arg("sums"));
   m.def("adagrad_rows", &adagrad_rows, "TF1 Adagrad on the touched rows, in place (trainer.adagrad_rows)",
         pybind11::arg("p"), pybind11::arg("acc"), pybind11::arg("rows"), pybind11::arg("g"), pybind11::arg("lr"),
         pybind11::arg("inv_factor"));

@@ -9,6 +9,8 @@ import functools
 import importlib
 import os
 
+import torch
+
 
 @functools.lru_cache(maxsize=None)
 def _load():
@@ -23,3 +25,12 @@ def cpu_ext():
     if os.environ.get("ELMO_FAST_CPU_EXT", "1").strip() == "0":
         return None
     return _load()
+
+
+def cpu_ext_for(*tensors):
+    """``elmo_fast._cpu`` where its fp32 kernels take these tensors (each contiguous fp32 on the CPU; None entries are
+    skipped), else None: the caller runs the same math as torch ops."""
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
+            return None
+    return cpu_ext()

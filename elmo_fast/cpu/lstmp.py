@@ -38,7 +38,7 @@ import torch
 
 from torch.library import custom_op
 
-from .ext import cpu_ext
+from .ext import cpu_ext_for
 from .gemm import gemm
 from .._backend import BackendUnavailableError
 from ..ops._library import nothing, qualname, tracing
@@ -121,14 +121,6 @@ def _weights(w_rec, w_proj, B, cache: PackedWeightCache | None, dtype=None, tran
     return out
 
 
-def _fused(*tensors):
-    """The compiled gate kernels when they apply (built, fp32, contiguous), else None."""
-    ext = cpu_ext()
-    if ext is None or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors if t is not None):
-        return None
-    return ext
-
-
 def _cell_forward(z, c_prev, cell_clip, g_out=None, c_pre_out=None, tc_out=None, m_out=None):
     """Gate nonlinearities and the cell update of one step.
 
@@ -137,7 +129,7 @@ def _cell_forward(z, c_prev, cell_clip, g_out=None, c_pre_out=None, tc_out=None,
     activated gates, the pre-clip cell and tanh(c) there; without them z may be overwritten.
     """
     H = c_prev.shape[1]
-    ext = _fused(z, c_prev, g_out, c_pre_out, tc_out, m_out)
+    ext = cpu_ext_for(z, c_prev, g_out, c_pre_out, tc_out, m_out)
     if ext is not None:  # one pass instead of ~8
         c, m = torch.empty_like(c_prev), (m_out if m_out is not None else torch.empty_like(c_prev))
         ext.cell_forward(z, c_prev, cell_clip, g_out, c_pre_out, c, tc_out, m)
@@ -160,7 +152,7 @@ def _cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out):
     """Backward of ``_cell_forward``: dm, dc (n, H) the gradients w.r.t. m and w.r.t. the clipped cell (from the
     next step). Writes dz (n, 4H) into ``dz_out``; returns the gradient w.r.t. c_prev."""
     H = c_prev.shape[1]
-    ext = _fused(dm, dc, g, c_pre, tc, c_prev, dz_out)
+    ext = cpu_ext_for(dm, dc, g, c_pre, tc, c_prev, dz_out)
     if ext is not None:  # one pass instead of ~20
         ext.cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz_out, dc)
         return dc

@@ -55,9 +55,9 @@ class PackedLinear:
         self.packed = _pack(w, rows, self.dtype) if pack else None
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(self.packed, _Panels) and x.dtype == torch.float32:
+        if isinstance(self.packed, _Panels):
             return self.packed(x, add)
-        if self.packed is None or isinstance(self.packed, _Panels):
+        if self.packed is None:
             return torch.mm(x, self.w) if add is None else torch.addmm(add, x, self.w)
         if self.dtype == x.dtype:
             if add is not None:
@@ -104,7 +104,8 @@ def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().to(dtype), max(1, rows))
         if dtype not in _VERIFIED:
-            _self_test(w, packed, dtype)
+            _self_test(w, lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), dtype,
+                       "oneDNN linear")
             _VERIFIED.add(dtype)
         return packed
     except Exception:  # noqa: BLE001 - any problem: the plain path from now on
@@ -154,13 +155,8 @@ class _Panels:
 
         self.ext, self.n = cpu_ext(), w.shape[1]
         self.t = self.ext.pack_panels(w.detach(), 16 if rows <= 16 else 32)
-        if "panels" not in _VERIFIED:  # a row of the identity must read back the first row of w, bit for bit
-            probe = torch.zeros(1, w.shape[0])
-            probe[0, 0] = 1.0
-            got = torch.empty(1, self.n)
-            self.ext.small_mm(probe, self.t, self.n, None, got)
-            if not torch.equal(got[0], w[0].detach()):
-                raise RuntimeError("elmo_fast._cpu small_mm returned unexpected values")
+        if "panels" not in _VERIFIED:
+            _self_test(w, lambda x: self(x, None), torch.float32, "elmo_fast._cpu small_mm")
             _VERIFIED.add("panels")
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor | None) -> torch.Tensor:
@@ -251,14 +247,15 @@ def _pays_key(w: torch.Tensor, rows: int) -> tuple:
     return rows, tuple(w.shape), tuple(w.stride()), w.dtype, torch.get_num_threads(), panels_apply(w, rows)
 
 
-def _self_test(w: torch.Tensor, packed, dtype: torch.dtype) -> None:
-    """One product with the first packed weight of each dtype, once per process: a row of the identity must read
-    back the first row of ``w`` (the layout oneDNN and torch agree on); raises otherwise."""
+def _self_test(w: torch.Tensor, product, dtype: torch.dtype, what: str) -> None:
+    """One product with the first packed weight of each kind, once per process: a row of the identity through
+    ``product`` must read back the first row of ``w`` (the layout the packing and torch agree on); raises
+    otherwise."""
     probe = torch.zeros(1, w.shape[0], dtype=dtype)
     probe[0, 0] = 1.0
-    got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    got = product(probe)
     if not torch.equal(got[0].float(), w[0].detach().to(dtype).float()):
-        raise RuntimeError("oneDNN linear returned unexpected values")
+        raise RuntimeError(f"{what} returned unexpected values")
 
 
 class PackedWeightCache:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from .._signals import check_signals
 from ..chars import Vocabulary
-from ..cpu.ext import cpu_ext
+from ..cpu.ext import cpu_ext_for
 from ..cpu.memory import keep_freed_memory
 from ..cpu.gemm import gemm_timings, restore_gemm_timings
 from ..cpu.packed import pack_timings, restore_pack_timings
@@ -526,13 +526,6 @@ class Trainer:
             tw.loader.close()
 
 
-def _sparse_ext(*tensors):
-    """elmo_fast._cpu where it runs these: contiguous fp32 CPU tensors and the extension built and on; else None."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-        return cpu_ext()
-    return None
-
-
 def sum_rows(ids: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the rows of ``vals`` (M, k) that share an id in ``ids`` (M,), in fixed shapes (no host sync).
 
@@ -540,9 +533,11 @@ def sum_rows(ids: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch
     rows that an ``index_add_`` row update leaves without effect (what TF does to IndexedSlices: duplicates
     summed once)."""
     sid, perm = torch.sort(ids)
-    ext = _sparse_ext(vals)
+    ext = cpu_ext_for(vals)
     if ext is not None:  # the same sums in one pass (csrc/cpu/sparse_rows.cpp), bit-identical
-        return ext.sum_rows(sid, perm, vals)
+        out = torch.empty_like(ids), torch.empty_like(vals)
+        ext.sum_rows(sid, perm, vals, *out)
+        return out
     first = torch.ones_like(sid, dtype=torch.bool)
     first[1:] = sid[1:] != sid[:-1]
     seg = torch.cumsum(first, 0) - 1  # segment (distinct id) of every sorted row
@@ -571,7 +566,7 @@ def adagrad_rows(p: torch.Tensor, acc: torch.Tensor, rows: torch.Tensor, g: torc
                  inv_factor: torch.Tensor) -> None:
     """The same update for the rows ``rows`` of ``p``/``acc`` (V, k), gradient rows ``g`` (M, k) from ``sum_rows``:
     only the touched rows change, exactly as dense Adagrad would change them (the others' gradient is 0)."""
-    ext = _sparse_ext(g, p, acc)
+    ext = cpu_ext_for(g, p, acc)
     if ext is not None and ext.adagrad_rows(p, acc, rows, g, lr, inv_factor):
         return  # in place, one pass, bit-identical (csrc/cpu/sparse_rows.cpp; False: ids repeat, nothing changed)
     g = g / inv_factor
