@@ -9,7 +9,7 @@ Rows (provider, shape, rows B, ms, GFLOP/s, GB/s of weight read):
   the same weight every call: hot in cache where it fits), ``packed-cold`` (four such weights in turn, as four
   chains' weights are in a step: what the last-level cache cannot hold comes from memory), ``panels`` and
   ``panels-cold`` (the same through elmo_fast._cpu's ``small_mm``, where the CPU has AVX-512; the cpu backend
-  takes it for at most 32 rows and K <= 1024) and ``mm`` (torch.mm on the plain weight, MKL);
+  takes it for at most 16 rows, and for 17-32 rows where K <= 1024) and ``mm`` (torch.mm on the plain weight, MKL);
 * the chain's weight gradient ``[x; h]ᵀ·dz`` (1024 x 320 by 320 x 16384): into a fresh 64 MiB output (``fresh``,
   as autograd's) and into one written before (``out=``): the cost of the fresh pages;
 * the step's whole-sequence GEMMs (``WIDE``: input projection, weight gradient, ``dx``, the sampled softmax's
@@ -88,7 +88,7 @@ def run(batches=(1, 4, 16, 32), rounds: int = 8, small: bool = False) -> list[di
             shape = f"{B}x{K} . {K}x{N}"
             flops = 2 * B * K * N
             # "packed": oneDNN's pack; "panels": elmo_fast._cpu's small_mm where it runs (the cpu backend takes it for
-            # at most 32 rows and K <= 1024, elmo_fast.cpu.packed)
+            # at most 16 rows, or 17-32 rows and K <= 1024: elmo_fast.cpu.packed)
             kinds = [("packed", "0")] + ([("panels", "1")] if _forced() else [])
             for kind, panels in kinds:
                 with common.env_var("ELMO_FAST_CPU_PANELS", panels):

@@ -44,6 +44,20 @@ def test_every_panel_tail_and_k_block(K, N, width):
     _check(6, K, N, seed=K * 1000 + N, width=width)
 
 
+@pytest.mark.parametrize("width", [16, 32])
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
+@pytest.mark.parametrize("N", [16, 45, 64])
+def test_pack_panels_layout(layout, N, width):
+    """Every source layout (row-major: copied runs; column-major: gathered; other strides) gives the same panels:
+    column n of w at panel n // width, lane n % width, zeros past N."""
+    K = 37
+    base = torch.randn(K, N) if layout == "row-major" else torch.randn(N, K).t()
+    w = base if layout != "strided" else torch.randn(K, 2 * N)[:, ::2]
+    P = -(-N // width)
+    want = torch.nn.functional.pad(w, (0, P * width - N)).reshape(K, P, width).permute(1, 0, 2)
+    assert torch.equal(ext.pack_panels(w, width), want)
+
+
 def test_strided_operands_and_no_add():
     _check(20, 130, 70, seed=1, add=False, x_t=True, w_t=True)
     _check(9, 513, 33, seed=2, x_t=True, out_pad=3)
@@ -87,7 +101,8 @@ def test_packed_linear_chooses_panels_by_the_rule(monkeypatch):
     assert PackedLinear(short, 17).packed.t.shape[2] == 32  # ... or 32 for 17-32 rows
     if torch.backends.mkldnn.is_available():
         assert not isinstance(PackedLinear(short, 33).packed, packed._Panels)  # more rows than 32: oneDNN
-        assert not isinstance(PackedLinear(long_k, 16).packed, packed._Panels)  # K > 1024: oneDNN
+        assert not isinstance(PackedLinear(long_k, 17).packed, packed._Panels)  # K > 1024 and 17-32 rows: oneDNN
+    assert PackedLinear(long_k, 16).packed.t.shape[2] == 16  # at most 16 rows: panels at any K
     assert not isinstance(PackedLinear(short, 16, torch.bfloat16).packed, packed._Panels)  # fp32 only
     monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "1")
     assert isinstance(PackedLinear(long_k, 100).packed, packed._Panels)

@@ -6,23 +6,25 @@
 // of K x width, the last zero-padded), so that each panel is one contiguous stream; x is transposed (K x M) so that
 // each k reads one line of it. A panel's product keeps a block of rows in AVX-512 accumulators (16 rows x 16
 // columns, or 14 rows x 32 columns: 28 accumulators, so that two vector loads of the panel feed 28 fused
-// multiply-adds per k, each row's x value broadcast from memory); the panel comes from memory during the first row
-// block (prefetched ahead) and from L1/L2 for the others, which prefetch the next panel meanwhile. k is summed in
-// blocks of 256 (partial sums in out). Panels are split over torch's intra-op threads.
+// multiply-adds per k, each row's x value broadcast from memory). k is summed in blocks of 256 (partial sums in
+// out), and every row block runs on a panel's k block before the next one: the first row block streams it from
+// memory (prefetched ahead), the others find it in L1 and prefetch the next panel into L2, so that a long panel
+// (K = 16384: dz·W_recᵀ) is read from memory once. Panels are split over torch's intra-op threads. The pack is a
+// gather of 16 lanes for a column-major weight (a transposed view) and a copy of row runs for a row-major one.
 //
 // Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py; A/Bs in
-// bench/results/cpu_train.md): faster at 16 rows (width 16) and at 32 rows (width 32) with the weight out of cache,
-// slower at a long inner dimension; elmo_fast.cpu.packed takes it for at most 32 rows and an inner dimension of at
-// most 1024. AVX-512 only (functions with a target attribute, chosen at run time); elsewhere small_mm_available()
-// is false.
+// bench/results/cpu_train.md): faster at 16 rows (width 16) at every inner dimension of the chain, and at 32 rows
+// (width 32) for K = 512 with the weight out of cache, slower at 32 rows and a long inner dimension;
+// elmo_fast.cpu.packed takes it for at most 16 rows, and for 17-32 rows where K <= 1024. AVX-512 only (functions
+// with a target attribute, chosen at run time); elsewhere small_mm_available() is false.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -50,15 +52,75 @@ void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
               t.device());
 }
 
+#ifdef ELMO_X86
+#define ELMO_AVX512 __attribute__((target("avx512f")))
+
+// The lanes of a panel's V vectors that hold columns of w, for a panel of `cols` columns (all, from 16·V).
+template <int V>
+void panel_masks(int64_t cols, __mmask16* mask) {
+  for (int v = 0; v < V; ++v) {
+    const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * v));
+    mask[v] = static_cast<__mmask16>(c == 16 ? 0xFFFFu : (1u << c) - 1u);
+  }
+}
+
+// Panels p0..p1-1 of a column-major w (unit row stride, column stride sn): each panel's 16·V columns gathered per k
+// (the panel's columns are contiguous runs of k in memory, so consecutive k read the same lines).
+template <int V>
+ELMO_AVX512 void pack_gather(const float* src, int64_t sn, int64_t K, int64_t N, float* dst, int64_t p0, int64_t p1) {
+  constexpr int64_t W = 16 * V;
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(sn)));
+  for (int64_t p = p0; p < p1; ++p) {
+    __mmask16 mask[V];
+    panel_masks<V>(N - p * W, mask);
+    for (int64_t k = 0; k < K; ++k)
+      for (int v = 0; v < V; ++v)
+        _mm512_storeu_ps(dst + (p * K + k) * W + 16 * v,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask[v], idx,
+                                                  src + (p * W + 16 * v) * sn + k, 4));
+  }
+}
+#endif  // ELMO_X86
+
+bool avx512_gather_fits(const at::Tensor& w, int64_t width) {
+  return w.stride(0) == 1 && (width - 1) * w.stride(1) < (int64_t{1} << 31) / 4;
+}
+
 // w (K, N), any strides -> panels (ceil(N/width), K, width), zero past column N; width 16 or 32.
 at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
   check_f32(w, "w", 2);
   TORCH_CHECK(width == 16 || width == 32, "elmo_fast._cpu: pack_panels: width must be 16 or 32, got ", width);
   const int64_t K = w.size(0), N = w.size(1), P = (N + width - 1) / width;
-  at::Tensor out = at::zeros({P, K, width}, w.options());
+  at::Tensor out = at::empty({P, K, width}, w.options());
   const float* src = w.data_ptr<float>();
   const int64_t sk = w.stride(0), sn = w.stride(1);
   float* dst = out.data_ptr<float>();
+#ifdef ELMO_X86
+  if (avx512() && avx512_gather_fits(w, width)) {  // column-major (a transposed view): gathered, 16 lanes at once
+    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+      if (width == 16)
+        pack_gather<1>(src, sn, K, N, dst, begin, end);
+      else
+        pack_gather<2>(src, sn, K, N, dst, begin, end);
+    });
+    return out;
+  }
+#endif
+  if (sn == 1 && N % width == 0) {
+    // a row-major weight: blocks of kRows rows, each swept along the panels, so that the rows are read as kRows
+    // sequential streams and each panel receives kRows lines at once
+    constexpr int64_t kRows = 8;
+    at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t k0 = 0; k0 < K; k0 += kRows) {
+        const int64_t k1 = std::min(K, k0 + kRows);
+        for (int64_t p = begin; p < end; ++p)
+          for (int64_t k = k0; k < k1; ++k)
+            std::memcpy(dst + (p * K + k) * width, src + k * sk + p * width, sizeof(float) * width);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * width, cols = std::min(width, N - n0);
@@ -66,6 +128,7 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
         float* d = dst + (p * K + k) * width;
         const float* s = src + k * sk + n0 * sn;
         for (int64_t j = 0; j < cols; ++j) d[j] = s[j * sn];
+        std::fill(d + cols, d + width, 0.0f);
       }
     }
   });
@@ -73,35 +136,35 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
 }
 
 #ifdef ELMO_X86
-#define ELMO_AVX512 __attribute__((target("avx512f")))
-
 constexpr int64_t kBlock = 256;   // k per accumulation block: partial sums of 256 products, then summed
 constexpr int64_t kAhead = 64;    // prefetch distance in k (4 KiB of panel): the weight streams from memory
 
-// rows r0..r0+R-1 of one panel of 16·V columns: out[r][n0 + j] = sum_k xt[k][r] * panel[k][j] (+ add[r][n0 + j]),
-// j < the panel's width in N. The sum over k runs in blocks of kBlock, each block's sum in registers and added to
-// the previous blocks' in out (error growing with K/kBlock + kBlock rather than with K, as blocked GEMMs do), then
-// add. `next`: null for the first row block (it prefetches this panel ahead), else the next panel (prefetched into
-// L2 while this one is in cache).
-template <int R, int V>
-ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, int64_t K, float* out, int64_t ldo,
-                            const float* add, int64_t lda, int64_t r0, int64_t n0, const __mmask16* mask,
-                            const float* next) {
-  constexpr int64_t W = 16 * V;
+// What a panel's product prefetches while it runs, the line at pf + k·W for each k: its own lines kAhead ahead
+// into L1 (the first row block, streaming the panel from memory) or the next panel's into L2 (the other row
+// blocks, running on the cached panel).
+enum Prefetch { kL1, kL2 };
+
+// rows r0..r0+R-1 of one panel of W = 16·V columns, k from kb to ke: out[r][n0 + j] (+)= sum_k xt[k][r] ·
+// panel[k][j] (+ add[r][n0 + j] after the last k), j < the panel's width in N. The sum over k runs in blocks of
+// kBlock, each block's sum in registers and added to the previous blocks' in out (error growing with K/kBlock +
+// kBlock rather than with K, as blocked GEMMs do); kb is a multiple of kBlock, the blocks before kb have their sum
+// in out.
+template <int R, int V, Prefetch PF>
+ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, const float* pf, int64_t kb,
+                            int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda, int64_t r0,
+                            int64_t n0, const __mmask16* mask) {
   __m512 acc[R][V];
-  for (int64_t k0 = 0; k0 == 0 || k0 < K; k0 += kBlock) {
-    const int64_t k1 = std::min(K, k0 + kBlock);
+  for (int64_t k0 = kb; k0 == kb || k0 < ke; k0 += kBlock) {
+    const int64_t k1 = std::min(ke, k0 + kBlock);
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      const float* pk = panel + k * W;
+      constexpr int64_t W = 16 * V;
       __m512 b[V];
       for (int v = 0; v < V; ++v) {
-        b[v] = _mm512_loadu_ps(pk + 16 * v);
-        if (next == nullptr)
-          _mm_prefetch(reinterpret_cast<const char*>(pk + kAhead * W + 16 * v), _MM_HINT_T0);
-        else
-          _mm_prefetch(reinterpret_cast<const char*>(next + k * W + 16 * v), _MM_HINT_T1);
+        b[v] = _mm512_loadu_ps(panel + k * W + 16 * v);
+        if (PF == kL1) _mm_prefetch(reinterpret_cast<const char*>(pf + k * W + 16 * v), _MM_HINT_T0);
+        if (PF == kL2) _mm_prefetch(reinterpret_cast<const char*>(pf + k * W + 16 * v), _MM_HINT_T1);
       }
       const float* xk = xt + k * M + r0;
       for (int r = 0; r < R; ++r) {
@@ -123,33 +186,50 @@ ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, int6
   }
 }
 
-// Rows in blocks of RMax (16 rows x 16 columns, or 14 x 32: 28 accumulators, two panel vectors and a broadcast
-// in the 32 AVX-512 registers), then 8, 4, 2, 1.
+// All M rows of one panel over k in [kb, ke): row blocks of RMax (16 rows x 16 columns, or 14 x 32: 28
+// accumulators, two panel vectors and a broadcast in the 32 AVX-512 registers), then 8, 4, 2, 1. The first block
+// prefetches the panel's own lines kAhead ahead, the others the next panel's (`next`).
 template <int V, int RMax>
-ELMO_AVX512 void small_mm_avx512(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N,
-                                 float* out, int64_t ldo, const float* add, int64_t lda) {
+ELMO_AVX512 void panel_all_rows(const float* xt, int64_t M, const float* panel, const float* next, int64_t kb,
+                                int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda,
+                                int64_t n0, const __mmask16* mask) {
+  int64_t r0 = 0;
+#define ELMO_ROWS(R)                                                                                               \
+  do {                                                                                                             \
+    if (r0 == 0)                                                                                                   \
+      panel_rows<R, V, kL1>(xt, M, panel, panel + kAhead * 16 * V, kb, ke, K, out, ldo, add, lda, r0, n0, mask);   \
+    else                                                                                                           \
+      panel_rows<R, V, kL2>(xt, M, panel, next, kb, ke, K, out, ldo, add, lda, r0, n0, mask);                      \
+    r0 += R;                                                                                                       \
+  } while (0)
+  while (r0 + RMax <= M) ELMO_ROWS(RMax);
+  if (r0 + 8 <= M) ELMO_ROWS(8);
+  if (r0 + 4 <= M) ELMO_ROWS(4);
+  if (r0 + 2 <= M) ELMO_ROWS(2);
+  if (r0 < M) ELMO_ROWS(1);
+#undef ELMO_ROWS
+}
+
+// Packed panels (pack_panels, zero-padded): panel by panel, each one contiguous stream; its first row block streams
+// it from memory (prefetching kAhead rows ahead), the others find it in cache and prefetch the next panel into L2.
+template <int V, int RMax>
+ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, float* out,
+                                 int64_t ldo, const float* add, int64_t lda) {
   constexpr int64_t W = 16 * V;
-  const int64_t P = (N + W - 1) / W;
-  at::parallel_for(0, P, 16 / V, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (N + W - 1) / W, 16 / V, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = panels + p * K * W;
-      const float* next = panel + K * W;  // past the last panel: prefetches never fault
-      const int64_t n0 = p * W, cols = std::min(W, N - n0);
       __mmask16 mask[V];
-      for (int v = 0; v < V; ++v) {
-        const int64_t c = std::max<int64_t>(0, std::min<int64_t>(16, cols - 16 * v));
-        mask[v] = static_cast<__mmask16>(c == 16 ? 0xFFFFu : (1u << c) - 1u);
-      }
-      int64_t r0 = 0;
-      for (; r0 + RMax <= M; r0 += RMax)
-        panel_rows<RMax, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
-      if (r0 + 8 <= M) panel_rows<8, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 8;
-      if (r0 + 4 <= M) panel_rows<4, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 4;
-      if (r0 + 2 <= M) panel_rows<2, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr), r0 += 2;
-      if (r0 < M) panel_rows<1, V>(xt, M, panel, K, out, ldo, add, lda, r0, n0, mask, r0 ? next : nullptr);
+      panel_masks<V>(N - p * W, mask);
+      // k block by k block, every row block on the block before the next: a long panel is read from memory once
+      // (past the last panel, the prefetches read nothing of use, and never fault)
+      for (int64_t kb = 0; kb == 0 || kb < K; kb += kBlock)
+        panel_all_rows<V, RMax>(xt, M, panel, panel + K * W, kb, std::min(K, kb + kBlock), K, out, ldo, add, lda,
+                                p * W, mask);
     }
   });
 }
+
 #endif  // ELMO_X86
 
 // out (M, N) = x (M, K) · w (+ add (M, N)), w given as pack_panels(w). out and add: row-major rows (any row stride).
@@ -157,9 +237,9 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
               const at::Tensor& out) {
   TORCH_CHECK(avx512(), "elmo_fast._cpu: small_mm needs AVX-512 (small_mm_available() is false on this CPU)");
   check_f32(x, "x", 2);
-  check_f32(panels, "panels", 3);
   check_f32(out, "out", 2);
   const int64_t M = x.size(0), K = x.size(1);
+  check_f32(panels, "panels", 3);
   const int64_t W = panels.size(2);
   TORCH_CHECK(panels.is_contiguous() && panels.size(1) == K && (W == 16 || W == 32) &&
                   panels.size(0) == (N + W - 1) / W,
@@ -178,18 +258,22 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
     TORCH_CHECK(add_p != out.data_ptr<float>(), "elmo_fast._cpu: small_mm: out must not be add (it holds partial sums)");
   }
   if (M == 0 || N == 0) return;
-  std::vector<float> xt(static_cast<size_t>(K * M));  // x transposed: one line of it per k
+  // x transposed (K x M): the M values a k multiplies on one line (x's own rows, a power-of-two stride apart at
+  // these widths, would share a few L1 sets)
+  std::vector<float> xt(static_cast<size_t>(K * M));
   const float* xp = x.data_ptr<float>();
   const int64_t sm = x.stride(0), sk = x.stride(1);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = xp[m * sm + k * sk];
+  at::parallel_for(0, K, 4096 / std::max<int64_t>(M, 1) + 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k)
+      for (int64_t m = 0; m < M; ++m) xt[k * M + m] = xp[m * sm + k * sk];
+  });
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
 #ifdef ELMO_X86
   if (W == 16)
-    small_mm_avx512<1, 16>(xt.data(), M, panels.data_ptr<float>(), K, N, out.data_ptr<float>(), out.stride(0), add_p,
-                           lda);
+    small_mm_packed<1, 16>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
   else
-    small_mm_avx512<2, 14>(xt.data(), M, panels.data_ptr<float>(), K, N, out.data_ptr<float>(), out.stride(0), add_p,
-                           lda);
+    small_mm_packed<2, 14>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
 #endif
 }
 

@@ -6,14 +6,17 @@ products faster on these shapes (measured on the 2-core AVX-512 machine of bench
 K=512, N=16384 in 1.9 ms against 2.4 ms), and ``_linear_pointwise.binary(..., "add")`` adds the precomputed
 input projection in the same pass. Only the summation order differs from ``torch.mm``.
 
-Where ``elmo_fast._cpu`` runs AVX-512, the products of few rows (at most 32) with a short inner dimension (at most
-1024: ``h·W_rec``, 512 x 16384) take the extension's own kernel instead (``small_mm``, csrc/cpu/small_gemm.cpp:
-the weight in panels of 16 columns for up to 16 rows, of 32 for more, streamed from memory while the FMAs run).
-On the 2-core AVX-512 Xeon of bench/results/cpu_train.md, alone with the weight out of cache as in a step, 16 rows:
-0.96-1.03 against oneDNN's 1.36-1.41 ms, 32 rows: 1.58-1.83 against 2.22-2.26 ms; in same-run A/Bs against
-``ELMO_FAST_CPU_PANELS=0``, the LSTMP chain's forward 4-10% and the 32-sentence embedding 5% faster, the B=16
-training step 2%. At a long inner dimension (``dz·W_recᵀ``, ``m·W_proj``) oneDNN is faster and keeps them.
-``ELMO_FAST_CPU_PANELS`` = auto (that rule) / 1 (every packed fp32 product) / 0 (oneDNN only).
+Where ``elmo_fast._cpu`` runs AVX-512, the products of at most 16 rows, and of 17-32 rows with a short inner
+dimension (at most 1024: ``h·W_rec``, 512 x 16384), take the extension's own kernel instead (``small_mm``,
+csrc/cpu/small_gemm.cpp: the weight in panels of 16 columns for up to 16 rows, of 32 for more, streamed from memory
+while the FMAs run). On the 2-core AVX-512 Xeon of bench/results/cpu_train.md, alone with the weight out of cache as
+in a step, 16 rows: 0.96-1.03 against oneDNN's 1.36-1.41 ms, 32 rows: 1.58-1.83 against 2.22-2.26 ms; in same-run
+A/Bs against ``ELMO_FAST_CPU_PANELS=0``, the LSTMP chain's forward 4-10% and the 32-sentence embedding 5% faster, the
+B=16 training step 2%. Since the kernel runs every row block on a k block of 256 before the next (one read of a long
+panel from memory), at 16 rows the long inner dimensions are faster too (four weights in turn, 04:09 UTC, a /tmp
+script: ``dz·W_recᵀ`` 2.02-2.16 against oneDNN's 2.20-2.25 ms, ``dh·W_projᵀ`` 0.30 against 0.39-0.41 ms,
+``m·W_proj`` 0.34-0.36 against 0.39-0.42 ms); at 32 rows oneDNN keeps them (``dz·W_recᵀ`` 4.0-4.1 against
+3.2-3.3 ms). ``ELMO_FAST_CPU_PANELS`` = auto (that rule) / 1 (every packed fp32 product) / 0 (oneDNN only).
 
 ``ELMO_FAST_CPU_ONEDNN=0`` turns the packed path off (plain ``torch.mm``/``addmm``, no panels either); a failed pack
 or probe also turns it off for the rest of the process, so a torch build without a working oneDNN still computes.
@@ -117,7 +120,7 @@ _VERIFIED: set = set()  # packing dtypes whose packed product passed ``_self_tes
 
 _PANEL_CHOICES = ("auto", "0", "1")
 _PANELS_OK = True  # False once a panel product failed its probe: oneDNN for the rest of the process
-PANEL_MAX_ROWS, PANEL_MAX_K = 32, 1024  # auto's rule (module docstring)
+PANEL_ANY_K_ROWS, PANEL_MAX_ROWS, PANEL_MAX_K = 16, 32, 1024  # auto's rule (module docstring)
 
 
 def panels_mode() -> str:
@@ -143,7 +146,7 @@ def panels_apply(w: torch.Tensor, rows: int) -> bool:
     ext = cpu_ext()
     if ext is None or not hasattr(ext, "small_mm") or not ext.small_mm_available():
         return False
-    return mode == "1" or (rows <= PANEL_MAX_ROWS and w.shape[0] <= PANEL_MAX_K)
+    return mode == "1" or rows <= PANEL_ANY_K_ROWS or (rows <= PANEL_MAX_ROWS and w.shape[0] <= PANEL_MAX_K)
 
 
 class _Panels:
