@@ -81,11 +81,12 @@ ELMO_AVX512 void pack_gather(const float* src, int64_t sn, int64_t K, int64_t N,
                                                   src + (p * W + 16 * v) * sn + k, 4));
   }
 }
-#endif  // ELMO_X86
 
-bool avx512_gather_fits(const at::Tensor& w, int64_t width) {
-  return w.stride(0) == 1 && (width - 1) * w.stride(1) < (int64_t{1} << 31) / 4;
+// A column-major weight whose lanes' offsets (j · column stride, j < width) fit the gather's 32-bit indices.
+bool gather_fits(const at::Tensor& w, int64_t width) {
+  return w.stride(0) == 1 && (width - 1) * w.stride(1) < (int64_t{1} << 31);
 }
+#endif  // ELMO_X86
 
 // w (K, N), any strides -> panels (ceil(N/width), K, width), zero past column N; width 16 or 32.
 at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
@@ -97,7 +98,7 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
   const int64_t sk = w.stride(0), sn = w.stride(1);
   float* dst = out.data_ptr<float>();
 #ifdef ELMO_X86
-  if (avx512() && avx512_gather_fits(w, width)) {  // column-major (a transposed view): gathered, 16 lanes at once
+  if (avx512() && gather_fits(w, width)) {  // column-major (a transposed view): gathered, 16 lanes at once
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       if (width == 16)
         pack_gather<1>(src, sn, K, N, dst, begin, end);
