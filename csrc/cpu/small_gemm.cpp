@@ -273,6 +273,8 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
 #ifdef ELMO_X86
   if (W == 16)
     small_mm_packed<1, 16>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
+  else if (M <= 16)  // two blocks of 8 rows rather than 14 + 2
+    small_mm_packed<2, 8>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
   else
     small_mm_packed<2, 14>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
 #endif
