@@ -75,7 +75,12 @@ def parse_variants(specs) -> list[tuple[str, str]]:
 
 
 def with_env(fn, name: str, value: str):
-    """``fn`` called with os.environ[name] = value (restored after each call)."""
+    """``fn`` called with os.environ[name] = value (restored after each call).
+
+    An A/B through it sees only what the variable changes while ``fn`` runs: a setting read once per process
+    (``ELMO_FAST_CPU_ONEDNN``) does not change, nor does one applied when a weight is packed into a cache that the
+    variants share (a module's packed weights), unless the cache's key holds it (``ELMO_FAST_CPU_PANELS`` does);
+    compare two modules or two processes for those."""
     def call(*args, **kwargs):
         with env_var(name, value):
             return fn(*args, **kwargs)
