@@ -170,6 +170,26 @@ def test_cpu_embedding_sweep_times_each_variant_beside_the_engines(bench_env, tm
     assert "ELMO_FAST_CPU_GEMM" not in os.environ
 
 
+def test_cpu_embedding_check_names_the_side_off_the_fp64_reference(tmp_path, capsys):
+    """When the engines disagree, the bench's check prints each one's distance to an fp64 reference run: outputs
+    moved off that reference by known amounts read back as those amounts, each beside its engine's name."""
+    import bench_cpu_embedding
+    from elmo_fast.testing import TINY_OPTIONS, write_random_model
+
+    opt, wts = write_random_model(str(tmp_path), TINY_OPTIONS, seed=0)
+    ids = bench_cpu_embedding.batch_to_ids([["a", "small", "test"], ["another", "one"]])
+    with common.torch.no_grad():
+        ref = bench_cpu_embedding.ElmoBiLM(opt, wts, backend="reference").double().eval()
+        truth = ref(ids)["activations"]
+    ours, theirs = [t.float() + 2e-5 for t in truth], [t.float() - 3e-4 for t in truth]
+    bench_cpu_embedding._which_side(opt, wts, ids, ours, theirs)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "fp64 reference" in ln]
+    assert len(lines) == 2 and "elmo_fast" in lines[0] and "allennlp" in lines[1]
+    for line, moved in zip(lines, (2e-5, 3e-4)):
+        got = [float(v) for v in line.split(": ")[1].split(", ")]
+        assert all(abs(g - moved) < 0.1 * moved for g in got), (line, moved)
+
+
 def test_report_rows_prints_each_row_then_appends_them(bench_env, tmp_path, capsys):
     rows = [{"a": 1, "b": 2.5}, {"a": 3, "b": 4.0}]
     path = common.report_rows("t", rows, lambda r: f"row a={r['a']}", ["a", "b"], tmp_path / "t.csv")
