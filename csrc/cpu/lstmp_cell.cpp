@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor and optional casters
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -211,20 +213,13 @@ void run_rows(const Args& a, int64_t n, F fn) {
   });
 }
 
-void check(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), "elmo_fast._cpu: ",
-              name, " must be a contiguous CPU float32 tensor");
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "elmo_fast._cpu: ", name, " must be (", rows,
-              ", ", cols, "), got ", t.sizes());
-}
-
 float clip_value(c10::optional<double> clip) {
   return clip.has_value() ? static_cast<float>(*clip) : std::numeric_limits<float>::infinity();
 }
 
 float* opt_ptr(const c10::optional<at::Tensor>& t, const char* name, int64_t rows, int64_t cols) {
   if (!t.has_value()) return nullptr;
-  check(*t, name, rows, cols);
+  elmo_cpu::check_matrix(*t, name, rows, cols);
   return t->data_ptr<float>();
 }
 
@@ -234,10 +229,10 @@ void cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<d
                   const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre,
                   const at::Tensor& c, const c10::optional<at::Tensor>& tc, const at::Tensor& m) {
   const int64_t n = c_prev.size(0), H = c_prev.size(1);
-  check(z, "z", n, 4 * H);
-  check(c_prev, "c_prev", n, H);
-  check(c, "c", n, H);
-  check(m, "m", n, H);
+  elmo_cpu::check_matrix(z, "z", n, 4 * H);
+  elmo_cpu::check_matrix(c_prev, "c_prev", n, H);
+  elmo_cpu::check_matrix(c, "c", n, H);
+  elmo_cpu::check_matrix(m, "m", n, H);
   FwdArgs a{z.data_ptr<float>(), c_prev.data_ptr<float>(), opt_ptr(g, "g", n, 4 * H),
             opt_ptr(c_pre, "c_pre", n, H), c.data_ptr<float>(), opt_ptr(tc, "tc", n, H), m.data_ptr<float>(), H,
             clip_value(cell_clip)};
@@ -258,9 +253,9 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
   const int64_t n = dm.size(0), H = dm.size(1);
   for (const auto& [t, name] : {std::pair{&dm, "dm"}, {&dc, "dc"}, {&c_pre, "c_pre"}, {&tc, "tc"},
                                 {&c_prev, "c_prev"}, {&dc_prev, "dc_prev"}})
-    check(*t, name, n, H);
-  check(g, "g", n, 4 * H);
-  check(dz, "dz", n, 4 * H);
+    elmo_cpu::check_matrix(*t, name, n, H);
+  elmo_cpu::check_matrix(g, "g", n, 4 * H);
+  elmo_cpu::check_matrix(dz, "dz", n, 4 * H);
   BwdArgs a{dm.data_ptr<float>(), dc.data_ptr<float>(), g.data_ptr<float>(), c_pre.data_ptr<float>(),
             tc.data_ptr<float>(), c_prev.data_ptr<float>(), dz.data_ptr<float>(), dc_prev.data_ptr<float>(), H,
             clip_value(cell_clip)};
@@ -274,6 +269,8 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
 }
 
 }  // namespace
+
+bool elmo_cpu::has_avx512() { return kBest == Isa::kAvx512; }
 
 void add_sparse_rows(pybind11::module_& m);  // csrc/cpu/sparse_rows.cpp
 void add_small_gemm(pybind11::module_& m);   // csrc/cpu/small_gemm.cpp

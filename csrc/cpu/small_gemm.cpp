@@ -22,10 +22,12 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -34,23 +36,7 @@
 
 namespace {
 
-bool avx512() {
-#ifdef ELMO_X86
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-void check_f32(const at::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim, "elmo_fast._cpu: ", name,
-              " must be a ", dim, "-d CPU float32 tensor, got ", t.scalar_type(), " ", t.sizes(), " on ",
-              t.device());
-}
+using elmo_cpu::check_f32;
 
 #ifdef ELMO_X86
 #define ELMO_AVX512 __attribute__((target("avx512f")))
@@ -98,7 +84,8 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
   const int64_t sk = w.stride(0), sn = w.stride(1);
   float* dst = out.data_ptr<float>();
 #ifdef ELMO_X86
-  if (avx512() && gather_fits(w, width)) {  // column-major (a transposed view): gathered, 16 lanes at once
+  // a column-major weight (a transposed view): gathered, 16 lanes at once
+  if (elmo_cpu::has_avx512() && gather_fits(w, width)) {
     at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
       if (width == 16)
         pack_gather<1>(src, sn, K, N, dst, begin, end);
@@ -236,7 +223,8 @@ ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels
 // out (M, N) = x (M, K) · w (+ add (M, N)), w given as pack_panels(w). out and add: row-major rows (any row stride).
 void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
               const at::Tensor& out) {
-  TORCH_CHECK(avx512(), "elmo_fast._cpu: small_mm needs AVX-512 (small_mm_available() is false on this CPU)");
+  TORCH_CHECK(elmo_cpu::has_avx512(),
+              "elmo_fast._cpu: small_mm needs AVX-512 (small_mm_available() is false on this CPU)");
   check_f32(x, "x", 2);
   check_f32(out, "out", 2);
   const int64_t M = x.size(0), K = x.size(1);
@@ -261,10 +249,11 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
   if (M == 0 || N == 0) return;
   // x transposed (K x M): the M values a k multiplies on one line (x's own rows, a power-of-two stride apart at
   // these widths, would share a few L1 sets)
-  std::vector<float> xt(static_cast<size_t>(K * M));
+  // (not zero-filled: every element is written; split over threads only from 64K elements on)
+  std::unique_ptr<float[]> xt(new float[static_cast<size_t>(K * M)]);
   const float* xp = x.data_ptr<float>();
   const int64_t sm = x.stride(0), sk = x.stride(1);
-  at::parallel_for(0, K, 4096 / std::max<int64_t>(M, 1) + 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, K, (int64_t{1} << 16) / M + 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k)
       for (int64_t m = 0; m < M; ++m) xt[k * M + m] = xp[m * sm + k * sk];
   });
@@ -272,18 +261,18 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
   const int64_t ldo = out.stride(0);
 #ifdef ELMO_X86
   if (W == 16)
-    small_mm_packed<1, 16>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
+    small_mm_packed<1, 16>(xt.get(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
   else if (M <= 16)  // two blocks of 8 rows rather than 14 + 2
-    small_mm_packed<2, 8>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
+    small_mm_packed<2, 8>(xt.get(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
   else
-    small_mm_packed<2, 14>(xt.data(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
+    small_mm_packed<2, 14>(xt.get(), M, panels.data_ptr<float>(), K, N, op, ldo, add_p, lda);
 #endif
 }
 
 }  // namespace
 
 void add_small_gemm(pybind11::module_& m) {
-  m.def("small_mm_available", &avx512, "whether small_mm runs on this CPU (AVX-512)");
+  m.def("small_mm_available", &elmo_cpu::has_avx512, "whether small_mm runs on this CPU (AVX-512)");
   m.def("pack_panels", &pack_panels, "a (K, N) weight packed for small_mm in panels of 16 or 32 columns",
         pybind11::arg("w"), pybind11::arg("width") = 16);
   m.def("small_mm", &small_mm, "out = x . w (+ add) for few rows, w as pack_panels(w)", pybind11::arg("x"),

@@ -14,20 +14,14 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
-
-void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2,
-              "elmo_fast._cpu: ", name, " must be a contiguous 2-d CPU float32 tensor, got ", t.scalar_type(), " ",
-              t.sizes());
-  TORCH_CHECK((rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols), "elmo_fast._cpu: ", name,
-              " must be (", rows, ", ", cols, "), got ", t.sizes());
-}
 
 void check_ids(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.dim() == 1 &&
@@ -40,12 +34,12 @@ void check_ids(const at::Tensor& t, const char* name, int64_t n) {
 // distinct id once with the sum of its rows, in sid's order, then id 0 with zero rows (trainer.sum_rows).
 void sum_rows(const at::Tensor& sid, const at::Tensor& perm, const at::Tensor& vals, const at::Tensor& ids,
               const at::Tensor& sums) {
-  check_rows(vals, "vals", -1, -1);
+  elmo_cpu::check_matrix(vals, "vals", -1, -1);
   const int64_t M = vals.size(0), k = vals.size(1);
   check_ids(sid, "sid", M);
   check_ids(perm, "perm", M);
   check_ids(ids, "ids", M);
-  check_rows(sums, "sums", M, k);
+  elmo_cpu::check_matrix(sums, "sums", M, k);
   const int64_t* s = sid.data_ptr<int64_t>();
   const int64_t* pm = perm.data_ptr<int64_t>();
   std::vector<int64_t> start;  // first sorted row of every segment, then M
@@ -90,10 +84,10 @@ bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& 
                   const at::Tensor& inv_factor) {
   TORCH_CHECK(inv_factor.device().is_cpu() && inv_factor.numel() == 1, "elmo_fast._cpu: adagrad_rows: inv_factor must "
               "be a one-element CPU tensor, got ", inv_factor.sizes(), " on ", inv_factor.device());
-  check_rows(p, "p", -1, -1);
+  elmo_cpu::check_matrix(p, "p", -1, -1);
   const int64_t V = p.size(0), k = p.size(1);
-  check_rows(acc, "acc", V, k);
-  check_rows(g, "g", -1, k);
+  elmo_cpu::check_matrix(acc, "acc", V, k);
+  elmo_cpu::check_matrix(g, "g", -1, k);
   const int64_t M = g.size(0);
   check_ids(rows, "rows", M);
   const int64_t* id = rows.data_ptr<int64_t>();

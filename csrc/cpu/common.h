@@ -1,0 +1,29 @@
+// elmo_fast._cpu: what the extension's sources share: argument checks whose errors name the argument, and the
+// CPU's instruction set (detected once, in lstmp_cell.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace elmo_cpu {
+
+// t must be a CPU float32 tensor of `dim` dimensions, contiguous where asked.
+inline void check_f32(const at::Tensor& t, const char* name, int64_t dim, bool contiguous = false) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == dim &&
+                  (!contiguous || t.is_contiguous()),
+              "elmo_fast._cpu: ", name, " must be a ", contiguous ? "contiguous " : "", dim,
+              "-d CPU float32 tensor, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+// t must be a contiguous (rows, cols) CPU float32 matrix; -1: any size there.
+inline void check_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols) {
+  check_f32(t, name, 2, true);
+  TORCH_CHECK((rows < 0 || t.size(0) == rows) && (cols < 0 || t.size(1) == cols), "elmo_fast._cpu: ", name,
+              " must be (", rows, ", ", cols, "), got ", t.sizes());
+}
+
+// The CPU runs AVX-512 (F, DQ, VL, BW): the best instruction set the gate kernels detect (lstmp_cell.cpp).
+bool has_avx512();
+
+}  // namespace elmo_cpu
