@@ -2,6 +2,7 @@
 
     bench/gpu_check.sh                      # install, then every step that fits in the budget (default 560 s)
     bench/gpu_check.sh selfcheck test-gpu   # install if needed, then these steps only
+    bench/gpu_check.sh selfcheck bench-lstmp:200   # NAME:SECONDS caps a step below its own limit
     bench/gpu_check.sh --list               # the steps, their time limits and what they do
     python bench/gpu_check.py --smoke       # every step on the CPU, from a fresh clone (CI: make test)
 
@@ -78,6 +79,10 @@ STEPS = (
           (PY, "-c", _IMPORTS))),
     Step("selfcheck", 240, "every Triton kernel against the reference at a small shape (auto's guard)",
          ((PY, "-c", _SELFCHECK, "cuda"),), ((PY, "-c", _SELFCHECK, "cpu"),)),
+    Step("precompile", 120, "every kernel variant of the original model compiled in parallel (kernel_report), "
+         "so the benchmarks' JIT finds them in Triton's cache instead of compiling one at a time",
+         ((PY, "bench/kernel_report.py", "--out", "{tmp}/kernel_report"),),
+         ((PY, "bench/kernel_report.py", "--subset", "--only", "highway", "--out", "{tmp}/kernel_report"),)),
     Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
          ((PY, "-m", "pytest", "-q", "-x", "-m", "triton and not slow", "tests"),),
          ((PY, "-m", "pytest", "-q", "--co", "-m", "triton and not slow", "tests"),)),
@@ -98,7 +103,8 @@ STEPS = (
          _bench_import("bench_token_encoder")),
     Step("bench-softmax", 540, "sampled and full softmax", ((PY, "bench/bench_softmax.py"),),
          _bench_import("bench_softmax")),
-    Step("bench-train", 540, "pretraining throughput, original config", ((PY, "bench/bench_train.py"),),
+    Step("bench-train", 540, "pretraining throughput, original config, 384 rows (performance.md's shape)",
+         ((PY, "bench/bench_train.py", "--batch", "384"),),
          ((PY, "bench/bench_train.py"),)),
     Step("build-cuda", 540, "the CUDA extension elmo_fast._C, in place (ELMO_FAST_BUILD_CUDA=1; opt-in)",
          ((PY, "setup.py", "-q", "build_ext", "--inplace"), (PY, "-c", _IMPORTS)),
@@ -220,9 +226,24 @@ def smoke_setup(work: Path) -> tuple[Path, Path]:
     return clone, py
 
 
+def parse_step(arg: str) -> tuple[str, float | None]:
+    """'NAME' -> (NAME, None); 'NAME:SECONDS' -> (NAME, SECONDS), a cap on that step's time limit."""
+    name, sep, secs = arg.partition(":")
+    if not sep:
+        return name, None
+    try:
+        cap = float(secs)
+    except ValueError:
+        cap = 0.0
+    if cap <= 0:
+        raise ValueError(f"step {arg!r}: expected NAME:SECONDS with SECONDS a positive number")
+    return name, cap
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("steps", nargs="*", help="steps to run (default: all); install runs first unless skipped")
+    ap.add_argument("steps", nargs="*", help="steps to run (default: all), each NAME or NAME:SECONDS (a cap "
+                    "below the step's own limit); install runs first unless skipped")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_out"))
     ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 560)),
                     help="seconds for the whole call (the device machine allows 600 per command)")
@@ -234,10 +255,14 @@ def main(argv=None) -> int:
         for s in STEPS:
             print(f"{s.name:20s} {s.timeout:4d} s  {s.what}")
         return 0
-    unknown = [n for n in args.steps if n not in BY_NAME]
+    try:
+        caps = dict(parse_step(a) for a in args.steps)
+    except ValueError as exc:
+        ap.error(str(exc))
+    unknown = [n for n in caps if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown step(s) {unknown}; the steps are: {', '.join(BY_NAME)}")
-    names = args.steps or [s.name for s in STEPS]
+    names = list(caps) or [s.name for s in STEPS]
     if not args.no_install and "install" not in names:
         names = ["install", *names]
     names = [s.name for s in STEPS if s.name in names]  # the order of STEPS: env, install, ... build-cuda last
@@ -255,8 +280,8 @@ def main(argv=None) -> int:
         for name in names:
             step = BY_NAME[name]
             left = args.budget - (time.monotonic() - start)
-            limit = min(step.timeout, left - 5)
-            if limit < min(60, step.timeout):
+            limit = min(step.timeout, caps.get(name) or step.timeout, left - 5)
+            if limit < min(60, step.timeout, caps.get(name) or step.timeout):
                 out.note(f"{name:20s} NOT STARTED (budget: {left:.0f} s left); run it in the next call")
                 continue
             env = dict(os.environ, PYTHONUNBUFFERED="1", ELMO_FAST_BENCH_DIR=str(staging),
@@ -264,7 +289,8 @@ def main(argv=None) -> int:
             if args.smoke:
                 env.update(step.smoke_env)
                 env.pop("ELMO_FAST_BUILD_CUDA", None)
-            cmds = [[str(py) if a == PY else a for a in cmd] for cmd in (step.smoke if args.smoke else step.gpu)]
+            cmds = [[str(py) if a == PY else a.replace("{tmp}", str(tmp)) for a in cmd]
+                    for cmd in (step.smoke if args.smoke else step.gpu)]
             out.log.write(f"\n==== {name} (limit {limit:.0f} s)\n")
             status, secs = run_step(cmds, env, cwd, limit, out.log)
             rows = out.pack_rows(staging)

@@ -46,3 +46,23 @@ def test_unknown_step_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["no-such-step"])
     assert "unknown step(s) ['no-such-step']" in capsys.readouterr().err
+
+
+def test_step_caps(tmp_path, capsys):
+    assert gpu_check.parse_step("bench-lstmp") == ("bench-lstmp", None)
+    assert gpu_check.parse_step("bench-lstmp:90") == ("bench-lstmp", 90.0)
+    for bad in ("bench-lstmp:", "bench-lstmp:soon", "bench-lstmp:-5"):
+        with pytest.raises(SystemExit):
+            gpu_check.main([bad, "--out", str(tmp_path)])
+        assert "expected NAME:SECONDS" in capsys.readouterr().err
+    # a cap below 60 s still starts the step, and the step is killed at the cap, not at its own limit
+    gpu_check.STEPS += (gpu_check.Step("sleepy", 600, "test", (), ((sys.executable, "-c", "import time; "
+                                                                    "time.sleep(30)"),), ()),)
+    gpu_check.BY_NAME["sleepy"] = gpu_check.STEPS[-1]
+    try:
+        rc = gpu_check.main(["sleepy:2", "--smoke", "--no-install", "--out", str(tmp_path / "o")])
+    finally:
+        gpu_check.STEPS = gpu_check.STEPS[:-1]
+        del gpu_check.BY_NAME["sleepy"]
+    summary = (tmp_path / "o" / "summary.txt").read_text()
+    assert rc == 1 and "sleepy               TIMEOUT" in summary, summary
