@@ -320,7 +320,8 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
                 first = None
                 for tile in alternatives[gemm]:
                     pl = KL.launch_plan(B, T, H, P, dtype, training=True, target=target,
-                                        tiles={gemm: tile} if tile else None, **fl)
+                                        tiles={gemm: tile} if tile else None, cell_clip=True, proj_clip=True,
+                                        reverse=fl["reverse"], residual=fl["residual"])
                     bb = dict(b, part=torch.empty(pl[gemm].grid[2], B, P, dtype=acc, device=device))
 
                     def pair(first=pl[gemm], then=pl[reduce], bb=bb):

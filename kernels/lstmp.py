@@ -548,6 +548,11 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
                 has_proj: bool = True, cell_clip: bool = True, proj_clip: bool = True, reverse: bool = False,
                 residual: bool = False, tiles: dict | None = None) -> dict[str, Launch]:
     """Every launch of one chain call (see the module docstring). Pure: no device is touched."""
+    for name, flag in (("training", training), ("has_proj", has_proj), ("cell_clip", cell_clip),
+                       ("proj_clip", proj_clip), ("reverse", reverse), ("residual", residual)):
+        if not isinstance(flag, bool):  # e.g. a clip value where "is there a clip" is asked: under the interpreter
+            # it would pass, compiled it fails (a float in a constexpr `if`)
+            raise TypeError(f"launch_plan: {name} is a flag (bool), got {flag!r}")
     cdiv = triton.cdiv
     op = dtype
     acc = acc_dtype(dtype)
