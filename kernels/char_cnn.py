@@ -611,10 +611,14 @@ def char_cnn_triton(
     """char_ids (N, L) int inference ids -> (N, F) = act(max_p conv(embed(ids)) + bias), fused (see module doc).
 
     char_embed (n_chars, d_c) with the zero row 0; conv_weights[i] (w_i, d_c, n_i); conv_biases[i] (n_i,).
-    Output dtype = char_embed's (fp32, bf16, fp16 or fp64); products accumulate in fp32. The operator
-    ``elmo_fast::char_cnn_triton``, its backward ``elmo_fast::char_cnn_triton_backward``.
+    Output dtype = char_embed's (fp32, bf16, fp16; fp64 under the interpreter only); products accumulate in
+    fp32. The operator ``elmo_fast::char_cnn_triton``, its backward ``elmo_fast::char_cnn_triton_backward``.
     """
     _activation(activation)  # validates the name (ValueError), like the reference
+    if char_embed.dtype == torch.float64 and not target_of(char_embed.device).interpret:
+        # Triton 3.6 cannot compile the backward's fp64 products for a GPU ("fp64 don't support largeK MMA")
+        raise TypeError("the Triton char-CNN kernels take fp32/bf16/fp16 on a GPU (fp64 runs only under the "
+                        "interpreter, for tests); use backend='reference' for fp64")
     N, L = char_ids.shape
     F = sum(int(b.shape[0]) for b in conv_biases)
     for w in conv_weights:

@@ -27,6 +27,14 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _fp64_device() -> torch.device:
+    """The char CNN's fp64 kernels run only under the interpreter: Triton 3.6 cannot compile their backward's
+    fp64 products for a GPU, and the op says so (test_char_cnn_rejects_fp64_on_a_gpu)."""
+    if _device().type == "cuda":
+        pytest.skip("fp64 char-CNN kernels run only under the interpreter (CPU tensors)")
+    return _device()
+
+
 def _report(name, a, b, c) -> str:
     err = (c - a).abs()
     idx = torch.nonzero(err == err.max())[:3].tolist() if err.numel() else []
@@ -129,7 +137,19 @@ def _check_cnn(ids, params, act, dtype, device):
                          ids=["fp64", "fp32", "bf16"])
 def test_char_cnn_forward_backward(dtype, act):
     """Short words (< widest filter), truncated words, <S> </S>, zero rows, repeats; every gradient."""
-    _check_cnn(make_ids(12, 12, seed=1), make_params(seed=2), act, dtype, _device())
+    _check_cnn(make_ids(12, 12, seed=1), make_params(seed=2), act, dtype,
+               _fp64_device() if dtype == torch.float64 else _device())
+
+
+def test_char_cnn_rejects_fp64_on_a_gpu(monkeypatch):
+    """On a GPU target an fp64 call is a TypeError naming the fix (not Triton's compiler assertion)."""
+    import elmo_fast.kernels.char_cnn as kc
+    from elmo_fast.kernels._common import H100
+
+    monkeypatch.setattr(kc, "target_of", lambda device: H100)
+    emb, ws, bs, _ = make_params(seed=2)
+    with pytest.raises(TypeError, match="use backend='reference' for fp64"):
+        kc.char_cnn_triton(make_ids(4, 12, seed=1), emb, ws, bs, "relu")
 
 
 def test_char_cnn_max_length_words_L50():
@@ -156,8 +176,8 @@ def test_char_cnn_all_zero_and_all_padding_rows():
     ids = torch.zeros(3, L, dtype=torch.int64)
     ids[1] = 261
     emb, ws, bs, _ = make_params(seed=7)
-    p = _leaves([emb, *ws, *bs], torch.float64, _device())
-    y = char_cnn_triton(ids.to(_device()), p[0], p[1:5], p[5:], "tanh")
+    p = _leaves([emb, *ws, *bs], torch.float64, _fp64_device())
+    y = char_cnn_triton(ids.to(_fp64_device()), p[0], p[1:5], p[5:], "tanh")
     y_ref = char_cnn_reference(ids, emb, ws, bs, "tanh")
     torch.testing.assert_close(y.cpu(), y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y[0].cpu(), torch.tanh(torch.cat(bs)), rtol=1e-12, atol=1e-12)
@@ -167,7 +187,7 @@ def test_char_cnn_repeated_tokens_do_not_change_gradients():
     """Running repeated rows directly equals running the distinct rows and scattering back (the module's dedup)."""
     from elmo_fast.kernels.char_cnn import char_cnn_triton
 
-    dev = _device()
+    dev = _fp64_device()
     base = make_ids(8, 12, seed=8)
     ids = torch.cat([base, base[[0, 3, 3, 5]], base[:2]], 0)
     emb, ws, bs, _ = make_params(seed=9)
@@ -328,30 +348,55 @@ def test_module_triton_equals_reference():
 ORIGINAL_FILTERS = [[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]]
 
 
+def near_ties(ids, emb, ws, tol):
+    """(N, F) bool: (token, filter) pairs whose best and second-best window differ by at most ``tol`` (1 + |best|)
+    in fp64, but not by 0. Max pooling sends a pair's gradient to its best window; where two windows are that
+    close, rounding inside the kernel or the reference can pick either one and move the whole gradient to another
+    weight slot. An exact tie is two windows of the same characters (padding past the word's end): either one
+    gives the same gradient."""
+    x = emb[ids].transpose(1, 2)  # (N, d_c, L)
+    out = []
+    for w in ws:  # (width, d_c, n)
+        top = torch.nn.functional.conv1d(x, w.permute(2, 1, 0)).topk(2, dim=2).values
+        gap = top[..., 0] - top[..., 1]
+        out.append((gap > 0) & (gap <= tol * (1 + top[..., 0].abs())))
+    return torch.cat(out, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_original_size_gpu(dtype):
-    """Original model sizes (d_c 16, F 2048, L 50, 2 highway layers), 2,048 tokens, forward and every gradient."""
+def test_original_size_gpu(dtype, device="cuda"):
+    """Original model sizes (d_c 16, F 2048, L 50, 2 highway layers), 2,048 tokens, forward and every gradient.
+
+    Every run starts from the same ``dtype``-representable parameters, so the fp64 oracle sees the values the
+    kernel gets. fp32: the (token, filter) pairs with a near-tie between two windows get no gradient (a hook on the
+    char-CNN output), since at this size a few of them flip their winner in any fp32 implementation (one in
+    cuDNN's, one in the kernel's, on an H200, 2026-11-26); the comparison stays max-abs on everything else.
+    bf16 keeps the norm comparison, which absorbs its flips."""
     from elmo_fast import ops
 
     ids = make_ids(2048, 50, seed=50)
     emb, ws, bs, hw = make_params(filters=ORIGINAL_FILTERS, d_c=16, n_highway=2, seed=51)
-    flat = [emb, *ws, *bs, *[t for layer in hw for t in layer]]
+    flat = [t.to(dtype).double() for t in (emb, *ws, *bs, *[t for layer in hw for t in layer])]
     n = len(ws)
     gout = torch.randn(ids.shape[0], 2048, dtype=torch.float64)
+    keep = ~near_ties(ids.to(device), flat[0].to(device), [w.to(device) for w in flat[1:1 + n]], 1e-4)
+    if dtype == torch.bfloat16:
+        keep = torch.ones_like(keep)
 
     def run(backend, dt, device):
         p = _leaves(flat, dt, device)
         v = ops.char_cnn(ids.to(device), p[0], p[1:1 + n], p[1 + n:1 + 2 * n], "relu", backend=backend)
+        v.register_hook(lambda g: g * keep.to(g.dtype))
         for k in range(2):
             v = ops.highway(v, *p[1 + 2 * n + 4 * k: 5 + 2 * n + 4 * k], backend=backend)
         v.backward(gout.to(device=device, dtype=dt))
         return v.detach(), [p[0].grad[1:]] + [t.grad for t in p[1:]]
 
-    y64, g64 = run("reference", torch.float64, "cuda")
-    yb, gb = run("reference", dtype, "cuda")
-    yc, gc = run("triton", dtype, "cuda")
+    y64, g64 = run("reference", torch.float64, device)
+    yb, gb = run("reference", dtype, device)
+    yc, gc = run("triton" if device == "cuda" else "cpu", dtype, device)
     assert_close3("out", y64, yb, yc, dtype)
     for i, (a, b, c) in enumerate(zip(g64, gb, gc)):
         assert_close3(f"grad of parameter {i}", a, b, c, dtype)
