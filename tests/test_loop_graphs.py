@@ -253,8 +253,11 @@ def test_idle_slots_are_bounded(graphs, monkeypatch):
 
 
 def test_elmo_fine_tuning_with_loop_graphs_equals_eager(graphs, monkeypatch, tiny_model):
-    """Through the model API: stateful biLM, a backward and an optimizer step per batch, batches of one shape."""
+    """Through the model API: stateful biLM, a backward and an optimizer step per batch, batches of one shape.
+    In deterministic mode: on a GPU the char-CNN backward's fp32 atomics otherwise change the last bits from run
+    to run, graphs or not (seen on an H200, 2026-11-26)."""
     import elmo_fast
+    from elmo_fast.determinism import deterministic
 
     o, w = tiny_model
     batches = [[["The", "cat", "sat"], ["Hi", "there"]], [["naïve", "x" * 60, "<S>"], ["ok", "then", "so"]]]
@@ -272,10 +275,11 @@ def test_elmo_fine_tuning_with_loop_graphs_equals_eager(graphs, monkeypatch, tin
             reps.append(rep.detach().clone())
         return reps, [p.detach().clone() for p in elmo.parameters()]
 
-    got = fine_tune()
-    assert _replays(graphs) == 2 * 4  # batch 2: four chains, forward and backward
-    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
-    want = fine_tune()
+    with deterministic():
+        got = fine_tune()
+        assert _replays(graphs) == 2 * 4  # batch 2: four chains, forward and backward
+        monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+        want = fine_tune()
     for a, b in zip(got[0] + got[1], want[0] + want[1]):
         assert torch.equal(a, b)
 
