@@ -41,6 +41,15 @@ def triton_available() -> bool:
     return triton_import_error() is None and (torch.cuda.is_available() or triton_interpret())
 
 
+def triton_device() -> str:
+    """Where the Triton tests put the tensors they hand to backend="triton": "cuda" when a CUDA GPU is present and
+    the interpreter is off (gpu-check's test-triton step), else "cpu" (the kernels run on CPU tensors only under
+    TRITON_INTERPRET=1, as ``make test`` runs them)."""
+    from elmo_fast._backend import triton_interpret
+
+    return "cuda" if torch.cuda.is_available() and not triton_interpret() else "cpu"
+
+
 requires_triton = pytest.mark.skipif(
     not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1 (make test sets it)"
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from elmo_fast import _backend
 from elmo_fast.ops import _selfcheck
 
@@ -44,7 +44,7 @@ def test_auto_never_picks_an_unverified_cuda_extension(monkeypatch):
 @requires_triton
 @pytest.mark.parametrize("op", sorted(_selfcheck.CHECKS))
 def test_self_check_passes_for_every_op(op):
-    dev = torch.device("cpu" if _backend.triton_interpret() else "cuda")  # where the Triton kernels run here
+    dev = torch.device(triton_device())  # where the Triton kernels run here
     assert _selfcheck.run_self_check(op, dev) is None
 
 
@@ -56,7 +56,7 @@ def test_a_failing_self_check_warns_once_and_falls_back(monkeypatch):
     real = hk.highway_fwd
     monkeypatch.setattr(hk, "highway_fwd", lambda *a: real(*a) * 1.01)  # a kernel gone wrong by 1%
     monkeypatch.setattr(_backend, "_SELF_CHECKED", {})
-    dev = torch.device("cpu")
+    dev = torch.device(triton_device())
     with pytest.warns(RuntimeWarning, match=r"Triton kernel of highway failed its self-check.*relative error"):
         assert _backend.triton_self_check("highway", dev) is False
     with warnings.catch_warnings():

@@ -1,14 +1,14 @@
 """bench/bench_lstmp.py's split-K alternatives (``bench_splits``): the GPU run ranks the projection's and the
-recurrent backward's tiles by timing each with its reduce kernel; here the same code runs under the interpreter
-at a small shape, so the first GPU run cannot fail on plumbing, and an alternative whose result differs from the
-tuned tile's stops it."""
+recurrent backward's tiles by timing each with its reduce kernel; here the same code runs at a small shape on
+``triton_device()`` (under the interpreter in CI), so the first GPU run cannot fail on plumbing, and an alternative
+whose result differs from the tuned tile's stops it."""
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -26,7 +26,7 @@ def _alternatives():
 def test_every_alternative_is_timed_and_checked_against_the_tuned_tile():
     import bench_lstmp
 
-    rows = bench_lstmp.bench_splits(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device="cpu",
+    rows = bench_lstmp.bench_splits(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
                                     alternatives=_alternatives())
     assert [(r["kernel"], r["tile"].endswith("(tuned)")) for r in rows] == [
         ("fwd_proj+fwd_reduce", True), ("fwd_proj+fwd_reduce", False),
@@ -50,5 +50,5 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch):
 
     monkeypatch.setattr(KL, "_run", corrupt)
     with pytest.raises(AssertionError, match="fwd_proj with Tile.*differs from the tuned tile's result"):
-        bench_lstmp.bench_splits(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device="cpu",
+        bench_lstmp.bench_splits(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
                                  alternatives=_alternatives())

@@ -2,7 +2,8 @@
 Elmo and the trainer's model step runs with zero graph breaks (``torch._dynamo.explain``) and matches eager
 (outputs, carried states and every gradient); ``torch.export.export`` of LSTMP and ElmoBiLM(stateful=False) gives a
 program that runs and matches. CI compiles with ``aot_eager`` (dynamo + AOT autograd, no code generation); one test
-each runs inductor (C++ code generation on the CPU)."""
+each runs inductor (C++ code generation on the CPU). The triton cases run on ``triton_device()`` (CUDA tensors on a
+GPU, CPU tensors under the interpreter)."""
 import pathlib
 import sys
 
@@ -11,10 +12,14 @@ import torch
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import elmo_fast
-from conftest import triton_available
+from conftest import triton_available, triton_device
 
 BACKENDS = ["reference", "cpu", pytest.param("triton", marks=[pytest.mark.triton, pytest.mark.skipif(
     not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1")])]
+
+
+def _device(backend):
+    return triton_device() if backend == "triton" else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +51,9 @@ def _lstmp_outputs(module, x, params):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lstmp_compiles_whole_and_matches_eager(backend):
     torch.manual_seed(0)
-    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, cell_clip=3.0, backend=backend)
-    x = torch.randn(6, 3, 5)
+    dev = _device(backend)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, cell_clip=3.0, backend=backend).to(dev)
+    x = torch.randn(6, 3, 5).to(dev)
     _no_breaks(model, x)
     params = list(model.parameters())
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -77,13 +83,14 @@ def test_lstmp_inductor():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lstmp_exports(backend):
     torch.manual_seed(2)
-    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, backend=backend)
-    x = torch.randn(6, 3, 5)
+    dev = _device(backend)
+    model = elmo_fast.LSTMP(5, 8, num_layers=2, bidirectional=True, proj_size=4, backend=backend).to(dev)
+    x = torch.randn(6, 3, 5).to(dev)
     program = torch.export.export(model, (x,))
     ops = {n.target.name() for n in program.graph.nodes if n.op == "call_function"
            and hasattr(n.target, "name") and n.target.name().startswith("elmo_fast::")}
     assert ops == {f"elmo_fast::lstmp_{backend}"}
-    x2 = torch.randn(6, 3, 5)
+    x2 = torch.randn(6, 3, 5).to(dev)
     y, (h_n, c_n) = program.module()(x2)
     want_y, (want_h, want_c) = model(x2)
     _close([y, h_n, c_n], [want_y, want_h, want_c], atol=1e-6)
@@ -98,16 +105,17 @@ BATCHES = [[["The", "cat", "sat", "."], ["Hello", "world"]], [["A", "b"], ["c"],
 def test_stateful_bilm_compiles_whole_and_matches_eager(tiny_model, backend):
     # Eager on the reference backend: every backend is within 1e-6 of it on this model (7.2e-7 measured), a lost
     # state is off by O(0.1); an eager Triton run under the interpreter would add ~15 s.
+    dev = _device(backend)
     eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
-    model = elmo_fast.ElmoBiLM(*tiny_model, backend=backend)
+    model = elmo_fast.ElmoBiLM(*tiny_model, backend=backend).to(dev)
     ids = [elmo_fast.batch_to_ids(b) for b in BATCHES]
-    _no_breaks(elmo_fast.ElmoBiLM(*tiny_model, backend=backend), ids[0])
+    _no_breaks(elmo_fast.ElmoBiLM(*tiny_model, backend=backend).to(dev), ids[0].to(dev))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     for batch in ids:  # the LSTM states carried from call to call, batch sizes changing
-        want, got = eager(batch), compiled(batch)
-        _close(got["activations"], want["activations"], atol=1e-5)
-        assert torch.equal(got["mask"], want["mask"])
-    _close(model._bilm._states, eager._bilm._states, atol=1e-5)
+        want, got = eager(batch), compiled(batch.to(dev))
+        _close([a.cpu() for a in got["activations"]], want["activations"], atol=1e-5)
+        assert torch.equal(got["mask"].cpu(), want["mask"])
+    _close([s.cpu() for s in model._bilm._states], eager._bilm._states, atol=1e-5)
 
 
 def test_elmo_compiles_whole_and_matches_eager_with_gradients(tiny_model):

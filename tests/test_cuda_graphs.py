@@ -3,7 +3,8 @@
 On the CPU a stand-in for ``capture`` runs the recorded function under ``probe(forbid=True)``, which raises at
 any host sync or pageable upload, as a real CUDA graph capture fails on one: the graph path is taken, its
 static-buffer plumbing and state handling give the eager results, and a function that syncs falls back
-cleanly. The real capture runs under the ``gpu`` marker.
+cleanly (the Triton model on ``triton_device()``: CUDA tensors on a GPU, CPU tensors under the interpreter). The
+real capture runs under the ``gpu`` marker.
 """
 import importlib
 import warnings
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import elmo_fast
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from elmo_fast.models import _graphs
 from elmo_fast.probes import probe
 
@@ -35,12 +36,12 @@ def _fake_capture(log):
     return capture
 
 
-def _run(model, batches):
+def _run(model, batches, device="cpu"):
     outs = []
     with torch.no_grad():
         for sents in batches + batches:
-            res = model(elmo_fast.batch_to_ids(sents))
-            outs.append([a.clone() for a in res["activations"]] + [res["mask"]])
+            res = model(elmo_fast.batch_to_ids(sents).to(device))
+            outs.append([a.cpu().clone() for a in res["activations"]] + [res["mask"].cpu()])
     return outs
 
 
@@ -59,15 +60,16 @@ def test_graph_path_is_taken_and_matches_eager(tiny_model, monkeypatch):
     # Eager on the reference backend: a stale buffer or a lost state is off by O(0.1), Triton by < 1e-6 on this
     # model (7.2e-7 measured); an eager Triton run under the interpreter would add ~15 s.
     eager = elmo_fast.ElmoBiLM(*tiny_model, backend="reference")
-    graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", cuda_graph=True)
+    dev = triton_device()
+    graphed = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", cuda_graph=True).to(dev)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = _run(graphed, BATCHES)
+        got = _run(graphed, BATCHES, dev)
     _same(got, _run(eager, BATCHES), atol=1e-5)
     # (2, 4) is seen at calls 1, 3, 4, 6: captured at call 3, replayed at 3, 4, 6; (2, 3) captured at call 5
     assert log == [((2, 4, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,)), ((2, 3, 50), (2, 2, 2, 16), (2, 2, 2, 64), (0,))]
     assert graphed._graphs.replays == 4
-    torch.testing.assert_close(graphed._bilm._states[1], eager._bilm._states[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(graphed._bilm._states[1].cpu(), eager._bilm._states[1], atol=1e-5, rtol=0)
 
 
 def test_graph_capture_that_syncs_falls_back_with_one_warning(tiny_model, monkeypatch):

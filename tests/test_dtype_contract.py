@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import elmo_fast
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from elmo_fast import ops
 from elmo_fast.ops import _precision
 from elmo_fast.probes import probe
@@ -14,7 +14,10 @@ from elmo_fast.probes import probe
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# The "cpu" case runs Triton on CPU tensors, which only the interpreter can (the "cuda" case is its GPU run).
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
+    triton_device() != "cpu", reason="Triton runs on CPU tensors only under TRITON_INTERPRET=1; the cuda case runs "
+                                     "this test on the GPU")), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _autocast(device="cpu"):
@@ -73,10 +76,11 @@ def test_lstmp_autocast_runs_bf16_variant_with_fp32_state(device):
 @pytest.mark.triton
 @requires_triton
 def test_char_cnn_and_highway_autocast_run_bf16_variants():
-    emb, w1, w2, b1, b2 = enc = _params((262, 4), (1, 4, 16), (2, 4, 16), (16,), (16,))
-    wc, bc, wt, bt = hw = _params((32, 32), (32,), (32, 32), (32,))
-    ids = torch.randint(1, 262, (5, 8))
-    with _autocast(), probe() as counts:
+    dev = triton_device()
+    emb, w1, w2, b1, b2 = enc = _params((262, 4), (1, 4, 16), (2, 4, 16), (16,), (16,), device=dev)
+    wc, bc, wt, bt = hw = _params((32, 32), (32,), (32, 32), (32,), device=dev)
+    ids = torch.randint(1, 262, (5, 8)).to(dev)
+    with _autocast(dev), probe() as counts:
         v = ops.char_cnn(ids, emb, [w1, w2], [b1, b2], backend="triton")
         out = ops.highway(v, wc, bc, wt, bt, backend="triton")
         out.float().sum().backward()
@@ -147,14 +151,16 @@ def test_model_weights_cast_once_per_step(tiny_model):
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[pytest.mark.triton, requires_triton])])
 def test_elmo_under_cpu_autocast_forward_and_backward(tiny_model, backend):
-    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."], ["Hi"]])
+    """Under the autocast of the device the model runs on: the CPU, or the GPU for Triton on CUDA tensors."""
+    dev = triton_device() if backend == "triton" else "cpu"
+    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."], ["Hi"]]).to(dev)
     results = {}
     for ac in (False, True):
         torch.manual_seed(0)
-        elmo = elmo_fast.Elmo(*tiny_model, 1, requires_grad=True, dropout=0.0, backend=backend)
-        with torch.autocast("cpu", dtype=BF16, enabled=ac):
+        elmo = elmo_fast.Elmo(*tiny_model, 1, requires_grad=True, dropout=0.0, backend=backend).to(dev)
+        with torch.autocast(dev, dtype=BF16, enabled=ac):
             rep = elmo(ids)["elmo_representations"][0]
-        (rep.float() * torch.linspace(-1, 1, rep.numel()).view_as(rep)).sum().backward()
+        (rep.float() * torch.linspace(-1, 1, rep.numel(), device=dev).view_as(rep)).sum().backward()
         results[ac] = rep.float().detach(), {n: p.grad for n, p in elmo.named_parameters() if p.grad is not None}
     (ref, g_ref), (got, g_got) = results[False], results[True]
     scale = ref.abs().max()
@@ -167,8 +173,9 @@ def test_elmo_under_cpu_autocast_forward_and_backward(tiny_model, backend):
 @pytest.mark.triton
 @requires_triton
 def test_bf16_model_keeps_fp32_lstm_state(tiny_model):
-    model = elmo_fast.ElmoBiLM(*tiny_model, backend="triton").to(BF16)
-    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."]])
+    dev = triton_device()
+    model = elmo_fast.ElmoBiLM(*tiny_model, backend="triton").to(dev, BF16)
+    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."]]).to(dev)
     with torch.no_grad(), probe() as counts:
         out = model(ids)
     assert all(a.dtype == BF16 for a in out["activations"])

@@ -1,10 +1,11 @@
 """Every fused op is a ``torch.library`` operator in the ``elmo_fast::`` namespace with a fake implementation and
 its autograd: ``torch.library.opcheck`` (schema, fake tensors, autograd registration, AOT dispatch with dynamic
-shapes) on the CPU for the reference and cpu paths, and for the Triton paths under the interpreter."""
+shapes) on the CPU for the reference and cpu paths, and for the Triton paths on ``triton_device()`` (CUDA tensors on
+a GPU, CPU tensors under the interpreter)."""
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from elmo_fast.cpu.lstmp import _lstmp_cpu_backward, _lstmp_cpu_op
 from elmo_fast.cpu.sampled_softmax import _sampled_softmax_backward, _sampled_softmax_op
 from elmo_fast.ops.char_cnn import _char_cnn_cpu_op, _char_cnn_reference_op, _highway_reference_op
@@ -16,15 +17,16 @@ B, T, D, H, P = 3, 5, 8, 16, 8
 F_, L = 24, 12
 
 
-def _t(*shape, dtype=torch.float64, grad=True, scale=0.5):
-    return (torch.randn(*shape, dtype=dtype) * scale).requires_grad_(grad)
+def _t(*shape, dtype=torch.float64, grad=True, scale=0.5, device="cpu"):
+    return (torch.randn(*shape, dtype=dtype) * scale).to(device).requires_grad_(grad)
 
 
-def _lstmp_args(projection=True, dtype=torch.float64):
+def _lstmp_args(projection=True, dtype=torch.float64, device="cpu"):
     P_ = P if projection else H
-    return [_t(B, T, D if projection else H, dtype=dtype), _t(D if projection else H, 4 * H, dtype=dtype),
-            _t(P_, 4 * H, dtype=dtype), _t(4 * H, dtype=dtype), _t(H, P, dtype=dtype) if projection else None,
-            _t(B, P_, dtype=dtype), _t(B, H, dtype=dtype), torch.tensor([T, 2, 0])]
+    kw = dict(dtype=dtype, device=device)
+    return [_t(B, T, D if projection else H, **kw), _t(D if projection else H, 4 * H, **kw),
+            _t(P_, 4 * H, **kw), _t(4 * H, **kw), _t(H, P, **kw) if projection else None,
+            _t(B, P_, **kw), _t(B, H, **kw), torch.tensor([T, 2, 0], device=device)]
 
 
 LSTMP_FLAGS = [pytest.param((0.5, 0.3, 1.0, True, True), id="clips-reverse-residual"),
@@ -79,12 +81,13 @@ def test_lstmp_cpu_ops(stack, save, flags):
         torch.library.opcheck(_lstmp_cpu_backward, bwd)
 
 
-def _char_args(dtype=torch.float64):
+def _char_args(dtype=torch.float64, device="cpu"):
     ids = torch.randint(1, 262, (7, L))
     ids[2] = 0
     ids[3, 4:] = 261
-    ws = [_t(w, 4, n, dtype=dtype) for w, n in ((1, 8), (3, 16))]
-    return [ids, _t(262, 4, dtype=dtype), ws, [_t(8, dtype=dtype), _t(16, dtype=dtype)]]
+    kw = dict(dtype=dtype, device=device)
+    ws = [_t(w, 4, n, **kw) for w, n in ((1, 8), (3, 16))]
+    return [ids.to(device), _t(262, 4, **kw), ws, [_t(8, **kw), _t(16, **kw)]]
 
 
 @pytest.mark.parametrize("op", [_char_cnn_reference_op, _char_cnn_cpu_op], ids=["reference", "cpu"])
@@ -97,12 +100,14 @@ def test_highway_reference_op():
     _check_composite(_highway_reference_op, (_t(6, F_), _t(F_, F_), _t(F_), _t(F_, F_), _t(F_)))
 
 
-def _softmax_args(dtype=torch.float64):
+def _softmax_args(dtype=torch.float64, device="cpu"):
     V, S, N = 40, 10, 7
     targets = torch.tensor([1, 2, 2, 5, 1, 0, 3])
     ids = torch.tensor([0, 2, 4, 6, 8, 9, 11, 20, 30, 39])
-    return (_t(N, P, dtype=dtype), targets, _t(V, P, dtype=dtype), _t(V, dtype=dtype), ids,
-            expected_count_reference(targets, 13, S, V), expected_count_reference(ids, 13, S, V))
+    tq, sq = expected_count_reference(targets, 13, S, V), expected_count_reference(ids, 13, S, V)
+    kw = dict(dtype=dtype, device=device)
+    return (_t(N, P, **kw), targets.to(device), _t(V, P, **kw), _t(V, **kw), ids.to(device), tq.to(device),
+            sq.to(device))
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -136,13 +141,14 @@ def test_sampled_softmax_cpu_ops(reduction, sparse):
 def test_lstmp_triton_ops(save, flags):
     from elmo_fast.kernels.lstmp import _lstmp_backward_op, _lstmp_op
 
-    args = _lstmp_args(dtype=torch.float32)
+    dev = triton_device()
+    args = _lstmp_args(dtype=torch.float32, device=dev)
     args = args if save else _detached(args)  # inference: no gradients
     torch.library.opcheck(_lstmp_op, (*args, *flags, save))
     if save:
         out = _lstmp_op(*args, *flags, save)
         x, w_in, w_rec, bias, w_proj, h0, c0, lengths = _detached(args)
-        bwd = (torch.randn(B, T, P), torch.randn(B, P), None, x, w_in, w_rec, w_proj, h0, c0, lengths,
+        bwd = (torch.randn(B, T, P).to(dev), torch.randn(B, P).to(dev), None, x, w_in, w_rec, w_proj, h0, c0, lengths,
                *(o.detach() for o in out[3:]), *flags[:2], *flags[3:], [True] * 5)
         torch.library.opcheck(_lstmp_backward_op, bwd)
 
@@ -154,18 +160,19 @@ def test_char_cnn_and_highway_triton_ops(save):
     from elmo_fast.kernels.char_cnn import _char_cnn_backward_op, _char_cnn_op
     from elmo_fast.kernels.highway import _highway_backward_op, _highway_op
 
-    ids, emb, ws, bs = _char_args(torch.float32) if save else _detached(_char_args(torch.float32))
+    dev = triton_device()
+    ids, emb, ws, bs = _char_args(torch.float32, dev) if save else _detached(_char_args(torch.float32, dev))
     torch.library.opcheck(_char_cnn_op, (ids, emb, ws, bs, "relu", save))
-    hw = (_t(6, F_, dtype=torch.float32), _t(F_, F_, dtype=torch.float32), _t(F_, dtype=torch.float32),
-          _t(F_, F_, dtype=torch.float32), _t(F_, dtype=torch.float32))
+    kw = dict(dtype=torch.float32, device=dev)
+    hw = (_t(6, F_, **kw), _t(F_, F_, **kw), _t(F_, **kw), _t(F_, F_, **kw), _t(F_, **kw))
     torch.library.opcheck(_highway_op, hw)
     if save:
         out, *saved = (o.detach() for o in _char_cnn_op(ids, emb, ws, bs, "relu", True))
         w_packed, arg, perm, bound = saved
         torch.library.opcheck(_char_cnn_backward_op, (ids, emb.detach(), w_packed, out, arg, perm, bound,
                                                       torch.randn_like(out), [1, 8, 3, 16], "relu", True, True))
-        torch.library.opcheck(_highway_backward_op, (*(t.detach() for t in hw), torch.randn(6, F_), True, True,
-                                                     torch.float32))
+        torch.library.opcheck(_highway_backward_op, (*(t.detach() for t in hw), torch.randn(6, F_).to(dev), True,
+                                                     True, torch.float32))
 
 
 @requires_triton
@@ -174,7 +181,7 @@ def test_char_cnn_and_highway_triton_ops(save):
 def test_softmax_triton_ops(reduction):
     from elmo_fast.kernels import softmax as ks
 
-    hidden, targets, W, b, ids, tq, sq = _softmax_args(torch.float32)
+    hidden, targets, W, b, ids, tq, sq = _softmax_args(torch.float32, triton_device())
     args = (hidden, W, b, targets, ids, tq, sq, True, reduction, False)
     torch.library.opcheck(ks._sampled_op, args)
     loss, samp_off, lse, true_logit = (o.detach() for o in ks._sampled_op(*args))

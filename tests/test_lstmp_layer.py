@@ -1,14 +1,15 @@
 """``elmo_fast.LSTMP`` against ``torch.nn.LSTM`` with the same weights (clips off, forget bias 0): outputs, final
 states and every gradient (input, h0, c0, every weight) within 1e-12 in fp64 and 1e-5 in fp32, on the reference,
-cpu and Triton (interpreter) backends; packed unsorted lengths, batch_first both ways, bidirectional, 3 layers,
-proj_size 0 and > 0. Then the state_dict both ways, the layout cache, the ELMo extras and the errors."""
+cpu and Triton (``triton_device()``: CUDA, or the CPU under the interpreter) backends; packed unsorted lengths,
+batch_first both ways, bidirectional, 3 layers, proj_size 0 and > 0. Then the state_dict both ways, the layout
+cache, the ELMo extras and the errors."""
 
 import pytest
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import elmo_fast
-from conftest import poison_allocations, triton_available
+from conftest import poison_allocations, triton_available, triton_device
 from elmo_fast.modules import lstmp_layer
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -43,8 +44,8 @@ def _fixed_weights():
         key = tuple(tuple(o.shape) for o in outs)
         if key not in cache:
             g = torch.Generator().manual_seed(7)
-            cache[key] = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
-        return cache[key]
+            cache[key] = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]  # on the CPU
+        return [w.to(o.device) for w, o in zip(cache[key], outs)]
 
     return weights
 
@@ -59,14 +60,15 @@ def test_matches_nn_lstm(backend, dtype, proj_size, batch_first, packed):
     B, T, D, H = 4, 6, 5, 8
     lstm = torch.nn.LSTM(D, H, num_layers=3, bidirectional=True, proj_size=proj_size, batch_first=batch_first,
                          dtype=dtype)
-    model = elmo_fast.LSTMP.from_lstm(lstm, backend=backend)
+    dev = triton_device() if backend == "triton" else "cpu"
+    model = elmo_fast.LSTMP.from_lstm(lstm, backend=backend).to(dev)
     x = torch.randn((B, T, D) if batch_first else (T, B, D), dtype=dtype)
     P = proj_size or H
     hx = (torch.randn(6, B, P, dtype=dtype), torch.randn(6, B, H, dtype=dtype))
     lengths = torch.tensor([3, T, 1, 5]) if packed else None
     weights = _fixed_weights()
     want = _run(lstm, x, hx, lengths, batch_first, weights)
-    got = _run(model, x, hx, lengths, batch_first, weights)
+    got = [t.cpu() for t in _run(model, x.to(dev), tuple(s.to(dev) for s in hx), lengths, batch_first, weights)]
     names = ["output", "h_n", "c_n", "d input", "d h0", "d c0", *(f"d {n}" for n, _ in lstm.named_parameters())]
     for name, a, b in zip(names, want, got, strict=True):
         assert a.shape == b.shape, name

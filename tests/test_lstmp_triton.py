@@ -1,6 +1,7 @@
 """Triton LSTMP chain (``elmo_fast.kernels.lstmp``) against the fp64 reference: outputs and every gradient.
 
-Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tiny shapes: the interpreter is slow) and on CUDA tensors.
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tiny shapes: the interpreter is slow) and on CUDA tensors
+(``triton_device()``); the fp64 references compared with the kernels run where they did before.
 Every test here NaN-poisons ``torch.empty`` so an output element a kernel forgets to write shows up as NaN.
 """
 from __future__ import annotations
@@ -10,11 +11,11 @@ import math
 import pytest
 import torch
 
-from conftest import poison_allocations, requires_triton
+from conftest import poison_allocations, requires_triton, triton_device
 
 pytestmark = [pytest.mark.triton, requires_triton]
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = triton_device()
 GRAD_NAMES = ("x", "w_in", "w_rec", "bias", "w_proj", "h0", "c0")
 # Max-norm tolerances relative to max(1, max|reference|): fp32 per the accuracy budget (performance.md), fp64
 # to rounding. Low precision: error <= 2x the reference's own error in that dtype + this slack.
@@ -219,9 +220,10 @@ def test_inference_path_skips_caches_and_matches():
     fl = flags(reverse=True)
     args = [case[k] for k in GRAD_NAMES]
     with torch.no_grad():
-        y0, h0, c0 = kernel(*args, case["lengths"], **fl)
+        y0, h0, c0 = kernel(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), **fl)
     want = reference(*args, case["lengths"], **fl)
-    assert_close({"y": y0, "h_n": h0, "c_n": c0}, dict(zip(("y", "h_n", "c_n"), want)), TOL[torch.float64])
+    assert_close({"y": y0.cpu(), "h_n": h0.cpu(), "c_n": c0.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
+                 TOL[torch.float64])
 
 
 def test_partial_upstream_and_partial_requires_grad():
@@ -229,13 +231,13 @@ def test_partial_upstream_and_partial_requires_grad():
     case = make_case()
     fl = flags()
     outs = []
-    for fn in (reference, kernel):
-        w_rec = case["w_rec"].clone().requires_grad_()
-        c0 = case["c0"].clone().requires_grad_()
-        y, _, _ = fn(case["x"], case["w_in"], w_rec, case["bias"], case["w_proj"], case["h0"], c0,
-                     case["lengths"], **fl)
-        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
-        outs.append({"dw_rec": w_rec.grad, "dc0": c0.grad})
+    for fn, dev in ((reference, "cpu"), (kernel, DEV)):
+        on = {k: v.to(dev) if v is not None else None for k, v in case.items()}
+        w_rec = on["w_rec"].clone().requires_grad_()
+        c0 = on["c0"].clone().requires_grad_()
+        y, _, _ = fn(on["x"], on["w_in"], w_rec, on["bias"], on["w_proj"], on["h0"], c0, on["lengths"], **fl)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=dev).view_as(y)).sum().backward()
+        outs.append({"dw_rec": w_rec.grad.cpu(), "dc0": c0.grad.cpu()})
     assert_close(outs[1], outs[0], TOL[torch.float64])
 
 
@@ -244,9 +246,10 @@ def test_ops_dispatch_routes_to_triton():
 
     case = make_case(B=2, T=3, lengths=[3, 1])
     args = [case[k] for k in GRAD_NAMES]
-    got = lstmp(*args, case["lengths"], cell_clip=0.5, proj_clip=0.3, backend="triton")
+    got = lstmp(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), cell_clip=0.5,
+                proj_clip=0.3, backend="triton")
     want = reference(*args, case["lengths"], cell_clip=0.5, proj_clip=0.3)
-    assert_close(dict(zip("yhc", got)), dict(zip("yhc", want)), TOL[torch.float64])
+    assert_close(dict(zip("yhc", (t.cpu() for t in got))), dict(zip("yhc", want)), TOL[torch.float64])
 
 
 def test_lstmp_stack_triton_vs_reference():
@@ -261,6 +264,7 @@ def test_lstmp_stack_triton_vs_reference():
         torch.manual_seed(5)
         stacks[be] = LSTMPStack(opts, reverse=True, backend=be).double()
     stacks["triton"].load_state_dict(stacks["reference"].state_dict())
+    stacks["triton"].to(DEV)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
     lengths = torch.tensor([4, 2, 0])
@@ -269,8 +273,9 @@ def test_lstmp_stack_triton_vs_reference():
               for _ in range(2)]
     res = {}
     for be, stack in stacks.items():
-        xi = x.clone().requires_grad_()
-        outs, finals = stack(xi, lengths, states)
+        dev = DEV if be == "triton" else "cpu"
+        xi = x.clone().to(dev).requires_grad_()
+        outs, finals = stack(xi, lengths.to(dev), [(h.to(dev), c.to(dev)) for h, c in states])
         loss = sum((o * (i + 1)).sum() for i, o in enumerate(outs)) + sum(h.sum() + 0.5 * c.sum()
                                                                          for h, c in finals)
         loss.backward()
@@ -279,7 +284,7 @@ def test_lstmp_stack_triton_vs_reference():
         r.update({f"c{i}": c for i, (_, c) in enumerate(finals)})
         r["dx"] = xi.grad
         r.update({f"d{n}": p.grad for n, p in stack.named_parameters()})
-        res[be] = {k: v.detach() for k, v in r.items()}
+        res[be] = {k: v.detach().cpu() for k, v in r.items()}
     assert_close(res["triton"], res["reference"], TOL[torch.float64])
 
 
@@ -295,14 +300,14 @@ def test_elmo_bilm_lstm_on_triton_reproduces_reference(tmp_path):
         m = elmo_fast.ElmoBiLM(options, weights, backend="reference")
         m._bilm.forward_lstm.backend = be
         m._bilm.backward_lstm.backend = be
-        models[be] = m
+        models[be] = m.to(DEV if be == "triton" else "cpu")
     batches = [[["The", "cat", "sat"], ["a"]], [["Hello", "world", "again", "!"], [], ["x", "y"]]]
     for sentences in batches:
         ids = elmo_fast.batch_to_ids(sentences)
-        outs = {be: m(ids) for be, m in models.items()}
-        ref, tri = outs["reference"], outs["triton"]
-        assert torch.equal(ref["mask"], tri["mask"])
-        for i, (a, b) in enumerate(zip(ref["activations"], tri["activations"])):
+        ref = models["reference"](ids)
+        tri = models["triton"](ids.to(DEV))
+        assert torch.equal(ref["mask"], tri["mask"].cpu())
+        for i, (a, b) in enumerate(zip(ref["activations"], (t.cpu() for t in tri["activations"]))):
             assert torch.isfinite(b).all()
             err = float((a - b).abs().max())
             assert err <= 1e-5 * max(1.0, float(a.abs().max())), f"layer {i}: {err:.3g}"

@@ -179,8 +179,9 @@ def test_launch_plan_is_the_launchers_plan(monkeypatch):
 
     monkeypatch.setattr(mod, "_run", spy)
     T = 2
-    run(kernel, make_case(B=3, T=T, lengths=[2, 1, 0]), torch.float64, flags(), upstream_grads())
-    plan = mod.launch_plan(3, T, 12, 5, torch.float64, training=True, target=mod.device_target(torch.device("cpu")))
+    run(kernel, make_case(B=3, T=T, lengths=[2, 1, 0]), torch.float64, flags(), upstream_grads(), device=DEV)
+    # the plan for the target of the device the run used (the interpreter's on CPU tensors, the GPU's on CUDA ones)
+    plan = mod.launch_plan(3, T, 12, 5, torch.float64, training=True, target=mod.device_target(torch.device(DEV)))
     fwd = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce")] * T
     bwd = [plan["bwd_reduce"]] + [plan[k] for k in ("bwd_cell", "bwd_rec", "bwd_reduce")] * T
     assert [launch for launch, _ in seen] == fwd + bwd

@@ -1,12 +1,13 @@
-"""No host sync and no pageable upload inside any op's forward or backward (Triton path, on the CPU under the
-interpreter): ``probe(forbid=True)`` makes Tensor.item / tolist / __bool__ / nonzero / unique ... and
-``torch.tensor(host data, device=)`` / ``from_numpy(...).to(device)`` raise inside the block."""
+"""No host sync and no pageable upload inside any op's forward or backward (Triton path, on ``triton_device()``:
+CUDA tensors on a GPU, CPU tensors under the interpreter): ``probe(forbid=True)`` makes Tensor.item / tolist /
+__bool__ / nonzero / unique ... and ``torch.tensor(host data, device=)`` / ``from_numpy(...).to(device)`` raise
+inside the block."""
 import numpy as np
 import pytest
 import torch
 
 import elmo_fast
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from elmo_fast import ops
 from elmo_fast.ops.lstmp import trusted_lengths
 from elmo_fast.probes import HostSyncError, probe
@@ -15,7 +16,8 @@ pytestmark = [pytest.mark.triton, requires_triton]
 
 
 def _leaves(*shapes, scale=0.3):
-    return [(torch.randn(*s) * scale).requires_grad_(True) for s in shapes]
+    """Leaf tensors on the Triton device (drawn on the CPU, so both devices get the same values)."""
+    return [(torch.randn(*s) * scale).to(triton_device()).requires_grad_(True) for s in shapes]
 
 
 @pytest.mark.parametrize("sync", [
@@ -44,7 +46,7 @@ def test_lstmp_forward_backward_has_no_sync(training, graphs, monkeypatch):
     B, T, H, P = 3, 4, 16, 16
     x, w_in, w_rec, bias, w_proj, h0, c0 = _leaves((B, T, P), (P, 4 * H), (P, 4 * H), (4 * H,), (H, P), (B, P),
                                                    (B, H))
-    lengths = torch.tensor([4, 2, 0])
+    lengths = torch.tensor([4, 2, 0]).to(triton_device())
 
     def step():
         y, h_n, c_n = ops.lstmp(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, cell_clip=3.0, proj_clip=3.0,
@@ -70,6 +72,7 @@ def test_token_encoder_ops_have_no_sync():
     hw = _leaves((32, 32), (32,), (32, 32), (32,))
     ids = torch.randint(1, 262, (6, 8))
     ids[2] = 0
+    ids = ids.to(triton_device())
     with probe(forbid=True):
         v = ops.char_cnn(ids, emb, [w1, w2], [b1, b2], backend="triton")
         ops.highway(v, *hw, backend="triton").sum().backward()
@@ -78,8 +81,8 @@ def test_token_encoder_ops_have_no_sync():
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_softmax_losses_have_no_sync(sparse):
     hidden, W, b = _leaves((7, 16), (30, 16), (30,))
-    targets = torch.tensor([1, 2, 2, 5, 1, 0, 3])
-    ids = torch.tensor([0, 2, 4, 6, 8, 9])
+    targets = torch.tensor([1, 2, 2, 5, 1, 0, 3]).to(triton_device())
+    ids = torch.tensor([0, 2, 4, 6, 8, 9]).to(triton_device())
     with probe(forbid=True):
         loss = ops.sampled_softmax_loss(hidden, targets, W, b, ids, 11, backend="triton", sparse_grad=sparse)
         loss = loss + ops.full_softmax_nll(hidden, targets, W, b, backend="triton")
@@ -91,12 +94,13 @@ def test_softmax_losses_have_no_sync(sparse):
 
 
 def test_bilm_training_hot_path_has_no_sync(tiny_model):
-    bilm = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", requires_grad=True)._bilm
-    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."], ["a", "b", "c", "d"]])
+    dev = triton_device()
+    bilm = elmo_fast.ElmoBiLM(*tiny_model, backend="triton", requires_grad=True).to(dev)._bilm
+    ids = elmo_fast.batch_to_ids([["The", "cat", "sat", "."], ["a", "b", "c", "d"]]).to(dev)
     B, T, L = ids.shape
-    lengths = torch.full((B,), T, dtype=torch.long)
-    h0 = torch.zeros(2, 2, B, 16)
-    c0 = torch.zeros(2, 2, B, 64)
+    lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+    h0 = torch.zeros(2, 2, B, 16, device=dev)
+    c0 = torch.zeros(2, 2, B, 64, device=dev)
     def step():
         emb = bilm.token_encoder.encode_unique(ids.reshape(-1, L)).reshape(B, T, -1)
         fwd, bwd, h_n, c_n = bilm.run_lstms(emb, lengths, h0, c0, dropout=0.1, token_embedding_bwd=emb.flip(1))

@@ -1,7 +1,8 @@
 """Sampled softmax (spec §6.5), the log-uniform sampler, and the full-softmax NLL (spec §6.7).
 
 Oracles: fp64 reference (``elmo_fast.reference.sampled_softmax``), an independent per-row loop, and
-``torch.nn.functional.cross_entropy``. Kernel tolerance (style anchors §8.4): max|kernel − fp64| ≤
+``torch.nn.functional.cross_entropy``, on the CPU; the Triton kernels run on ``triton_device()`` (CUDA tensors on
+a GPU, CPU tensors under the interpreter). Kernel tolerance (style anchors §8.4): max|kernel − fp64| ≤
 2·max|reference-in-dtype − fp64| + slack[dtype].
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import poison_allocations, programs_backwards, requires_triton
+from conftest import poison_allocations, programs_backwards, requires_triton, triton_device
 from elmo_fast import ops
 from elmo_fast.modules.sampled_softmax import SampledSoftmaxLoss
 from elmo_fast.reference.sampled_softmax import (
@@ -39,7 +40,7 @@ def _chi2_critical_999(df: int) -> float:
 
 
 def _close(kernel: torch.Tensor, ref_dt: torch.Tensor, ref64: torch.Tensor, dtype, what: str):
-    kernel, ref_dt = kernel.to_dense().double(), ref_dt.to_dense().double()
+    kernel, ref_dt = kernel.to_dense().double().cpu(), ref_dt.to_dense().double()
     ref64 = ref64.to_dense()
     err = (kernel - ref64).abs().max().item()
     budget = 2.0 * (ref_dt - ref64).abs().max().item() + SLACK[dtype] * max(1.0, ref64.abs().max().item())
@@ -208,7 +209,8 @@ def test_full_softmax_reference_is_cross_entropy():
 def _grads(loss_fn, tensors, reduction, seed=0):
     args = [t.clone().requires_grad_() for t in tensors]
     loss = loss_fn(*args)
-    up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(loss.dtype)
+    up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    up = up.to(device=loss.device, dtype=loss.dtype)
     grads = torch.autograd.grad(loss, args, up if reduction == "none" else None)
     return loss.detach(), grads
 
@@ -228,15 +230,16 @@ SHAPES = [
 def test_sampled_softmax_triton_matches_reference(N, P, V, S, hits, dtype):
     hidden, targets, weight, bias, ids, tries = _problem(N, P, V, S, hits=hits, seed=N + S)
     for reduction, remove_hits in (("mean", True), ("none", True), ("sum", False)):
-        def run(backend, dt):
+        def run(backend, dt, dev="cpu"):
             def fn(h, w, b):
-                return ops.sampled_softmax_loss(h, targets, w, b, ids, tries, remove_accidental_hits=remove_hits,
-                                                reduction=reduction, backend=backend)
-            return _grads(fn, [t.to(dt) for t in (hidden, weight, bias)], reduction)
+                return ops.sampled_softmax_loss(h, targets.to(dev), w, b, ids.to(dev), tries,
+                                                remove_accidental_hits=remove_hits, reduction=reduction,
+                                                backend=backend)
+            return _grads(fn, [t.to(dev, dt) for t in (hidden, weight, bias)], reduction)
 
         l64, g64 = run("reference", torch.float64)
         ldt, gdt = run("reference", dtype)
-        lk, gk = run("triton", dtype)
+        lk, gk = run("triton", dtype, triton_device())
         assert lk.dtype == dtype and lk.shape == l64.shape
         what = f"{reduction}/hits={remove_hits}"
         _close(lk, ldt, l64, dtype, f"loss {what}")
@@ -251,18 +254,21 @@ def test_sampled_softmax_triton_no_rejection_branch():
     """num_tries == S uses Q = p·S; S = 1 never rejects."""
     hidden, targets, weight, bias, ids, tries = _problem(8, 16, 100, 1, seed=5)
     assert tries == 1
-    a = ops.sampled_softmax_loss(hidden.float(), targets, weight.float(), bias.float(), ids, tries,
-                                 backend="triton")
+    dev = triton_device()
+    a = ops.sampled_softmax_loss(*(t.to(dev) for t in (hidden.float(), targets, weight.float(), bias.float(), ids)),
+                                 tries, backend="triton")
     b = ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="reference")
-    torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.double().cpu(), b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=[pytest.mark.triton,
                                                                                requires_triton])])
 def test_sparse_grad_equals_dense_rows(backend):
     hidden, targets, weight, bias, ids, tries = _problem(12, 16, 200, 30, hits=3, seed=9)
-    hidden, weight, bias = hidden.float(), weight.float(), bias.float()
     targets[5] = targets[6]  # a repeated target: its row must be summed once
+    dev = triton_device() if backend == "triton" else "cpu"
+    hidden, weight, bias = (t.to(dev, torch.float32) for t in (hidden, weight, bias))
+    targets, ids = targets.to(dev), ids.to(dev)
 
     def run(sparse):
         w = weight.clone().requires_grad_()
@@ -278,7 +284,7 @@ def test_sparse_grad_equals_dense_rows(backend):
     assert torch.equal(sw_c.indices()[0], rows) and torch.equal(sb_c.indices()[0], rows)
     torch.testing.assert_close(sw_c.values(), dw[rows], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sb_c.values(), db[rows], rtol=1e-6, atol=1e-7)
-    untouched = torch.ones(200, dtype=torch.bool)
+    untouched = torch.ones(200, dtype=torch.bool, device=dev)
     untouched[rows] = False
     assert (dw[untouched] == 0).all() and (db[untouched] == 0).all()
 
@@ -289,16 +295,17 @@ def test_sparse_grad_equals_dense_rows(backend):
 @pytest.mark.parametrize("N,P,V", [(13, 20, 300), (16, 16, 32), (1, 7, 77)], ids=["N13-V300", "multiples", "N1-V77"])
 def test_full_softmax_triton_matches_cross_entropy(N, P, V, dtype):
     hidden, targets, weight, bias, _, _ = _problem(N, P, V, 1, seed=N + V)
+    dev = triton_device()
     for reduction in ("mean", "none", "sum"):
         def ce(h, w, b):
             return F.cross_entropy(h @ w.t() + b, targets, reduction=reduction)
 
         def kern(h, w, b):
-            return ops.full_softmax_nll(h, targets, w, b, reduction, backend="triton")
+            return ops.full_softmax_nll(h, targets.to(dev), w, b, reduction, backend="triton")
 
         l64, g64 = _grads(ce, [hidden, weight, bias], reduction)
         ldt, gdt = _grads(ce, [t.to(dtype) for t in (hidden, weight, bias)], reduction)
-        lk, gk = _grads(kern, [t.to(dtype) for t in (hidden, weight, bias)], reduction)
+        lk, gk = _grads(kern, [t.to(dev, dtype) for t in (hidden, weight, bias)], reduction)
         _close(lk, ldt, l64, dtype, f"nll {reduction}")
         for name, a, b, c in zip(("hidden", "weight", "bias"), gk, gdt, g64):
             _close(a, b, c, dtype, f"d{name} {reduction}")
@@ -311,12 +318,13 @@ def test_full_softmax_column_splits(splits):
     from elmo_fast.kernels.softmax import softmax_lse_fwd
 
     hidden, targets, weight, bias, _, _ = _problem(5, 16, 230, 1, seed=2)
-    h, w, b = hidden.float(), weight.float(), bias.float()
-    lse, tgt = softmax_lse_fwd(h, w, None, b, targets, b[targets].contiguous(), mask_hits=False,
-                               num_splits=splits)
+    dev = triton_device()
+    h, w, b = (x.to(dev, torch.float32) for x in (hidden, weight, bias))
+    t = targets.to(dev)
+    lse, tgt = softmax_lse_fwd(h, w, None, b, t, b[t].contiguous(), mask_hits=False, num_splits=splits)
     logits = hidden @ weight.t() + bias
-    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, 1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tgt.double(), logits.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double().cpu(), torch.logsumexp(logits, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tgt.double().cpu(), logits.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -346,12 +354,14 @@ def test_softmax_grad_two_pass_reduction(nan_empty, sampled, splits):
     d = torch.where(keep, torch.exp(logits - lse[:, None]), 0.0) * g[:, None]
     if not sampled:
         d -= torch.nn.functional.one_hot(targets, V) * g[:, None]
-    args = (hidden.float(), weight.float(), ids if sampled else None, off.float(), targets, lse.float(), g.float())
+    dev = triton_device()
+    args = tuple(t if t is None else t.to(dev, torch.float32 if t.is_floating_point() else t.dtype)
+                 for t in (hidden, weight, ids if sampled else None, off, targets, lse, g))
     out = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, num_splits=splits)
-    with programs_backwards() if hidden.device.type == "cpu" else contextlib.nullcontext():
+    with programs_backwards() if dev == "cpu" else contextlib.nullcontext():
         again = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, num_splits=splits)
     for name, got, want, rep in zip(("dH", "dW", "db"), out, (d @ weight[cid], d.t() @ hidden, d.sum(0)), again):
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(got, rep), f"{name} is not deterministic"
 
 
@@ -374,7 +384,8 @@ def test_ops_validate_inputs():
 @pytest.mark.triton
 @requires_triton
 def test_triton_rejects_fp64_with_hint():
-    hidden, targets, weight, bias, ids, tries = _problem(4, 8, 30, 5)
+    *tensors, tries = _problem(4, 8, 30, 5)
+    hidden, targets, weight, bias, ids = (t.to(triton_device()) for t in tensors)
     with pytest.raises(TypeError, match="reference"):
         ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="triton")
 
@@ -385,29 +396,31 @@ def test_triton_rejects_fp64_with_hint():
                                                                                requires_triton])])
 def test_module_train_and_eval(backend):
     V, P, S, N = 120, 16, 20, 10
-    m = SampledSoftmaxLoss(V, P, S, seed=123, backend=backend)
+    dev = triton_device() if backend == "triton" else "cpu"
+    m = SampledSoftmaxLoss(V, P, S, seed=123, backend=backend).to(dev)
     assert m.softmax_W.shape == (V, P) and m.softmax_b.shape == (V,)
     assert (m.softmax_b == 0).all()
     assert abs(m.softmax_W.std().item() - 1 / math.sqrt(P)) < 0.03
     hidden = torch.randn(N, P)
     targets = torch.randint(0, V, (N,))
+    h, y = hidden.to(dev), targets.to(dev)
+    W, b = m.softmax_W.detach().cpu(), m.softmax_b.detach().cpu()  # the oracles' copies, on the CPU
 
     m.train()
-    loss1 = m(hidden, targets)
+    loss1 = m(h, y)
     ids1, tries1 = m.last_samples
     assert ids1.numel() == S and loss1.dim() == 0
-    expected = ops.sampled_softmax_loss(hidden, targets, m.softmax_W, m.softmax_b, ids1, tries1, backend="reference")
-    torch.testing.assert_close(loss1, expected, rtol=1e-5, atol=1e-6)
+    expected = ops.sampled_softmax_loss(hidden, targets, W, b, ids1.cpu(), tries1, backend="reference")
+    torch.testing.assert_close(loss1.detach().cpu(), expected, rtol=1e-5, atol=1e-6)
     loss1.backward()
     assert m.softmax_W.grad is not None and m.softmax_b.grad is not None
-    m(hidden, targets)
+    m(h, y)
     assert not torch.equal(m.last_samples[0], ids1), "each training call draws a fresh sample set"
 
     m.eval()
     with torch.no_grad():
-        full = m(hidden, targets)
-    torch.testing.assert_close(full, F.cross_entropy(hidden @ m.softmax_W.t() + m.softmax_b, targets),
-                               rtol=1e-5, atol=1e-6)
+        full = m(h, y)
+    torch.testing.assert_close(full.cpu(), F.cross_entropy(hidden @ W.t() + b, targets), rtol=1e-5, atol=1e-6)
     # allennlp's check: the sampled loss is below the full one (the sample row is a subset, with −log Q ≥ 0 here)
     assert loss1.item() < full.item()
 
