@@ -20,9 +20,11 @@ bench/results/train.csv with ``ELMO_FAST_BENCH_RECORD=1`` (bench/common.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -120,8 +122,58 @@ def parts_step(model, opt, batch, states, S, V, dev):
     return loss.detach()
 
 
+@contextlib.contextmanager
+def _compiles():
+    """Counts the Triton kernels compiled inside the block (cache_hit False: a real compile, seconds each; True:
+    loaded from Triton's on-disk cache). A compile inside a timed round is time the steady state never pays."""
+    counts = {"compiled": 0, "loaded": 0}
+    try:
+        import triton
+
+        knobs = triton.knobs.compilation
+    except Exception:  # noqa: BLE001 - no triton: nothing to count
+        yield counts
+        return
+    previous = knobs.listener
+
+    def listener(**kw):
+        counts["loaded" if kw.get("cache_hit") else "compiled"] += 1
+        if previous is not None:
+            previous(**kw)
+
+    knobs.listener = listener
+    try:
+        yield counts
+    finally:
+        knobs.listener = previous
+
+
+def _timed(step, steps: int, rounds: int, warmup: int, dev) -> dict:
+    """``warmup`` steps, then ``steps`` timed steps in ``rounds`` rounds. ms_per_step is the median round's, so one
+    round that pays for something once (a kernel specialisation compiled on a new token count, a late
+    allocation) does not set the number; every round's time and the compiles inside timed rounds are kept."""
+    for _ in range(warmup):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    rounds = max(1, min(rounds, steps))
+    per_round = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+    ms = []
+    with _compiles() as compiled:
+        for n in per_round:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                loss = step()
+            float(loss)  # waits for the device
+            ms.append(1000 * (time.perf_counter() - t0) / n)
+    mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+    return {"ms_per_step": statistics.median(ms), "round_ms": " ".join(f"{m:.1f}" for m in ms),
+            "compiles_timed": compiled["compiled"], "peak_mem_mib": mem}
+
+
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
-        n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None) -> list[dict]:
+        n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3) -> list[dict]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = cfg or configs.original()
     cfg.batch_size = batch
@@ -139,45 +191,24 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
             with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
                 tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
-                    for _ in range(warmup):
-                        tr.train_step()
-                    if dev.type == "cuda":
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        loss = tr.train_step()
-                    float(loss)
-                    dt = time.perf_counter() - t0
+                    results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev)))
                 finally:
                     tr.close()
-            mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
-            results.append({"provider": name, "tokens_per_s": steps * batch * cfg.unroll_steps / dt,
-                            "ms_per_step": 1000 * dt / steps, "peak_mem_mib": mem})
             del tr
         # ---- library parts
         stream = BidirectionalStream([str(f) for f in files], vocab, batch, cfg.unroll_steps,
                                      cfg.max_characters_per_token, seed=0)
-        batches = [stream.next_batch() for _ in range(steps + warmup)]
+        batches = iter([stream.next_batch() for _ in range(steps + warmup)])
         torch.manual_seed(0)
         model = PartsBiLM(cfg, V).to(dev).train()
         opt = torch.optim.Adagrad(model.parameters(), lr=cfg.learning_rate,
                                   initial_accumulator_value=cfg.initial_accumulator_value)
         states = [[None] * cfg.n_layers, [None] * cfg.n_layers]
-        for b in batches[:warmup]:
-            parts_step(model, opt, b, states, cfg.n_negative_samples_batch, V, dev)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for b in batches[warmup:]:
-            loss = parts_step(model, opt, b, states, cfg.n_negative_samples_batch, V, dev)
-        float(loss)
-        dt = time.perf_counter() - t0
-        mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
-        results.append({"provider": "parts", "tokens_per_s": steps * batch * cfg.unroll_steps / dt,
-                        "ms_per_step": 1000 * dt / steps, "peak_mem_mib": mem})
+        results.append(dict(provider="parts", **_timed(
+            lambda: parts_step(model, opt, next(batches), states, cfg.n_negative_samples_batch, V, dev),
+            steps, rounds, warmup, dev)))
     for r in results:
+        r["tokens_per_s"] = batch * cfg.unroll_steps / (r["ms_per_step"] * 1e-3)
         r.update({"shape": f"2x{cfg.lstm_dim}_{cfg.projection_dim} B{batch} T{cfg.unroll_steps} "
                            f"S{cfg.n_negative_samples_batch} V{V}", "steps": steps})
     return results
@@ -185,7 +216,8 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
 
 def _report(results):
     for r in results:
-        print(f"{r['provider']:>10}: {r['tokens_per_s']:10.0f} tokens/s  {r['ms_per_step']:8.1f} ms/step  "
+        print(f"{r['provider']:>15}: {r['tokens_per_s']:10.0f} tokens/s  {r['ms_per_step']:8.1f} ms/step (median "
+              f"round; rounds {r['round_ms']} ms/step; {r['compiles_timed']} Triton compiles in them)  "
               f"peak {r['peak_mem_mib']:.0f} MiB  [{r['shape']}]")
     parts = next((r for r in results if r["provider"] == "parts"), None)
     for r in results:
@@ -208,12 +240,14 @@ def test_bench_train_smoke_cpu():
     cfg.backend = "reference"
     res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu")
     assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
-    assert all(r["tokens_per_s"] > 0 for r in res)
+    assert all(r["tokens_per_s"] > 0 and len(r["round_ms"].split()) == 2 for r in res)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per provider, over --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--config", default="original")
@@ -221,7 +255,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
         return 0
-    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config)))
+    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config), warmup=a.warmup, rounds=a.rounds))
     return 0
 
 
