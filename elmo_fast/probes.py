@@ -52,7 +52,9 @@ class Counts:
         return len(self.launches)
 
 
-_state = threading.local()
+_state = threading.local()  # depth: inside a counted call (its inner work is not counted again), per thread
+_active: list = [None]  # the probe's Counts: process-wide, as its patches are, so that work autograd runs on its
+# own device thread (backward on a GPU) is counted too
 
 
 def _depth() -> int:
@@ -70,9 +72,9 @@ def _inside():
 
 @contextlib.contextmanager
 def graph_replay(name: str):
-    """A graph replay made of launches (the LSTMP loop graphs' ``record`` mode): counted by an active
-    :func:`probe` as one launch, as the replay of a CUDA graph is one; the launches inside are not counted."""
-    counts = getattr(_state, "active", None)
+    """A graph replay (the LSTMP loop graphs', CUDA or ``record`` mode): counted by an active :func:`probe` as
+    one launch, in any thread, as the replay of a CUDA graph is one; the launches inside are not counted."""
+    counts = _active[0]
     if counts is not None and _depth() == 0:
         counts.launches.append(Launch(f"graph replay: {name}", {}, {}))
     with _inside():
@@ -187,12 +189,12 @@ def probe(forbid: bool = False, count_ops: bool = False):
     except ImportError:
         pass
     mode = _OpCounter(counts) if count_ops else contextlib.nullcontext()
-    outer, _state.active = getattr(_state, "active", None), counts
+    outer, _active[0] = _active[0], counts
     try:
         with mode:
             yield counts
     finally:
-        _state.active = outer
+        _active[0] = outer
         for owner, name, own in reversed(patches):
             if own is None:  # inherited (e.g. from torch._C.TensorBase): drop the override
                 delattr(owner, name)

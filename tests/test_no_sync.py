@@ -36,6 +36,26 @@ def test_probe_catches_syncs_and_pageable_uploads(sync):
     t.sum().item()  # restored after the block
 
 
+def test_probe_counts_graph_replays_in_any_thread():
+    """Autograd runs a GPU backward on its own thread: a loop-graph replay there is counted all the same (on the
+    H200, 2026-11-26, the backward's four replays of a training step went uncounted)."""
+    import threading
+
+    from elmo_fast.probes import graph_replay
+
+    def replay():
+        with graph_replay("lstmp loop"):
+            pass
+
+    with probe() as counts:
+        replay()
+        worker = threading.Thread(target=replay)
+        worker.start()
+        worker.join()
+    assert [launch.kernel for launch in counts.launches] == ["graph replay: lstmp loop"] * 2
+    replay()  # no probe active after the block: nothing to count, nothing raised
+
+
 @pytest.mark.parametrize("training,graphs", [(False, False), (True, False), (False, True), (True, True)],
                          ids=["inference", "training", "inference-loop-graphs", "training-loop-graphs"])
 def test_lstmp_forward_backward_has_no_sync(training, graphs, monkeypatch):
