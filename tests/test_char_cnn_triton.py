@@ -252,9 +252,9 @@ def test_highway_backward_with_frozen_weights():
     dev = _device()
     dxs = []
     for fn, d in ((highway_reference, "cpu"), (highway_triton, dev)):
-        xi = x.to(d).requires_grad_()
-        fn(xi, *(t.to(d) for t in layer)).backward(dy.to(d))
-        dxs.append(xi.grad.cpu())
+        xi = x.to(d).clone().requires_grad_()  # a fresh leaf per run (x.to("cpu") would be x itself, and the
+        fn(xi, *(t.to(d) for t in layer)).backward(dy.to(d))  # two runs would share one .grad)
+        dxs.append(xi.grad.cpu().clone())
     torch.testing.assert_close(dxs[1], dxs[0], atol=1e-12, rtol=0)
 
 
