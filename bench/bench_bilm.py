@@ -144,6 +144,7 @@ def _providers(opts, o, w, dtype, dev):
 def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False  # the library provider's cuDNN LSTM in fp32 too (IEEE, like elmo_fast)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         o, w = write_random_model(d, opts)

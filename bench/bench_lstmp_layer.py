@@ -167,6 +167,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="CSV to append to (default: lstmp_layer.csv where bench/common.py's "
                     "results_dir() says)")
     a = ap.parse_args(argv)
+    # fp32 is fp32 on both sides: cuDNN's LSTM would take TF32 tensor cores by default (on the H200, 2026-11-26,
+    # nn.LSTM fp32 ran at 41.8 TFLOP/s, with TF32 on), while elmo_fast's fp32 products are IEEE
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     report(run(a.device, getattr(torch, a.dtype), a.backend, a.rounds), a.out)
     return 0
 
