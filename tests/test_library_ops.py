@@ -228,3 +228,18 @@ def test_device_constants_made_under_fake_mode_are_not_cached(monkeypatch):
     consts, wid = KL._consts(*args), KC._filter_widths(groups, torch.device("cpu"))
     assert not tracing(consts) and consts.tolist() == [0.25, 0.125, 0.0625]
     assert not tracing(wid) and wid.tolist() == [1, 1, 1, 2, 2, 2, 2, 2]
+
+
+def test_tracing_tells_real_fake_and_functional_tensors():
+    """``tracing`` (asked of every kernel launch's arguments): real tensors and parameters are real; fake tensors,
+    functional (C++) wrappers, and a mix of real and fake arguments are traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elmo_fast.ops._library import tracing
+
+    real = torch.ones(3)
+    assert not tracing(real, torch.nn.Parameter(torch.ones(2)), 3, None)
+    assert tracing(real, torch._to_functional_tensor(torch.ones(2)))
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    assert tracing(fake) and tracing(real, fake, 1)
