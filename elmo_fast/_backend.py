@@ -155,8 +155,9 @@ BACKEND_STATUS: tuple[BackendStatus, ...] = (
     BackendStatus("triton", "cpu", "interpreter-only",
                   "every kernel against the reference under TRITON_INTERPRET=1 in CI (a test tool, never auto)"),
     BackendStatus("triton", "cuda", "run on an H200 (2026-11-26), not yet verified",
-                  "self-check passed for every op, fp32 and bf16; 188 of 193 Triton tests on CUDA passed (3 fixed since, "
-                  "not re-run; 2 torch.compile graph breaks open); auto uses it behind a once-per-device self-check"),
+                  "self-check passed for every op, fp32 and bf16; 188 of 193 Triton tests on CUDA passed (3 fixed "
+                  "since, not re-run; 2 torch.compile graph breaks open); auto uses it behind a once-per-device "
+                  "self-check"),
     BackendStatus("cuda", "cuda", "run on an H200 (2026-11-26), not yet verified",
                   "built there; 18 of 19 tests passed (the test fixed since); slower than Triton from B=16 "
                   "(bench/results/gpu_h200.md); opt-in build; auto skips it"),
