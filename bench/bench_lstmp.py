@@ -351,6 +351,96 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
     return rows
 
 
+def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
+    """None (the tuned tile) and the first ``top`` other candidates of ``bench/lstmp_compile.py``'s search in its
+    compile-free order (programs rule, SM-fill-charged estimate, L2 traffic): the compile-time model's short list,
+    for the clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their estimates at B=384 bf16
+    and are two thirds of a step: the model's pick among them is the least trusted."""
+    import functools
+
+    import lstmp_compile
+
+    from elmo_fast.kernels import lstmp as KL
+
+    tuned = KL.TUNED[(name, "16bit" if dtype != torch.float32 else "fp32",
+                      next((b for b in KL.BATCHES if b >= B), KL.BATCHES[-1]))]
+    ranked = sorted(lstmp_compile.candidates(name, B, dtype != torch.float32),
+                    key=functools.partial(lstmp_compile._prekey, name, dtype, B))
+    return (None, *[t for t in ranked if t != tuned][:top])
+
+
+def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(torch.bfloat16,), T=20, dims=ELMO,
+                device="cuda", top=6, alternatives=None) -> list[dict]:
+    """Each kernel of ``kernels`` at step T // 2 with the tuned tile and its alternatives
+    (``_tile_alternatives``, or ``alternatives``: kernel -> tiles), each alone, on the buffers the launchers
+    build. Every alternative's outputs (every buffer the launch writes) must match the tuned tile's from the
+    same inputs before its time counts. Rows -> ``lstmp_tiles.csv``; under the interpreter the same code runs
+    with a plain clock."""
+    from elmo_fast.kernels import lstmp as KL
+
+    H, P = dims["H"], dims["P"]
+    fl = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
+    target = KL.device_target(torch.device(device))
+    meta = dict(op="lstmp", **common.environment())
+    rows = []
+    s = T // 2
+    for dtype in dtypes:
+        for B in batches:
+            c = make_chain(B, T, dtype=dtype, device=device, **dims)
+            args = [c[k] for k in ARGS]
+            with torch.no_grad():
+                plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **fl)
+                KL._fwd_loop(plan, bufs)
+                _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **fl)
+                up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
+                      torch.randn(B, H, device=device)]
+                bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **fl)
+                KL._bwd_loop(bplan, bbufs)
+            for name in kernels:
+                b = bufs if name.startswith("fwd") else bbufs
+                saved = {k: v.clone() for k, v in b.items()}
+
+                def restore(b=b, saved=saved):
+                    for k, v in saved.items():
+                        b[k].copy_(v)
+
+                tiles = (alternatives or {}).get(name) or _tile_alternatives(name, B, dtype, top)
+                first = None
+                for tile in tiles:
+                    launch = KL.launch_plan(B, T, H, P, dtype, training=True, target=target,
+                                            tiles={name: tile} if tile else None, cell_clip=True, proj_clip=True,
+                                            reverse=fl["reverse"], residual=fl["residual"])[name]
+                    restore()
+                    try:
+                        KL._run(launch, b, s)
+                    except Exception as exc:  # noqa: BLE001 - a candidate that does not compile or fit: noted
+                        print(f"{name:>8} {tile}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                        continue
+                    got = {k: v.float().clone() for k, v in b.items() if not torch.equal(v, saved[k])}
+                    first = got if first is None else first
+                    bad = [k for k in set(first) | set(got) if k not in got or k not in first
+                           or not torch.allclose(got[k], first[k], rtol=2e-2, atol=2e-2)]
+                    if bad or not all(torch.isfinite(v).all() for v in got.values()):
+                        raise AssertionError(f"bench_tiles: {name} with {tile} differs from the tuned tile's result "
+                                             f"in {sorted(bad)}")
+                    p50, p20, p80 = common.time_ms(lambda launch=launch, b=b: KL._run(launch, b, s), device)
+                    restore()
+                    t = launch.tile
+                    est = _estimate_us(launch, dtype)
+                    rows.append(dict(
+                        meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        kernel=name, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
+                        grid="x".join(map(str, launch.grid)),
+                        tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tile is None else ""),
+                        us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
+                        est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops))
+                    print(f"{name:>8} {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
+                          f"grid {rows[-1]['grid']:<8}: {p50 * 1e3:8.2f} us (estimate {est:6.2f})", flush=True)
+                del saved
+            del c, args, bufs, bbufs, plan, bplan
+    return rows
+
+
 def _estimate_us(launch, dtype) -> float:
     """The roofline estimate with the partials as HBM traffic (the upper bound: the pair writes and reads them)."""
     import lstmp_compile
@@ -365,11 +455,28 @@ def test_gpu_sweep():
     print(f"wrote {len(rows)} rows to {path}")
 
 
-if __name__ == "__main__":
+PARTS = ("sweep", "kernels", "splits", "tiles")
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in this order: {', '.join(PARTS)}")
+    parts = ap.parse_args(argv).parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; the parts are: {', '.join(PARTS)}")
     if not torch.cuda.is_available():
         sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
-    print(f"wrote rows to {append_csv(bench_gpu())}")
-    path = common.append_rows("lstmp_kernels", bench_kernels(), KERNEL_FIELDS)
-    print(f"wrote per-kernel rows to {path}")
-    path = common.append_rows("lstmp_splits", bench_splits(), KERNEL_FIELDS)
-    print(f"wrote split-K alternative rows to {path}")
+    if "sweep" in parts:
+        print(f"wrote rows to {append_csv(bench_gpu())}")
+    for part, name, fn in (("kernels", "lstmp_kernels", bench_kernels), ("splits", "lstmp_splits", bench_splits),
+                           ("tiles", "lstmp_tiles", bench_tiles)):
+        if part in parts:
+            print(f"wrote {part} rows to {common.append_rows(name, fn(), KERNEL_FIELDS)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

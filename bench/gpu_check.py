@@ -84,7 +84,8 @@ STEPS = (
          ((PY, "bench/kernel_report.py", "--out", "{tmp}/kernel_report"),),
          ((PY, "bench/kernel_report.py", "--subset", "--only", "highway", "--out", "{tmp}/kernel_report"),)),
     Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
-         ((PY, "-m", "pytest", "-q", "-x", "-m", "triton and not slow", "tests"),),
+         # every failure in one call (no -x), 8 processes (pytest-xdist is on the GPU image): a lease is short
+         ((PY, "-m", "pytest", "-q", "-n", "8", "-m", "triton and not slow", "tests"),),
          ((PY, "-m", "pytest", "-q", "--co", "-m", "triton and not slow", "tests"),)),
     Step("test-gpu", 540, "the GPU tests at the original sizes (pytest -m 'gpu and not cuda_ext')",
          ((PY, "-m", "pytest", "-q", "-rs", "-m", "gpu and not cuda_ext", "tests"),),
@@ -93,8 +94,12 @@ STEPS = (
          ((PY, "bench/bench_launches.py"),), ((PY, "bench/bench_launches.py", "--cases", "forward", "--steps", "4"),)),
     Step("bench-bilm", 540, "end-to-end embedding throughput and latency, every provider",
          ((PY, "bench/bench_bilm.py"),), ((PY, "bench/bench_bilm.py", "--device", "cpu", "--tiny"),), ()),
-    Step("bench-lstmp", 540, "one LSTMP chain, Triton vs cuDNN, the sweep", ((PY, "bench/bench_lstmp.py"),),
+    Step("bench-lstmp", 540, "one LSTMP chain, Triton vs cuDNN, the sweep; every launch beside its estimate",
+         ((PY, "bench/bench_lstmp.py", "--parts", "sweep,kernels"),),
          _bench_import("bench_lstmp")),
+    Step("bench-lstmp-tiles", 300, "the cell kernels' and the split-K GEMMs' tile alternatives, each timed and "
+         "checked against the tuned tile (the compile-time model's least trusted picks)",
+         ((PY, "bench/bench_lstmp.py", "--parts", "splits,tiles"),), _bench_import("bench_lstmp")),
     Step("bench-lstmp-layer", 540, "the drop-in elmo_fast.LSTMP beside nn.LSTM(proj_size) (cuDNN), fp32 and bf16",
          ((PY, "bench/bench_lstmp_layer.py", "--device", "cuda"),
           (PY, "bench/bench_lstmp_layer.py", "--device", "cuda", "--dtype", "bfloat16")),

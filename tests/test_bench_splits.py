@@ -52,3 +52,46 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch):
     with pytest.raises(AssertionError, match="fwd_proj with Tile.*differs from the tuned tile's result"):
         bench_lstmp.bench_splits(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
                                  alternatives=_alternatives())
+
+
+# ------------------------------------------------------------------------------------- cell-kernel tiles
+def _cell_tiles():
+    from elmo_fast.kernels.lstmp import Tile
+
+    return {"fwd_cell": (None, Tile(16, 16, 16, 4, 2)), "bwd_cell": (None, Tile(16, 16, 16, 4, 2))}
+
+
+def test_every_cell_tile_is_timed_and_checked_against_the_tuned_tile():
+    import bench_lstmp
+
+    rows = bench_lstmp.bench_tiles(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
+                                   alternatives=_cell_tiles())
+    assert [(r["kernel"], r["tile"].endswith("(tuned)")) for r in rows] == [
+        ("fwd_cell", True), ("fwd_cell", False), ("bwd_cell", True), ("bwd_cell", False)]
+    assert all(float(r["us_p50"]) > 0 and r["ratio"] for r in rows)
+
+
+def test_a_cell_tile_with_a_different_result_stops_the_run(monkeypatch):
+    import bench_lstmp
+
+    from elmo_fast.kernels import lstmp as KL
+
+    real = KL._run
+    alternative = _cell_tiles()["bwd_cell"][1]
+
+    def corrupt(launch, bufs, s, **kw):  # the alternative's gate gradients come out scaled
+        real(launch, bufs, s, **kw)
+        if launch.kernel is KL._bwd_cell_kernel and launch.tile == alternative:
+            bufs["dz"].mul_(3.0)
+
+    monkeypatch.setattr(KL, "_run", corrupt)
+    with pytest.raises(AssertionError, match="bwd_cell with Tile.*differs from the tuned tile's result"):
+        bench_lstmp.bench_tiles(batches=(5,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
+                                alternatives=_cell_tiles())
+
+
+def test_the_gpu_short_list_comes_from_the_compile_search():
+    import bench_lstmp
+
+    tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
+    assert tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
