@@ -173,7 +173,10 @@ def _timed(step, steps: int, rounds: int, warmup: int, dev) -> dict:
 
 
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
-        n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3) -> list[dict]:
+        n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3,
+        providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0) -> list[dict]:
+    """Every provider of ``providers`` timed (``_timed``); ``profile`` > 0: then that many more steps of elmo_fast
+    under torch.profiler (``common.device_profile``: kernels by device time, host ops, how busy the GPU was)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = cfg or configs.original()
     cfg.batch_size = batch
@@ -188,13 +191,20 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         cfg.n_negative_samples_batch = min(cfg.n_negative_samples_batch, V)
         # ---- elmo_fast; on a GPU also with the LSTMP loop graphs off (every step's launches as launched)
         for name, graphs in [("elmo_fast", None)] + ([("elmo_fast-eager", "0")] if dev.type == "cuda" else []):
+            if name not in providers:
+                continue
             with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
                 tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
                     results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev)))
+                    if profile and name == "elmo_fast":
+                        common.print_device_profile(f"elmo_fast training step, B={batch}",
+                                                    common.device_profile(lambda t=tr: float(t.train_step()), profile))
                 finally:
                     tr.close()
             del tr
+        if "parts" not in providers:
+            return _finish(results, batch, cfg, V, steps)
         # ---- library parts
         stream = BidirectionalStream([str(f) for f in files], vocab, batch, cfg.unroll_steps,
                                      cfg.max_characters_per_token, seed=0)
@@ -207,6 +217,10 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         results.append(dict(provider="parts", **_timed(
             lambda: parts_step(model, opt, next(batches), states, cfg.n_negative_samples_batch, V, dev),
             steps, rounds, warmup, dev)))
+    return _finish(results, batch, cfg, V, steps)
+
+
+def _finish(results, batch, cfg, V, steps) -> list[dict]:
     for r in results:
         r["tokens_per_s"] = batch * cfg.unroll_steps / (r["ms_per_step"] * 1e-3)
         r.update({"shape": f"2x{cfg.lstm_dim}_{cfg.projection_dim} B{batch} T{cfg.unroll_steps} "
@@ -238,7 +252,7 @@ def test_bench_train_smoke_cpu():
     """Both loops run (2 steps, tiny model, reference backend) so the benchmark cannot rot without a GPU."""
     cfg = configs.tiny()
     cfg.backend = "reference"
-    res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu")
+    res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu", profile=1)
     assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
     assert all(r["tokens_per_s"] > 0 and len(r["round_ms"].split()) == 2 for r in res)
 
@@ -248,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per provider, over --rounds rounds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--providers", default="elmo_fast,elmo_fast-eager,parts")
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many elmo_fast steps")
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--config", default="original")
@@ -255,7 +271,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
         return 0
-    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config), warmup=a.warmup, rounds=a.rounds))
+    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config), warmup=a.warmup, rounds=a.rounds,
+                    providers=a.providers.split(","), profile=a.profile))
     return 0
 
 

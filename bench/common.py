@@ -254,6 +254,46 @@ def op_profile(fn, steps: int = 2, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
+def device_profile(fn, steps: int = 2, top: int = 20) -> dict:
+    """Where a GPU call's time goes: ``steps`` calls of ``fn`` under torch.profiler (CPU and, with CUDA, the device).
+    Returns per call: ``wall_ms``; ``kernel_ms``, the device time of every kernel (CUDA-graph replays included);
+    ``busy`` = kernel_ms / wall_ms (well under 1: the host, not the GPU, sets the pace); ``kernels``, the ``top``
+    kernels by device time (name, ms, launches); ``host_ops``, the ``top`` CPU ops by self time (name, ms, calls).
+    On the CPU only ``wall_ms`` and ``host_ops`` are filled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = 1e3 * (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = sorted(((e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps)
+                      for e in on_device), key=lambda k: -k[1])
+    host = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in events
+                   if e not in on_device), key=lambda k: -k[1])
+    kernel_ms = sum(k[1] for k in kernels)
+    return {"wall_ms": wall, "kernel_ms": kernel_ms, "busy": kernel_ms / wall if wall else 0.0,
+            "kernels": kernels[:top], "host_ops": host[:top]}
+
+
+def print_device_profile(name: str, prof: dict) -> None:
+    print(f"\n{name}: {prof['wall_ms']:.2f} ms a call, {prof['kernel_ms']:.2f} ms of it in kernels "
+          f"(busy {100 * prof['busy']:.0f}%)")
+    for title, rows in (("kernels by device time", prof["kernels"]), ("host ops by self time", prof["host_ops"])):
+        if rows:
+            print(f"  {title}: {'ms':>8} {'count':>7}")
+            for key, ms, n in rows:
+                print(f"    {key[:90]:<90} {ms:8.3f} {n:7.1f}")
+
+
 def print_op_profile(name: str, rows: list[dict]) -> None:
     print(f"\n{name}: self time per call, by op and input shapes (torch.profiler)")
     print(f"{'ms':>9} {'share':>6} {'calls':>7}  op  shapes")

@@ -111,6 +111,11 @@ STEPS = (
     Step("bench-train", 540, "pretraining throughput, original config, 384 rows (performance.md's shape)",
          ((PY, "bench/bench_train.py", "--batch", "384"),),
          ((PY, "bench/bench_train.py"),)),
+    Step("profile-train", 300, "a training step at 384 rows under torch.profiler: kernels by device time, host ops, "
+         "how busy the GPU is (bench_train --profile)",
+         ((PY, "bench/bench_train.py", "--batch", "384", "--steps", "6", "--rounds", "2", "--warmup", "3",
+           "--providers", "elmo_fast", "--profile", "3"),),
+         ((PY, "bench/bench_train.py", "--help"),)),
     Step("build-cuda", 540, "the CUDA extension elmo_fast._C, in place (ELMO_FAST_BUILD_CUDA=1; opt-in)",
          ((PY, "setup.py", "-q", "build_ext", "--inplace"), (PY, "-c", _IMPORTS)),
          ((PY, "-c", "import setuptools"),), ()),
