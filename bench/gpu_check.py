@@ -116,6 +116,9 @@ STEPS = (
          ((PY, "bench/bench_train.py", "--batch", "384", "--steps", "6", "--rounds", "2", "--warmup", "3",
            "--providers", "elmo_fast", "--profile", "3"),),
          ((PY, "bench/bench_train.py", "--help"),)),
+    Step("profile-ops", 240, "the LSTMP chain, sampled softmax and token encoder at their target shapes under "
+         "torch.profiler: kernels by device time, host ops, how busy the GPU is (bench/profile_gpu.py)",
+         ((PY, "bench/profile_gpu.py"),), ((PY, "bench/profile_gpu.py", "--tiny", "--calls", "1"),)),
     Step("build-cuda", 540, "the CUDA extension elmo_fast._C, in place (ELMO_FAST_BUILD_CUDA=1; opt-in)",
          ((PY, "setup.py", "-q", "build_ext", "--inplace"), (PY, "-c", _IMPORTS)),
          ((PY, "-c", "import setuptools"),), ()),
