@@ -272,6 +272,49 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
     return rows
 
 
+TRAIN_FLAGS = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
+
+
+def _step_buffers(B, T, dtype, device, dims):
+    """(forward plan, forward buffers, backward plan, backward buffers) of one training chain, both time loops
+    run once, so every buffer a launch at any step reads holds real values (what bench_splits / bench_tiles time
+    single launches on)."""
+    from elmo_fast.kernels import lstmp as KL
+
+    H, P = dims["H"], dims["P"]
+    c = make_chain(B, T, dtype=dtype, device=device, **dims)
+    args = [c[k] for k in ARGS]
+    with torch.no_grad():
+        plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **TRAIN_FLAGS)
+        KL._fwd_loop(plan, bufs)
+        _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **TRAIN_FLAGS)
+        up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
+              torch.randn(B, H, device=device)]
+        bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **TRAIN_FLAGS)
+        KL._bwd_loop(bplan, bbufs)
+    return plan, bufs, bplan, bbufs
+
+
+def _plan_with(name, tile, B, T, dtype, device, dims) -> dict:
+    """The training chain's launch plan with ``tile`` for kernel ``name`` (None: the tuned one)."""
+    from elmo_fast.kernels import lstmp as KL
+
+    return KL.launch_plan(B, T, dims["H"], dims["P"], dtype, training=True, target=KL.device_target(
+        torch.device(device)), tiles={name: tile} if tile else None, cell_clip=True, proj_clip=True,
+        reverse=TRAIN_FLAGS["reverse"], residual=TRAIN_FLAGS["residual"])
+
+
+def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes) -> dict:
+    p50, p20, p80 = times
+    t = launch.tile
+    return dict(meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                kernel=kernel, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
+                grid="x".join(map(str, launch.grid)),
+                tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tuned else ""),
+                us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
+                est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops)
+
+
 def _split_alternatives():
     from elmo_fast.kernels.lstmp import Tile
 
@@ -296,58 +339,38 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
     from elmo_fast.kernels import lstmp as KL
 
     alternatives = alternatives or _split_alternatives()
-    H, P = dims["H"], dims["P"]
-    fl = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
-    target = KL.device_target(torch.device(device))
+    P = dims["P"]
     meta = dict(op="lstmp", **common.environment())
     rows = []
     s = T // 2
     for dtype in dtypes:
         acc = KL.acc_dtype(dtype)
         for B in batches:
-            c = make_chain(B, T, dtype=dtype, device=device, **dims)
-            args = [c[k] for k in ARGS]
-            with torch.no_grad():
-                plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **fl)
-                KL._fwd_loop(plan, bufs)  # every buffer a launch at step s reads holds real values
-                _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **fl)
-                up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
-                      torch.randn(B, H, device=device)]
-                bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **fl)
-                KL._bwd_loop(bplan, bbufs)
+            plan, bufs, bplan, bbufs = _step_buffers(B, T, dtype, device, dims)
             for gemm, reduce, b, out in (("fwd_proj", "fwd_reduce", bufs, lambda b: b["y"][:, s]),
                                          ("bwd_rec", "bwd_reduce", bbufs, lambda b: b["dh"])):
                 first = None
                 for tile in alternatives[gemm]:
-                    pl = KL.launch_plan(B, T, H, P, dtype, training=True, target=target,
-                                        tiles={gemm: tile} if tile else None, cell_clip=True, proj_clip=True,
-                                        reverse=fl["reverse"], residual=fl["residual"])
+                    pl = _plan_with(gemm, tile, B, T, dtype, device, dims)
                     bb = dict(b, part=torch.empty(pl[gemm].grid[2], B, P, dtype=acc, device=device))
 
                     def pair(first=pl[gemm], then=pl[reduce], bb=bb):
                         KL._run(first, bb, s)
                         KL._run(then, bb, s)
 
-                    p50, p20, p80 = common.time_ms(pair, device)
+                    times = common.time_ms(pair, device)
                     got = out(bb).float().clone()
                     first = got if first is None else first
                     if not torch.allclose(got, first, rtol=2e-2, atol=2e-2) or not torch.isfinite(got).all():
                         raise AssertionError(f"bench_splits: {gemm} with {tile} differs from the tuned tile's "
                                              f"result (max |diff| {(got - first).abs().max().item():.3g})")
-                    t = pl[gemm].tile
                     est = _estimate_us(pl[gemm], dtype) + _estimate_us(pl[reduce], dtype)
-                    rows.append(dict(
-                        meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        kernel=f"{gemm}+{reduce}", B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
-                        grid="x".join(map(str, pl[gemm].grid)),
-                        tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tile is None else ""),
-                        us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
-                        est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=pl[gemm].bytes + pl[reduce].bytes
-                        + 2 * pl[gemm].scratch_bytes, flops=pl[gemm].flops))
+                    rows.append(_tile_row(meta, f"{gemm}+{reduce}", pl[gemm], tile is None, B, T, dtype, times, est,
+                                          pl[gemm].bytes + pl[reduce].bytes + 2 * pl[gemm].scratch_bytes))
                     print(f"{gemm:>8}+reduce {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
-                          f"S={pl[gemm].grid[2]:<3}: {p50 * 1e3:8.2f} us (estimate, partials in HBM {est:6.2f})",
-                          flush=True)
-            del c, args, bufs, bbufs, plan, bplan
+                          f"S={pl[gemm].grid[2]:<3}: {times[0] * 1e3:8.2f} us (estimate, partials in HBM "
+                          f"{est:6.2f})", flush=True)
+            del bufs, bbufs, plan, bplan
     return rows
 
 
@@ -378,24 +401,12 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
     with a plain clock."""
     from elmo_fast.kernels import lstmp as KL
 
-    H, P = dims["H"], dims["P"]
-    fl = dict(cell_clip=CLIP, proj_clip=CLIP, reverse=False, residual=True)
-    target = KL.device_target(torch.device(device))
     meta = dict(op="lstmp", **common.environment())
     rows = []
     s = T // 2
     for dtype in dtypes:
         for B in batches:
-            c = make_chain(B, T, dtype=dtype, device=device, **dims)
-            args = [c[k] for k in ARGS]
-            with torch.no_grad():
-                plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **fl)
-                KL._fwd_loop(plan, bufs)
-                _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **fl)
-                up = [torch.randn(B, T, P, device=device, dtype=dtype), torch.randn(B, P, device=device),
-                      torch.randn(B, H, device=device)]
-                bplan, bbufs = KL.bwd_setup(*up, c["x"], c["w_rec"], c["w_proj"], c["c0"], cache, **fl)
-                KL._bwd_loop(bplan, bbufs)
+            plan, bufs, bplan, bbufs = _step_buffers(B, T, dtype, device, dims)
             for name in kernels:
                 b = bufs if name.startswith("fwd") else bbufs
                 saved = {k: v.clone() for k, v in b.items()}
@@ -407,9 +418,7 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                 tiles = (alternatives or {}).get(name) or _tile_alternatives(name, B, dtype, top)
                 first = None
                 for tile in tiles:
-                    launch = KL.launch_plan(B, T, H, P, dtype, training=True, target=target,
-                                            tiles={name: tile} if tile else None, cell_clip=True, proj_clip=True,
-                                            reverse=fl["reverse"], residual=fl["residual"])[name]
+                    launch = _plan_with(name, tile, B, T, dtype, device, dims)[name]
                     restore()
                     try:
                         KL._run(launch, b, s)
@@ -423,21 +432,14 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                     if bad or not all(torch.isfinite(v).all() for v in got.values()):
                         raise AssertionError(f"bench_tiles: {name} with {tile} differs from the tuned tile's result "
                                              f"in {sorted(bad)}")
-                    p50, p20, p80 = common.time_ms(lambda launch=launch, b=b: KL._run(launch, b, s), device)
+                    times = common.time_ms(lambda launch=launch, b=b: KL._run(launch, b, s), device)
                     restore()
-                    t = launch.tile
                     est = _estimate_us(launch, dtype)
-                    rows.append(dict(
-                        meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        kernel=name, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
-                        grid="x".join(map(str, launch.grid)),
-                        tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tile is None else ""),
-                        us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
-                        est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops))
+                    rows.append(_tile_row(meta, name, launch, tile is None, B, T, dtype, times, est, launch.bytes))
                     print(f"{name:>8} {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
-                          f"grid {rows[-1]['grid']:<8}: {p50 * 1e3:8.2f} us (estimate {est:6.2f})", flush=True)
+                          f"grid {rows[-1]['grid']:<8}: {times[0] * 1e3:8.2f} us (estimate {est:6.2f})", flush=True)
                 del saved
-            del c, args, bufs, bbufs, plan, bplan
+            del bufs, bbufs, plan, bplan
     return rows
 
 
