@@ -243,3 +243,21 @@ def test_tracing_tells_real_fake_and_functional_tensors():
     with FakeTensorMode():
         fake = torch.ones(3)
     assert tracing(fake) and tracing(real, fake, 1)
+
+
+def test_auto_gives_fp64_calls_of_kernels_without_gpu_fp64_to_the_reference(monkeypatch):
+    """On a GPU, auto sends an fp64 char-CNN or softmax call to the reference (their Triton kernels have no fp64
+    there); an explicit 'triton', other dtypes and ops with fp64 kernels keep what select_backend chose."""
+    import elmo_fast._backend as B
+    from elmo_fast.ops._library import NO_FP64_ON_GPU, backend_for
+
+    monkeypatch.setattr(B, "select_backend", lambda backend, device, op: "triton")
+    monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
+    gpu = torch.device("cuda")
+    assert NO_FP64_ON_GPU == {"char_cnn", "sampled_softmax", "full_softmax"}
+    for op in NO_FP64_ON_GPU:
+        assert backend_for("auto", gpu, op, torch.float64) == "reference"
+        assert backend_for("triton", gpu, op, torch.float64) == "triton"
+        assert backend_for("auto", gpu, op, torch.float32) == "triton"
+        assert backend_for("auto", torch.device("cpu"), op, torch.float64) == "triton"
+    assert backend_for("auto", gpu, "lstmp", torch.float64) == "triton"

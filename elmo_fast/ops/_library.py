@@ -72,13 +72,24 @@ def nothing(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
-@torch.compiler.assume_constant_result
-def backend_for(backend: str | None, device: torch.device, op: str) -> str:
-    """``elmo_fast._backend.select_backend``; while torch.compile traces, evaluated once per call site and
-    treated as a constant of the graph (it reads the environment and probes imports, which dynamo cannot trace)."""
-    from .._backend import select_backend
+# Triton kernels with no fp64 on a GPU (Triton 3.6 cannot compile the char CNN's fp64 backward; the softmax kernels
+# take fp32/bf16/fp16 only): ``auto`` gives fp64 calls of these on a GPU to the reference, an explicit 'triton'
+# raises with the fix.
+NO_FP64_ON_GPU = frozenset({"char_cnn", "sampled_softmax", "full_softmax"})
 
-    return select_backend(backend, device, op)
+
+@torch.compiler.assume_constant_result
+def backend_for(backend: str | None, device: torch.device, op: str, dtype: torch.dtype | None = None) -> str:
+    """``elmo_fast._backend.select_backend``, and ``auto``'s fp64 rule above (``dtype``: the op's floating dtype);
+    while torch.compile traces, evaluated once per call site and treated as a constant of the graph (it reads the
+    environment and probes imports, which dynamo cannot trace)."""
+    from .._backend import _normalise, select_backend
+
+    be = select_backend(backend, device, op)
+    if (be == "triton" and dtype == torch.float64 and op in NO_FP64_ON_GPU and torch.device(device).type == "cuda"
+            and _normalise(backend) == "auto"):
+        return "reference"
+    return be
 
 
 class CompositeOp:

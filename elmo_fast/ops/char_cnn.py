@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import _normalise
 from ._library import CompositeOp, backend_for
 from ..cpu.char_cnn import char_cnn_cpu
 from ..reference.char_cnn import char_cnn_reference, highway_reference
@@ -39,9 +38,7 @@ def char_cnn(
             )
     low = prec.compute_dtype(char_embed)
     char_embed, *conv_weights = prec.weights(low, char_embed, *conv_weights)
-    be = backend_for(backend, char_ids.device, "char_cnn")
-    if be == "triton" and char_embed.dtype == torch.float64 and char_ids.is_cuda and _normalise(backend) == "auto":
-        be = "reference"  # the Triton char CNN has no fp64 on a GPU (an explicit backend='triton' says so)
+    be = backend_for(backend, char_ids.device, "char_cnn", char_embed.dtype)
     with prec.no_autocast(char_ids.device):
         if be == "triton":
             from ..kernels.char_cnn import char_cnn_triton

@@ -118,7 +118,7 @@ def sampled_softmax_loss(
     true_q = expected_count_reference(targets, num_tries, S, V)
     samp_q = expected_count_reference(sampled_ids, num_tries, S, V)
     hidden, weight = _low_precision(hidden, weight)
-    be = backend_for(backend, hidden.device, "sampled_softmax")
+    be = backend_for(backend, hidden.device, "sampled_softmax", hidden.dtype)
     kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
     with prec.no_autocast(hidden.device):
         if be == "triton":
@@ -154,7 +154,7 @@ def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.
     _check_common(hidden, targets, weight, bias, reduction)
     targets = targets.long()
     hidden, weight = _low_precision(hidden, weight)
-    be = backend_for(backend, hidden.device, "full_softmax")
+    be = backend_for(backend, hidden.device, "full_softmax", hidden.dtype)
     with prec.no_autocast(hidden.device):
         if be == "triton":
             from ..kernels.softmax import full_softmax_nll_triton
