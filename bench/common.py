@@ -254,6 +254,22 @@ def op_profile(fn, steps: int = 2, top: int = 25) -> list[dict]:
     return rows[:top]
 
 
+# Launch terms of the compile-time models (bench/kernel_report.py, bench/lstmp_compile.py), measured on an H200
+# (bench/results/gpu_h200.md, 2026-11-26; 3 µs per eager launch and 0 in a graph were assumed before). An eager
+# Triton launch costs ~42 µs of host time (the B=1 bf16 chain: 2.533 ms for its ~60 launches), which overlaps the
+# GPU work of the kernels before it: an eager launch costs max(kernel, 42 µs). A kernel replayed from a CUDA graph
+# costs 2.6 µs on top of its roofline time (the B=1 graph chain: 14.0 µs a step against 6.3 µs of roofline for its
+# three kernels). Torch's own launches (cuBLAS, elementwise) were not measured: 3 µs each.
+EAGER_LAUNCH_US = 42.0
+GRAPH_LAUNCH_US = 2.6
+TORCH_LAUNCH_US = 3.0
+
+
+def launched_us(gpu_us: float, graph: bool) -> float:
+    """A kernel's time as launched: ``gpu_us`` of GPU work from a CUDA graph, or eagerly behind the host."""
+    return gpu_us + GRAPH_LAUNCH_US if graph else max(gpu_us, EAGER_LAUNCH_US)
+
+
 def device_profile(fn, steps: int = 2, top: int = 20) -> dict:
     """Where a GPU call's time goes: ``steps`` calls of ``fn`` under torch.profiler (CPU and, with CUDA, the device).
     Returns per call: ``wall_ms``; ``kernel_ms``, the device time of every kernel (CUDA-graph replays included);

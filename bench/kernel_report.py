@@ -93,7 +93,7 @@ SMS = KX.H100.sms
 HBM = 3.35e12  # B/s
 PEAK_TC = 990e12  # dense bf16 with tensor cores
 PEAK_FMA = 67e12  # fp32 without tensor cores
-LAUNCH_US = 3.0  # per launch outside a CUDA graph
+# launch terms: common.EAGER_LAUNCH_US / GRAPH_LAUNCH_US / TORCH_LAUNCH_US (measured on an H200)
 REGS_PER_SM, SMEM_PER_SM, SMEM_PER_BLOCK, MAX_WARPS, MAX_BLOCKS = 65536, 228 * 1024, 227 * 1024, 64, 32
 
 
@@ -389,9 +389,10 @@ def tensor_cores(st: dict) -> bool:
     return st["hgmma"] + st["hmma"] > 0
 
 
-def estimate_us(case: Case, scratch_in_l2: bool = False) -> float:
+def estimate_us(case: Case, scratch_in_l2: bool = False, graph: bool = False) -> float:
     """max(bytes / HBM, FLOPs / peak), slowed by the share of SMs the grid keeps busy (a grid of n < 132
-    programs uses n SMs; a last partial wave idles the rest), + the launch overhead (no CUDA graph).
+    programs uses n SMs; a last partial wave idles the rest); launched eagerly at least the host's launch time
+    (``common.launched_us``), from a CUDA graph (``graph``) plus a graph launch's cost.
     ``scratch_in_l2``: the split-K partials (``case.scratch``) taken as L2 traffic, not HBM (the lower bound).
 
     The peak is the tensor-core one when the SASS has tensor-core instructions, else the fp32 FMA one."""
@@ -403,7 +404,7 @@ def estimate_us(case: Case, scratch_in_l2: bool = False) -> float:
     slots = SMS * max(occupancy(st), 1)
     busy = min(1.0, n / SMS) if n <= slots else n / (math.ceil(n / slots) * slots)
     nbytes = case.bytes - (case.scratch if scratch_in_l2 else 0.0)
-    return max(nbytes / HBM, case.flops / peak) / busy * 1e6 + LAUNCH_US
+    return common.launched_us(max(nbytes / HBM, case.flops / peak) / busy * 1e6, graph)
 
 
 GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",
@@ -460,7 +461,7 @@ def chosen(cases: list[Case]) -> list[Case]:
     groups: dict = {}
     for c in cases:
         groups.setdefault((c.size, c.dtype, c.op, c.variant, c.slot), []).append(c)
-    return [min(g, key=lambda c: (bool(violations(c)), estimate_us(c))) for g in groups.values()]
+    return [min(g, key=lambda c: (bool(violations(c)), estimate_us(c, graph=True))) for g in groups.values()]
 
 
 @dataclass
@@ -476,7 +477,7 @@ class TorchOp:
 
     def estimate_us(self) -> float:
         peak = PEAK_TC if self.tensor_cores else PEAK_FMA
-        return max(self.bytes / HBM, self.flops / peak) * 1e6 + LAUNCH_US * self.launches
+        return max(self.bytes / HBM, self.flops / peak) * 1e6 + common.TORCH_LAUNCH_US * self.launches
 
 
 def gemm(name, m, n, k, dt, launches=1) -> TorchOp:
@@ -539,7 +540,7 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
         by.setdefault((c.size, c.dtype, c.op, c.phase, c.variant), []).append(c)
 
     def kern(size, dt, op, phase, variant="", times=1, graph=False, l2=False):
-        return sum((estimate_us(c, l2) - (LAUNCH_US if graph else 0)) * (1 if c.once else times)
+        return sum(estimate_us(c, l2, graph) * (1 if c.once else times)
                    for c in by.get((size.name, dt, op, phase, variant), []))
 
     def loop_graph_us(size, dt, phase):
@@ -634,7 +635,9 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
           f"the workload) in {seconds:.0f} s with {jobs} processes. Nothing here ran on a GPU: every time below "
           "is an estimate.",
           "",
-          "Model (bench/kernel_report.py): per launch `max(bytes / 3.35 TB/s, FLOPs / peak) / busy + 3 µs`, peak "
+          "Model (bench/kernel_report.py): per launch `max(max(bytes / 3.35 TB/s, FLOPs / peak) / busy, 42 µs)` "
+          "launched eagerly, `+ 2.6 µs` instead of the max when replayed from a CUDA graph (launch terms measured on "
+          "an H200, 2026-11-26: bench/results/gpu_h200.md, where the kernels themselves ran at 2-4x this model), peak "
           "990 TFLOP/s when the SASS has tensor-core instructions (HGMMA/HMMA) else 67 TFLOP/s, `busy` = share of "
           "the 132 SMs the grid keeps busy; bytes = compulsory HBM traffic + atomic reduction traffic; FLOPs as "
           f"executed (padded tiles included); char-CNN position loops of {MEAN_WINDOWS} windows. Token encoder "
@@ -675,7 +678,7 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                                   cell(s, "lstm_step_fwd_graph_l2_us", "{:.1f}"),
                                   cell(s, "lstm_step_fwd_bwd_graph_l2_us", "{:.1f}"), cell(s, "train_step_graph_us"),
                                   cell(s, "train_tokens_per_s_graph", "{:,.0f}")]) + " |" for s in sums]
-        md += ["", "Loop-graph rows: the LSTMP kernels of the time loops without the 3 µs per launch, plus per chain "
+        md += ["", "Loop-graph rows: the LSTMP kernels of the time loops at 2.6 µs a launch, plus per chain "
                "call the replay's launch, the refill of the graph's static buffers (weights, x, states, lengths, dy) "
                "and the clones of what it returns (`loop_graph_ops`). The split-K partials (8.7 MB forward, 17.3 MB "
                "backward per step at B=384) are written and read back within a step: counted as HBM traffic (the "

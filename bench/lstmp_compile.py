@@ -53,7 +53,6 @@ NVBIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H, P, D, T = 4096, 512, 512, 20
 HBM = 3.35e12
 PEAK = {True: 990e12, False: 67e12}  # 16-bit tensor cores / fp32 without them
-LAUNCH_US = 3.0
 SMEM_BLOCK = 227 * 1024
 VARIANTS = [(dt, B, B >= 128) for dt in (torch.bfloat16, torch.float32) for B in KL.BATCHES]
 FLAGS = dict(cell_clip=True, proj_clip=True, reverse=True, residual=True)
@@ -102,17 +101,18 @@ def programs(launch: KL.Launch) -> int:
 
 
 def estimate_us(launch: KL.Launch, low: bool, graph: bool = True, scratch_in_hbm: bool = False) -> float:
-    """performance.md's rule: max(bytes / HBM, FLOPs / peak), + 3 µs per launch outside a CUDA graph. The
-    split-K partials (a few MiB, written and read back within the step, the same buffer every step) are
-    taken as L2-resident unless ``scratch_in_hbm``."""
+    """performance.md's rule, max(bytes / HBM, FLOPs / peak), with the launch terms measured on an H200
+    (``common.launched_us``). The split-K partials (a few MiB, written and read back within the step, the same
+    buffer every step) are taken as L2-resident unless ``scratch_in_hbm``."""
     nbytes = launch.bytes + (launch.scratch_bytes if scratch_in_hbm else 0)
-    return max(nbytes / HBM, launch.flops / PEAK[low]) * 1e6 + (0.0 if graph else LAUNCH_US)
+    return common.launched_us(max(nbytes / HBM, launch.flops / PEAK[low]) * 1e6, graph)
 
 
 def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H100.sms) -> float:
     """The estimate with a launch of n < sms programs given n/sms of the bandwidth and of the peak (this tool's
     assumption, pessimistic for memory-bound launches: one SM can pull more than its 1/sms share)."""
-    return (estimate_us(launch, low) * max(1.0, sms / programs(launch))) + (0.0 if graph else LAUNCH_US)
+    gpu = max(launch.bytes / HBM, launch.flops / PEAK[low]) * 1e6
+    return common.launched_us(gpu * max(1.0, sms / programs(launch)), graph)
 
 
 def l2_bytes(name: str, launch: KL.Launch, B: int, dtype: torch.dtype) -> int:
@@ -148,7 +148,8 @@ def step_us(pl: dict, low: bool, graph: bool, scratch_in_hbm: bool = False, fill
 
 def gemm_us(M: int, N: int, K: int, isz: int, low: bool, graph: bool) -> float:
     """A cuBLAS GEMM outside the time loop at the same roofline (operands and result once)."""
-    return max((M * K + K * N + M * N) * isz / HBM, 2 * M * N * K / PEAK[low]) * 1e6 + (0 if graph else LAUNCH_US)
+    return max((M * K + K * N + M * N) * isz / HBM, 2 * M * N * K / PEAK[low]) * 1e6 + (
+        0 if graph else common.TORCH_LAUNCH_US)
 
 
 def chain_us(dtype, B: int, training: bool, graph: bool, steps: int = T) -> float:
@@ -164,7 +165,7 @@ def chain_us(dtype, B: int, training: bool, graph: bool, steps: int = T) -> floa
         total += steps * bwd
         total += (gemm_us(D, 4 * H, N, isz, low, graph) + gemm_us(P, 4 * H, N, isz, low, graph)
                   + gemm_us(H, P, N, isz, low, graph) + gemm_us(N, D, 4 * H, isz, low, graph)
-                  + N * 4 * H * isz / HBM * 1e6 + (0 if graph else LAUNCH_US))
+                  + N * 4 * H * isz / HBM * 1e6 + (0 if graph else common.TORCH_LAUNCH_US))
     return total
 
 
