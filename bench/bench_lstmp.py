@@ -385,8 +385,7 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
 
     from elmo_fast.kernels import lstmp as KL
 
-    tuned = KL.TUNED[(name, "16bit" if dtype != torch.float32 else "fp32",
-                      next((b for b in KL.BATCHES if b >= B), KL.BATCHES[-1]))]
+    tuned = KL._tile(name, B, dtype, KL.H100)
     ranked = sorted(lstmp_compile.candidates(name, B, dtype != torch.float32),
                     key=functools.partial(lstmp_compile._prekey, name, dtype, B))
     return (None, *[t for t in ranked if t != tuned][:top])

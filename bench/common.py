@@ -289,12 +289,14 @@ def device_profile(fn, steps: int = 2, top: int = 20) -> dict:
         if cuda:
             torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - t0) / steps
-    events = prof.key_averages()
-    on_device = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    kernels = sorted(((e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps)
-                      for e in on_device), key=lambda k: -k[1])
-    host = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in events
-                   if e not in on_device), key=lambda k: -k[1])
+    kernels, host = [], []
+    for e in prof.key_averages():
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+            kernels.append((e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps))
+        else:
+            host.append((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps))
+    kernels.sort(key=lambda k: -k[1])
+    host.sort(key=lambda k: -k[1])
     kernel_ms = sum(k[1] for k in kernels)
     return {"wall_ms": wall, "kernel_ms": kernel_ms, "busy": kernel_ms / wall if wall else 0.0,
             "kernels": kernels[:top], "host_ops": host[:top]}

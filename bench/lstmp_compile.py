@@ -104,15 +104,18 @@ def estimate_us(launch: KL.Launch, low: bool, graph: bool = True, scratch_in_hbm
     """performance.md's rule, max(bytes / HBM, FLOPs / peak), with the launch terms measured on an H200
     (``common.launched_us``). The split-K partials (a few MiB, written and read back within the step, the same
     buffer every step) are taken as L2-resident unless ``scratch_in_hbm``."""
+    return common.launched_us(_roofline_us(launch, low, scratch_in_hbm), graph)
+
+
+def _roofline_us(launch: KL.Launch, low: bool, scratch_in_hbm: bool = False) -> float:
     nbytes = launch.bytes + (launch.scratch_bytes if scratch_in_hbm else 0)
-    return common.launched_us(max(nbytes / HBM, launch.flops / PEAK[low]) * 1e6, graph)
+    return max(nbytes / HBM, launch.flops / PEAK[low]) * 1e6
 
 
 def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H100.sms) -> float:
     """The estimate with a launch of n < sms programs given n/sms of the bandwidth and of the peak (this tool's
     assumption, pessimistic for memory-bound launches: one SM can pull more than its 1/sms share)."""
-    gpu = max(launch.bytes / HBM, launch.flops / PEAK[low]) * 1e6
-    return common.launched_us(gpu * max(1.0, sms / programs(launch)), graph)
+    return common.launched_us(_roofline_us(launch, low) * max(1.0, sms / programs(launch)), graph)
 
 
 def l2_bytes(name: str, launch: KL.Launch, B: int, dtype: torch.dtype) -> int:

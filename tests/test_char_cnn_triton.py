@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from conftest import poison_allocations, requires_triton
+from conftest import poison_allocations, requires_triton, triton_device
 
 from elmo_fast.chars import word_to_char_ids
 from elmo_fast.reference.char_cnn import char_cnn_reference, highway_reference
@@ -24,7 +24,7 @@ D_C = 4
 
 
 def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(triton_device())
 
 
 def _fp64_device() -> torch.device:
@@ -363,46 +363,53 @@ def near_ties(ids, emb, ws, tol):
     return torch.cat(out, 1)
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_original_size_gpu(dtype, device="cuda"):
-    """Original model sizes (d_c 16, F 2048, L 50, 2 highway layers), 2,048 tokens, forward and every gradient.
+def check_original_size(dtype, device, backend):
+    """Original model sizes (d_c 16, F 2048, L 50, 2 highway layers), 2,048 tokens, forward and every gradient of
+    ``backend`` against the reference in ``dtype`` and in fp64.
 
     Every run starts from the same ``dtype``-representable parameters, so the fp64 oracle sees the values the
     kernel gets. fp32: the (token, filter) pairs with a near-tie between two windows get no gradient (a hook on the
     char-CNN output), since at this size a few of them flip their winner in any fp32 implementation (one in
     cuDNN's, one in the kernel's, on an H200, 2026-11-26); the comparison stays max-abs on everything else.
-    bf16 keeps the norm comparison, which absorbs its flips."""
+    bf16 keeps the norm comparison, which absorbs its flips. Every output is checked, then all failures reported."""
     from elmo_fast import ops
 
-    ids = make_ids(2048, 50, seed=50)
+    ids = make_ids(2048, 50, seed=50).to(device)
     emb, ws, bs, hw = make_params(filters=ORIGINAL_FILTERS, d_c=16, n_highway=2, seed=51)
-    flat = [t.to(dtype).double() for t in (emb, *ws, *bs, *[t for layer in hw for t in layer])]
+    flat = [t.to(dtype).double().to(device) for t in (emb, *ws, *bs, *[t for layer in hw for t in layer])]
     n = len(ws)
-    gout = torch.randn(ids.shape[0], 2048, dtype=torch.float64)
-    keep = ~near_ties(ids.to(device), flat[0].to(device), [w.to(device) for w in flat[1:1 + n]], 1e-4)
-    if dtype == torch.bfloat16:
-        keep = torch.ones_like(keep)
+    gout = torch.randn(ids.shape[0], 2048, dtype=torch.float64).to(device)
+    keep = (~near_ties(ids, flat[0], flat[1:1 + n], 1e-4) if dtype == torch.float32
+            else torch.ones(ids.shape[0], 2048, dtype=torch.bool, device=device))
 
-    def run(backend, dt, device):
+    def run(be, dt):
         p = _leaves(flat, dt, device)
-        v = ops.char_cnn(ids.to(device), p[0], p[1:1 + n], p[1 + n:1 + 2 * n], "relu", backend=backend)
+        v = ops.char_cnn(ids, p[0], p[1:1 + n], p[1 + n:1 + 2 * n], "relu", backend=be)
         v.register_hook(lambda g: g * keep.to(g.dtype))
         for k in range(2):
-            v = ops.highway(v, *p[1 + 2 * n + 4 * k: 5 + 2 * n + 4 * k], backend=backend)
-        v.backward(gout.to(device=device, dtype=dt))
-        return v.detach(), [p[0].grad[1:]] + [t.grad for t in p[1:]]
+            v = ops.highway(v, *p[1 + 2 * n + 4 * k: 5 + 2 * n + 4 * k], backend=be)
+        v.backward(gout.to(dt))
+        return [v.detach(), p[0].grad[1:]] + [t.grad for t in p[1:]]
 
-    y64, g64 = run("reference", torch.float64, device)
-    yb, gb = run("reference", dtype, device)
-    yc, gc = run("triton" if device == "cuda" else "cpu", dtype, device)
     names = ["out", "char_embed[1:]"] + [f"W_cnn_{i}" for i in range(n)] + [f"b_cnn_{i}" for i in range(n)] + [
         f"highway_{k}.{p}" for k in range(2) for p in ("W_carry", "b_carry", "W_transform", "b_transform")]
-    failures = []  # every output checked, then all failures reported: a lease gives one look at them
-    for name, a, b, c in zip(names, [y64, *g64], [yb, *gb], [yc, *gc]):
+    failures = []  # a GPU lease gives one look at them
+    for name, a, b, c in zip(names, run("reference", torch.float64), run("reference", dtype), run(backend, dtype)):
         try:
             assert_close3(name, a, b, c, dtype)
         except AssertionError as exc:
             failures.append(str(exc).splitlines()[0])
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_original_size_gpu(dtype):
+    check_original_size(dtype, "cuda", "triton")
+
+
+@pytest.mark.slow
+def test_original_size_cpu_backend():
+    """The same check of the cpu backend (fp32), so the check itself is exercised without a GPU."""
+    check_original_size(torch.float32, "cpu", "cpu")

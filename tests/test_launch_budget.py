@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_launches  # noqa: E402
@@ -39,7 +39,7 @@ def test_budget_at_a_few_steps_is_the_designs_count_scaled():
 
 @pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det", "train-step-loop-graphs"])
 def test_launches_and_syncs_within_budget(case):
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(triton_device())
     if case == "forward":
         row = bench_launches.measure_forward(dev, steps=STEPS)
     elif case == "train-step-det":

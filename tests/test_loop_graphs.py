@@ -13,12 +13,12 @@ import gc
 import pytest
 import torch
 
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 from test_lstmp_triton import GRAD_NAMES, flags, make_case, upstream_grads
 
 pytestmark = [pytest.mark.triton, requires_triton]
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DEV = triton_device()
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import requires_triton
+from conftest import requires_triton, triton_device
 
 from elmo_fast import _backend
 from elmo_fast.ops import _selfcheck
 
 pytestmark = [pytest.mark.triton, requires_triton]
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEV = torch.device(triton_device())
 
 
 @pytest.mark.parametrize("op", sorted(_selfcheck.CHECKS))
