@@ -71,7 +71,7 @@ def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Te
 @_sampled_softmax_backward.register_fake
 def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
     (N, P), S = hidden.shape, w_s.shape[0]
-    rows = hidden.new_empty(N + S, P * need_w + need_b) if need_w or need_b else nothing(hidden)
+    rows = hidden.new_empty(N + S, P * int(need_w) + int(need_b)) if need_w or need_b else nothing(hidden)
     return (torch.empty_like(hidden) if need_h else nothing(hidden)), rows
 
 

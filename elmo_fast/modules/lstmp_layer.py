@@ -238,7 +238,7 @@ class LSTMP(nn.Module):
     def forward(self, input, hx: tuple[torch.Tensor, torch.Tensor] | None = None):
         packed = isinstance(input, PackedSequence)
         if packed:
-            x, lengths = pad_packed_sequence(input, batch_first=True)  # original batch order, lengths on the CPU
+            x, lengths = _unpack(input)  # original batch order, lengths on the CPU
             unbatched = False
         else:
             if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3):
@@ -350,6 +350,13 @@ class LSTMP(nn.Module):
 
 def _describe(v) -> str:
     return f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+@torch.compiler.disable
+def _unpack(input: PackedSequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """pad_packed_sequence, outside any torch.compile graph: its lengths are data-dependent sizes (a graph break
+    in torch 2.13), and torch 2.11's dynamo fails on it outright ('data is not allocated yet' from a fake tensor)."""
+    return pad_packed_sequence(input, batch_first=True)
 
 
 def _repack(out: torch.Tensor, like: PackedSequence) -> PackedSequence:

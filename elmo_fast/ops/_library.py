@@ -56,8 +56,15 @@ class ThreadFlag:
     def __bool__(self) -> bool:
         return getattr(self._local, "on", False)
 
-    @contextlib.contextmanager
     def on(self):
+        # while torch.compile traces, no traced code reads a flag (check_lengths asserts in the graph instead), and
+        # torch 2.11's dynamo cannot trace this generator's bool(self): a graph break in every compiled LSTMP
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return self._on()
+
+    @contextlib.contextmanager
+    def _on(self):
         old = bool(self)
         self._local.on = True
         try:
