@@ -81,13 +81,16 @@ def _warn(message: str) -> None:
 
 ext_modules, cmdclass = [], {}
 if _want_cpu():
+    import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     ext_modules.append(CppExtension(name="elmo_fast._cpu",
                                     sources=["csrc/cpu/lstmp_cell.cpp", "csrc/cpu/sparse_rows.cpp",
                                              "csrc/cpu/small_gemm.cpp"],
                                     # -g0: Python's CFLAGS carry -g (twice the compile time); -fopenmp: at::parallel_for
-                                    extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp"],
+                                    # the torch it is built against: elmo_fast.cpu.ext refuses it under another
+                                    extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp",
+                                                        f'-DELMO_FAST_BUILT_WITH_TORCH="{torch.__version__}"'],
                                     extra_link_args=["-fopenmp"]))
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 if _want_cuda():

@@ -65,6 +65,24 @@ def gate_path(request, monkeypatch):
     ext.set_isa(best)
 
 
+def test_an_extension_built_for_another_torch_is_refused_with_the_fix():
+    """elmo_fast._cpu built against another torch imports, then segfaults in its first call (a build for torch 2.11
+    under 2.13, 2026-11-26): the loader compares the version the build recorded and refuses a mismatch, or no record,
+    with a warning naming the rebuild; the module built here passes."""
+    import types
+
+    from elmo_fast.cpu import ext as ext_module
+
+    for built in ("1.0.0+elsewhere", None):
+        fake = types.SimpleNamespace(__file__="/x/_cpu.so", **({"torch_version": built} if built else {}))
+        with pytest.warns(RuntimeWarning, match=r"built against torch .*this process runs torch .*Rebuild"):
+            assert not ext_module._same_torch(fake)
+    assert ext_module._same_torch(types.SimpleNamespace(__file__="/x/_cpu.so", torch_version=torch.__version__))
+    real = cpu_ext()
+    if real is not None:
+        assert real.torch_version == torch.__version__
+
+
 def assert_close_to_oracle(got, ref64, ref_low, what):
     """|got - ref64| <= 2 |ref_low - ref64| + slack·(1 + |ref64|) elementwise: the reference run in got's dtype
     sets the bar, plus a per-dtype slack for a different (equally valid) summation order."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -15,9 +16,25 @@ import torch
 @functools.lru_cache(maxsize=None)
 def _load():
     try:
-        return importlib.import_module("elmo_fast._cpu")
+        mod = importlib.import_module("elmo_fast._cpu")
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
+    return mod if _same_torch(mod) else None
+
+
+def _same_torch(mod) -> bool:
+    """An extension imports under another torch than its build's, then crashes in its first call (a segmentation
+    fault, seen with a build for torch 2.11 loaded by 2.13: editable installs of two venvs share the in-tree
+    module). So it runs only under the torch it was built against, and says so otherwise."""
+    built = getattr(mod, "torch_version", None)
+    if built == torch.__version__:
+        return True
+    warnings.warn(f"elmo_fast: the CPU extension elmo_fast._cpu ({mod.__file__}) was built against torch "
+                  f"{built or 'of an unknown version (built before elmo_fast recorded it)'}, and this process runs "
+                  f"torch {torch.__version__}: its kernels would crash here, so the cpu backend runs the same math as "
+                  "torch ops. Rebuild it with this torch: `pip install --no-build-isolation -e .` (or `make setup` "
+                  "after removing the venv's .elmo_fast-setup stamp).", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def cpu_ext():
