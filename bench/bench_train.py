@@ -189,10 +189,14 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         V = len(vocab)
         cfg.n_train_tokens = n_tok
         cfg.n_negative_samples_batch = min(cfg.n_negative_samples_batch, V)
-        # ---- elmo_fast; on a GPU also with the LSTMP loop graphs off (every step's launches as launched)
-        for name, graphs in [("elmo_fast", None)] + ([("elmo_fast-eager", "0")] if dev.type == "cuda" else []):
+        # ---- elmo_fast; on a GPU also with the LSTMP loop graphs off (every step's launches as launched), and
+        # with the batches made in a thread of this process instead of a worker process (data_worker's GPU default)
+        variants = [("elmo_fast", None, "auto")] + (
+            [("elmo_fast-eager", "0", "auto"), ("elmo_fast-thread-data", None, "thread")] if dev.type == "cuda" else [])
+        for name, graphs, worker in variants:
             if name not in providers:
                 continue
+            cfg.data_worker = worker
             with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
                 tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
@@ -262,7 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per provider, over --rounds rounds")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--providers", default="elmo_fast,elmo_fast-eager,parts")
+    ap.add_argument("--providers", default="elmo_fast,elmo_fast-eager,parts",
+                    help="any of elmo_fast, elmo_fast-eager, elmo_fast-thread-data (GPU), parts")
     ap.add_argument("--profile", type=int, default=0, help="then profile this many elmo_fast steps")
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)

@@ -150,3 +150,31 @@ def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
     for key in (*TowerStream.KEYS, "sampled_ids"):
         assert torch.equal(got[key], want[key]), key
     assert got["num_tries"] == want["num_tries"]
+
+
+def test_tower_stream_in_a_loader_process_is_pinned_by_the_consumer(tmp_path, monkeypatch):
+    """The GPU mode with data_worker 'process': the worker draws the samples (its copy of the generator) and does
+    not pin; the consumer pins what it receives; batches and positions are those of the stream run here."""
+    files = _corpus(tmp_path)
+    counts, _, _, _ = D.count_tokens(files)
+    vocab = Vocabulary(words=D.build_vocab(counts))
+
+    def make(pin):
+        gen = torch.Generator().manual_seed(5)
+        return TowerStream(D.BidirectionalStream(files, vocab, 4, 6, 50, seed=1), gen, 8, len(vocab), ahead=True,
+                           pin=pin)
+
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t) or t)  # no accelerator here
+    ref = make(True)
+    process = D.ProcessLoader(make(False), prepare=TowerStream.pinned)
+    try:
+        for _ in range(3):
+            want, got = ref.next_batch(), next(process)
+            for key in (*TowerStream.KEYS, "sampled_ids"):
+                assert torch.equal(got[key], want[key]), key
+            assert got["num_tries"] == want["num_tries"]
+        assert len(pinned) == 2 * 3 * 5  # five tensors a batch, each side's pinned in this process
+        assert str(process.position) == str(ref.get_state())
+    finally:
+        process.close()

@@ -166,24 +166,61 @@ def test_training_stream_never_ends_and_resumes_exactly(tmp_path):
     assert not np.array_equal(expect[0]["token_ids"], expect[0]["token_ids_reverse"][:, ::-1])
 
 
-def test_background_loader_position_is_the_consumed_one(tmp_path):
+@pytest.mark.parametrize("kind", ["BackgroundLoader", "ProcessLoader"])
+def test_loader_position_is_the_consumed_one(tmp_path, kind):
+    """Thread or process: the batches of the stream in order, and a position from which a new loader goes on
+    with exactly the next batch (the worker has read ahead by then)."""
+    Loader = getattr(D, kind)
     files = _corpus(tmp_path)
     counts, *_ = D.count_tokens(files)
     vocab = Vocabulary(words=D.build_vocab(counts))
     ref = D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1)
     expect = [ref.next_batch() for _ in range(12)]
-    loader = D.BackgroundLoader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3)
+    loader = Loader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3)
     for i in range(5):
         np.testing.assert_array_equal(next(loader)["token_ids"], expect[i]["token_ids"])
     time.sleep(0.2)  # the worker has read ahead by now
     pos = loader.position
     loader.close()
-    again = D.BackgroundLoader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3, state=pos)
+    again = Loader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3, state=pos)
     for i in range(5, 12):
         b = next(again)
         np.testing.assert_array_equal(b["token_ids"], expect[i]["token_ids"])
         np.testing.assert_array_equal(b["next_token_id_reverse"], expect[i]["next_token_id_reverse"])
     again.close()
+
+
+def test_process_loader_ends_errs_and_notices_a_dead_worker(tmp_path):
+    """The data's end is StopIteration, a worker's exception is raised in the consumer with its type and text,
+    a killed worker is an error naming it (not a hang), and ``prepare`` runs on each batch handed out."""
+    files = _corpus(tmp_path, n_shards=2, n_sent=10)
+    counts, *_ = D.count_tokens(files)
+    vocab = Vocabulary(words=D.build_vocab(counts))
+    n = 0
+    loader = D.ProcessLoader(D.LMStream(files, vocab, 1, 1, 50, test=True), prepare=lambda b: {**b, "seen": 1})
+    for b in loader:
+        assert b["seen"] == 1
+        n += 1
+    loader.close()
+    assert n == sum(counts.values()) + 2 * 20 - 20  # every token but each sentence's last is an input once
+
+    class Broken(D.LMStream):
+        def next_batch(self):
+            raise D.DataError("shard 3 is not UTF-8")
+
+    loader = D.ProcessLoader(Broken(files, vocab, 1, 1, 50))
+    with pytest.raises(D.DataError, match="shard 3 is not UTF-8"):
+        next(loader)
+    loader.close()
+
+    loader = D.ProcessLoader(D.LMStream(files, vocab, 1, 1, 50), queue_size=1)
+    next(loader)
+    loader._proc.kill()
+    loader._proc.join()
+    with pytest.raises(RuntimeError, match=r"data loader process \(pid \d+\) died"):
+        for _ in range(5):  # what it had queued before it died comes first
+            next(loader)
+    loader.close()
 
 
 def test_test_mode_reads_each_shard_once(tmp_path):
@@ -297,6 +334,24 @@ def _trainer(tmp_path, train_glob, heldout=None, **over):
         setattr(cfg, k, v)
     held = D.resolve_shards(heldout) if heldout else None
     return Trainer(cfg, vocab, files, held, str(tmp_path / "run")), counts
+
+
+def test_data_worker_process_trains_as_the_thread_does(tmp_path):
+    """data_worker 'process' (the default on a GPU) and 'thread': the same losses step by step and the same data
+    position to checkpoint."""
+    train_glob, _ = _grammar_corpus(tmp_path)
+    losses, positions = {}, {}
+    for worker in ("thread", "process"):
+        tr, _ = _trainer(tmp_path / worker, train_glob, batch_size=4, unroll_steps=6, data_worker=worker)
+        try:
+            assert type(tr.towers[0].loader).__name__ == {"thread": "BackgroundLoader",
+                                                          "process": "ProcessLoader"}[worker]
+            losses[worker] = [float(tr.train_step()) for _ in range(4)]
+            positions[worker] = str(tr.towers[0].state())
+        finally:
+            tr.close()
+    assert losses["process"] == losses["thread"]
+    assert positions["process"] == positions["thread"]
 
 
 def test_tiny_model_beats_unigram_perplexity(tmp_path):

@@ -68,7 +68,9 @@ class TrainConfig:
     bf16: bool = _field(True, "bfloat16 autocast on a GPU (ignored on the CPU)")
     deterministic: bool = _field(False, "deterministic mode: bit-identical runs on a GPU too (ordered sums instead "
                                  "of atomics; slower)")
-    queue_size: int = _field(8, "batches the loader thread reads ahead")
+    queue_size: int = _field(8, "batches the loader reads ahead")
+    data_worker: str = _field("auto", "where batches are made: 'thread', 'process' (no interpreter lock shared with "
+                              "the step) or 'auto' (a process on a GPU, a thread on the CPU)")
     num_threads: int | None = _field(None, "torch intra-op threads (null: torch's default; 1 is best for tiny "
                                      "models)")
     vocab_min_count: int = _field(1, "fewest occurrences of a word in a vocabulary built from the corpus")
@@ -89,6 +91,8 @@ class TrainConfig:
                   "n_negative_samples_batch", "n_epochs", "towers", "checkpoint_every", "keep_checkpoints",
                   "eval_batch_size", "eval_unroll_steps", "log_every", "queue_size", "max_characters_per_token"):
             pos(n)
+        if self.data_worker not in ("auto", "thread", "process"):
+            raise ConfigError(f"data_worker must be auto, thread or process, got {self.data_worker!r}")
         if self.activation not in ("relu", "tanh"):
             raise ConfigError(f"activation must be relu or tanh, got {self.activation!r}")
         if not 0.0 <= self.dropout < 1.0:

@@ -60,7 +60,7 @@ from ..ops.softmax import log_uniform_sample
 from ..ops.lstmp import trusted_lengths
 from ..util import parse_device
 from .configs import ConfigError, TrainConfig
-from .data import BackgroundLoader, BidirectionalStream
+from .data import BackgroundLoader, BidirectionalStream, ProcessLoader
 
 CHECKPOINT_VERSION = 1
 
@@ -133,8 +133,9 @@ class TowerStream:
     KEYS = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
 
     def __init__(self, stream: BidirectionalStream, sampler: torch.Generator | None, num_samples: int,
-                 vocab_size: int, ahead: bool):
+                 vocab_size: int, ahead: bool, pin: bool | None = None):
         self.stream, self.sampler, self.ahead = stream, sampler, ahead
+        self.pin = ahead if pin is None else pin  # False in a loader process: the consumer pins (``pinned``)
         self.num_samples, self.vocab_size = num_samples, vocab_size
 
     def draw(self) -> tuple[torch.Tensor, list[int]]:
@@ -145,11 +146,13 @@ class TowerStream:
     def next_batch(self) -> dict:
         b = self.stream.next_batch()
         out = {k: torch.from_numpy(b[k]) for k in self.KEYS}
-        if self.ahead:
-            if self.sampler is not None:
-                out["sampled_ids"], out["num_tries"] = self.draw()
-            out.update({k: v.pin_memory() for k, v in out.items() if isinstance(v, torch.Tensor)})
-        return out
+        if self.ahead and self.sampler is not None:
+            out["sampled_ids"], out["num_tries"] = self.draw()
+        return self.pinned(out) if self.pin else out
+
+    @staticmethod
+    def pinned(batch: dict) -> dict:
+        return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def get_state(self) -> dict:
         return {"data": self.stream.get_state(),
@@ -252,13 +255,18 @@ class Trainer:
                 gen.manual_seed(_mix_seed(cfg.seed, 7919, gid))
             h = torch.zeros(2, L, B, P, device=self.device)
             c = torch.zeros(2, L, B, H, device=self.device)
-            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=self.device.type == "cuda")
+            gpu = self.device.type == "cuda"
+            in_process = cfg.data_worker == "process" or (cfg.data_worker == "auto" and gpu)
+            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=gpu, pin=gpu and not in_process)
             if st is not None:
                 h, c = st["h"].to(self.device), st["c"].to(self.device)
                 if gen is not None:
                     gen.set_state(st["sampler"])
-            loader = BackgroundLoader(ready, cfg.queue_size,
-                                      state={"data": st["data"], "sampler": st["sampler"]} if st is not None else None)
+            state = {"data": st["data"], "sampler": st["sampler"]} if st is not None else None
+            if in_process:
+                loader = ProcessLoader(ready, cfg.queue_size, state, prepare=TowerStream.pinned if gpu else None)
+            else:
+                loader = BackgroundLoader(ready, cfg.queue_size, state)
             self.towers.append(Tower(gid, loader, ready, h, c))
 
     # ------------------------------------------------------------------ forward
