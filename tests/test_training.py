@@ -218,7 +218,7 @@ def test_process_loader_ends_errs_and_notices_a_dead_worker(tmp_path):
     loader._proc.kill()
     loader._proc.join()
     with pytest.raises(RuntimeError, match=r"data loader process \(pid \d+\) died"):
-        for _ in range(5):  # what it had queued before it died comes first
+        for _ in range(100_000):  # what it had sent before it died comes first (a pipe's worth of tiny batches)
             next(loader)
     loader.close()
 

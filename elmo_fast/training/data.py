@@ -455,7 +455,8 @@ class ProcessLoader:
     """
 
     def __init__(self, stream, queue_size: int = 4, state: dict | None = None, prepare=None):
-        self.position = state if state is not None else stream.get_state()
+        self._position = state if state is not None else stream.get_state()
+        self._position_blob = None
         self.prepare = prepare
         fork = "fork" in multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if fork else "spawn")
@@ -491,6 +492,14 @@ class ProcessLoader:
             if self._closing.is_set() or item[0] != "batch":
                 return
 
+    @property
+    def position(self) -> dict:
+        """The stream state after the last batch handed out. It travels pickled and is unpickled only here, when
+        asked for (a checkpoint): the rows' sentences of a 384-row state took 0.9 ms to unpickle, every step."""
+        if self._position_blob is not None:
+            self._position, self._position_blob = pickle.loads(self._position_blob), None
+        return self._position
+
     def __iter__(self):
         return self
 
@@ -499,7 +508,7 @@ class ProcessLoader:
             raise StopIteration
         kind, *item = self._q.get()
         if kind == "batch":
-            batch, self.position = item
+            batch, self._position_blob = item
             return self.prepare(batch) if self.prepare is not None else batch
         self._finished = True
         if kind == "end":
@@ -522,7 +531,7 @@ class ProcessLoader:
 
 
 def _loader_process(stream, state, writer, reader, stop) -> None:
-    """ProcessLoader's worker: sends ("batch", batch, state) until stopped or the data ends ("end"), or ("error",
+    """ProcessLoader's worker: sends ("batch", batch, pickled state) until stopped or the data ends ("end"), or ("error",
     exc). Ctrl-C is the parent's to handle (the trainer checkpoints, then stops this process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if reader is not None:
@@ -535,7 +544,7 @@ def _loader_process(stream, state, writer, reader, stop) -> None:
             stream.set_state(state)
         while not stop.is_set():
             try:
-                item = ("batch", stream.next_batch(), stream.get_state())
+                item = ("batch", stream.next_batch(), pickle.dumps(stream.get_state(), pickle.HIGHEST_PROTOCOL))
             except StopIteration:
                 writer.send(("end",))
                 return
