@@ -439,10 +439,10 @@ class BackgroundLoader:
 
 class ProcessLoader:
     """``BackgroundLoader`` with the stream in a worker process: ``stream.next_batch`` is Python (a B=384 batch of
-    both directions took 7-15 ms on a 2-core Xeon, 2026-11-26), and in a thread it holds the interpreter lock that
-    the training step's own host work needs, so the two add up (9.9 ms of small torch ops a step took 19.5-20.2 ms
-    beside a thread making those batches). In a process they overlap. The same batches and positions as the
-    thread, in the same order.
+    both directions took 7-18 ms on a 2-core Xeon, 2026-11-26), and in a thread it holds the interpreter lock that
+    the training step's own host work needs, so the two add up (9.7-9.9 ms of small torch ops a step took 18.9-20.2
+    ms beside a thread making those batches). In a process they overlap where it has a core of its own (not on 2
+    cores: the trainer uses it on a GPU). The same batches and positions as the thread, in the same order.
 
     The process is forked where the platform can (Linux, as torch's DataLoader workers are: no re-import of the
     user's ``__main__``, nothing to pickle on the way in; the worker touches no CUDA and runs one intra-op thread),
