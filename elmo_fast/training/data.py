@@ -531,8 +531,8 @@ class ProcessLoader:
 
 
 def _loader_process(stream, state, writer, reader, stop) -> None:
-    """ProcessLoader's worker: sends ("batch", batch, pickled state) until stopped or the data ends ("end"), or ("error",
-    exc). Ctrl-C is the parent's to handle (the trainer checkpoints, then stops this process)."""
+    """ProcessLoader's worker: sends ("batch", batch, pickled state) until stopped or the data ends ("end"), or
+    ("error", exc). Ctrl-C is the parent's to handle (the trainer checkpoints, then stops this process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if reader is not None:
         reader.close()  # a forked copy of the parent's end: without it a dead parent would not break the pipe
