@@ -776,14 +776,15 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         except Exception as exc:  # noqa: BLE001 - a capture that fails: this signature runs eagerly from now on
             graphs.POOL.fail(slot, exc)
             return lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, save=save, **kw)
-        if not save:
-            graphs.POOL.give_back(slot)
         fresh = True  # y, h_n, c_n must not be the slot's buffers, which the next replay overwrites
     cache = (bufs["z"], bufs["cpre"], bufs["hpre"], bufs["hprev"], bufs["m"], bufs["lengths"]) if save else None
     if save and fresh:  # aliases (sharing the version counters): autograd must not attach its node to the slot's own
         cache = tuple(t.detach() for t in cache)  # tensors, which would keep the node, and so the lease, alive
-    return (bufs["y"].to(x.dtype, copy=fresh), bufs["hn"].to(h0.dtype, copy=fresh), bufs["c"].to(c0.dtype, copy=fresh),
-            cache)
+    out = (bufs["y"].to(x.dtype, copy=fresh), bufs["hn"].to(h0.dtype, copy=fresh), bufs["c"].to(c0.dtype, copy=fresh),
+           cache)
+    if slot is not None and not save:  # given back only once its results are copied out: another thread may take
+        graphs.POOL.give_back(slot)  # it next and fill its buffers
+    return out
 
 
 def _static(plan: dict, bufs: dict, inputs: tuple[str, ...]) -> tuple[dict, dict]:

@@ -38,6 +38,7 @@ import warnings
 import torch
 
 from elmo_fast.kernels._common import launch as launch_kernel
+from elmo_fast.models._graphs import StreamOrder
 from elmo_fast.ops._library import ThreadFlag, tracing
 from elmo_fast.probes import graph_replay
 
@@ -115,6 +116,7 @@ class Slot:
         self.dropped = False  # out of the pool (evicted, or its capture failed); a lease may still hold it
         self.generation = 0
         self.replayed = 0  # replays run (tests and benches check that the graphs are used)
+        self.order = StreamOrder() if how == "cuda" else None  # uses of the buffers from several streams
 
     def buffers(self, phase: str) -> dict:
         return self.phases[phase][1]
@@ -124,6 +126,8 @@ class Slot:
         graph, captured the first time (the capture's warm-up run may leave anything in the buffers: they are
         filled again). Returns the buffers, which then hold the results."""
         plan, bufs = self.phases[phase]
+        if self.order is not None:
+            self.order.begin(bufs["z"].device)
         fill(bufs)
         replay = self.replays.get(phase)
         if replay is None:
@@ -195,8 +199,11 @@ class Pool:
         return slot
 
     def give_back(self, slot: Slot) -> None:
-        """The call is done with ``slot`` unless a lease keeps it (training: until backward)."""
+        """The call is done with ``slot`` (every use of its buffers queued, results copied out) unless a lease keeps
+        it (training: until backward)."""
         with self.lock:
+            if slot.order is not None:
+                slot.order.end()
             slot.leased = False
             if not slot.dropped:
                 self.park(slot)

@@ -119,3 +119,38 @@ def test_gpu_graph_replay_matches_eager(tiny_model, autocast):
             for x, y in zip(a["activations"], b["activations"]):  # eager deduplicates tokens: GEMM shapes differ
                 torch.testing.assert_close(y, x, atol=3e-2 if autocast else 1e-4, rtol=3e-2 if autocast else 1e-4)
     assert graphed._graphs.replays == 4
+
+
+def test_stream_order_makes_a_use_on_another_stream_wait_for_the_last():
+    """StreamOrder with stand-in streams and events: a use on another stream than the last one waits for the last
+    one's end (an event recorded on the last one's stream, also when its end is marked later from elsewhere), a use
+    on the same stream does not wait, and CPU tensors need nothing."""
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.where))
+
+    class Event:
+        where = None
+
+        def record(self, stream):
+            self.where = stream.name
+            log.append(("record", stream.name))
+
+    a, b = Stream("a"), Stream("b")
+    current = [a]
+    order = _graphs.StreamOrder(current_stream=lambda device: current[0], make_event=Event)
+    cuda = torch.device("cuda", 0)
+    order.begin(cuda)
+    order.end()
+    order.begin(cuda)  # same stream: ordered by its queue
+    current[0] = b
+    order.end()  # marked from elsewhere (a dropped lease): recorded on the use's own stream, a
+    order.begin(cuda)
+    order.end()
+    order.begin(torch.device("cpu"))
+    assert log == [("record", "a"), ("record", "a"), ("wait", "b", "a"), ("record", "b")]

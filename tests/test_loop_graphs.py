@@ -119,6 +119,54 @@ def test_inference_replays_equal_eager_and_return_fresh_tensors(graphs, monkeypa
             assert torch.equal(a, b)
 
 
+def test_an_inference_slot_is_given_back_after_its_results_are_copied_out(graphs, monkeypatch):
+    """Another thread may take a slot the moment it is given back and fill its buffers: a call's results must be
+    copied out before. Here giving back poisons the output buffers, as that next call would overwrite them."""
+    case = make_case(B=5, T=4)
+    fl = flags()
+    params = _params(case, torch.float32)
+    real = graphs.POOL.give_back
+
+    def give_back_and_overwrite(slot):
+        real(slot)
+        for name in ("y", "hn", "c"):
+            slot.buffers("fwd")[name].fill_(float("nan"))
+
+    monkeypatch.setattr(graphs.POOL, "give_back", give_back_and_overwrite)
+    x = torch.randn(params["x"].shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+    with torch.no_grad():
+        outs = [_lstmp(x, *(params[k] for k in GRAD_NAMES[1:]), torch.tensor([4, 2, 0, 3, 1], device=DEV), **fl)
+                for _ in range(3)]
+    assert _replays(graphs) == 2
+    for got in outs[1:]:
+        for a, b in zip(got, outs[0]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_calls_on_two_streams_each_get_their_own_results(graphs, monkeypatch):
+    """Alternating calls on two CUDA streams, queued without a sync, share the signature's slot: each waits for
+    the previous use of its buffers (models._graphs.StreamOrder), so each gets the results of its own input."""
+    case = make_case(B=64, T=12)
+    fl = flags()
+    params = _params(case, torch.float32)
+    xs = [torch.randn(params["x"].shape, generator=torch.Generator().manual_seed(s)).to(DEV) for s in range(12)]
+    lengths = torch.full((64,), 12, device=DEV)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            streams[i % 2].wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append(_lstmp(x, *(params[k] for k in GRAD_NAMES[1:]), lengths, **fl))
+        torch.cuda.synchronize()
+        assert _replays(graphs) >= 10
+        monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "0")
+        for x, got in zip(xs, outs):
+            for a, b in zip(got, _lstmp(x, *(params[k] for k in GRAD_NAMES[1:]), lengths, **fl)):
+                assert torch.equal(a, b)
+
+
 def test_two_forwards_before_backward_get_two_slots(graphs, monkeypatch):
     """A module used twice in one loss: the second forward must not overwrite what the first saved."""
     case = make_case(B=4, T=3)

@@ -15,6 +15,7 @@ call runs eagerly; a failed capture warns once and that shape stays eager.
 from __future__ import annotations
 
 import collections
+import threading
 import warnings
 
 import torch
@@ -41,6 +42,36 @@ def capture(fn, inputs: tuple[torch.Tensor, ...]):
     return graph.replay, outputs
 
 
+class StreamOrder:
+    """Orders the uses of one set of static graph buffers across CUDA streams. A use is everything a call queues
+    on them, from the copy of its inputs in to the copy of its results out; the host may hand the buffers to the
+    next call as soon as the last of that is queued, before the GPU ran it. On one stream the queue orders the
+    uses; on another the next use would overwrite buffers the previous one is still reading (a silent wrong
+    result). So ``begin`` makes the current stream wait for the previous use's end where that was another
+    stream, and ``end`` marks that end on the stream the use ran on (also when called later, from elsewhere: a
+    lease dropped by the garbage collector)."""
+
+    def __init__(self, current_stream=None, make_event=None):
+        self._current = current_stream or torch.cuda.current_stream
+        self._make_event = make_event or torch.cuda.Event
+        self.stream = None
+        self.event = None
+
+    def begin(self, device) -> None:
+        if torch.device(device).type != "cuda":  # CPU tensors (tests' stand-in captures): one queue, the host's
+            return
+        cur = self._current(device)
+        if self.event is not None and self.stream != cur:
+            cur.wait_event(self.event)
+        self.stream = cur
+
+    def end(self) -> None:
+        if self.stream is not None:
+            if self.event is None:
+                self.event = self._make_event()
+            self.event.record(self.stream)
+
+
 class GraphCache:
     """Graph replay of ``fn`` (tensors in, a tuple of tensors out) per input shape; at most ``max_graphs`` kept."""
 
@@ -51,8 +82,13 @@ class GraphCache:
         self.seen: set = set()
         self.eager_keys: set = set()
         self.replays = 0
+        self.lock = threading.Lock()
 
     def __call__(self, *inputs: torch.Tensor):
+        with self.lock:  # one call at a time on the static buffers (threads sharing a model)
+            return self._call(inputs)
+
+    def _call(self, inputs):
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
         entry = self.graphs.get(key)
         if entry is None:
@@ -63,12 +99,15 @@ class GraphCache:
             if entry is None:
                 return self.fn(*inputs)
         self.graphs.move_to_end(key)
-        static_in, replay, static_out = entry
+        static_in, replay, static_out, order = entry
+        order.begin(inputs[0].device)
         for dst, src in zip(static_in, inputs):
             dst.copy_(src)
         replay()
         self.replays += 1
-        return tuple(t.clone() for t in static_out)
+        out = tuple(t.clone() for t in static_out)
+        order.end()
+        return out
 
     def _capture(self, key, inputs):
         static_in = tuple(t.clone() for t in inputs)
@@ -79,7 +118,7 @@ class GraphCache:
             warnings.warn(f"elmo_fast: CUDA graph capture failed ({type(exc).__name__}: {str(exc)[:200]}); "
                           "this input shape runs without a graph", RuntimeWarning, stacklevel=4)
             return None
-        entry = (static_in, replay, tuple(static_out))
+        entry = (static_in, replay, tuple(static_out), StreamOrder())
         self.graphs[key] = entry
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
