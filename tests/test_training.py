@@ -493,7 +493,23 @@ def _final_tensors(save_dir):
     return ck["step"], out
 
 
-def test_resume_after_sigkill_is_bit_identical(tmp_path):
+def _processes_running(marker: str) -> list[int]:
+    """Pids whose command line contains ``marker`` (Linux /proc; empty elsewhere)."""
+    pids = []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if marker.encode() in fh.read():
+                    pids.append(int(pid))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.parametrize("worker", ["thread", "process"])
+def test_resume_after_sigkill_is_bit_identical(tmp_path, worker):
+    """Killed mid-run and resumed: the bits of an uninterrupted run. With data_worker 'process' (the GPU default)
+    the killed run's loader process exits too (its pipe breaks), and the positions it sent resume exactly."""
     train_glob, _ = _grammar_corpus(tmp_path, n_train=300, n_held=10)
     steps = 20
     env = _cli_env()
@@ -502,7 +518,8 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    p = subprocess.Popen(_train_cmd(killed, train_glob, steps, ["--sleep-per-step", "0.3"]), env=env,
+    worker_args = ["--data-worker", worker]
+    p = subprocess.Popen(_train_cmd(killed, train_glob, steps, ["--sleep-per-step", "0.3", *worker_args]), env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     first = killed / "checkpoints" / "ckpt-000000006.pt"
     t0 = time.time()
@@ -513,14 +530,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     assert p.returncode == -signal.SIGKILL
+    t0 = time.time()
+    while _processes_running(str(killed)) and time.time() - t0 < 20:
+        time.sleep(0.1)
+    assert not _processes_running(str(killed)), "a process of the killed run outlived it"
     # a temp file may be left by the kill, but every ckpt-*.pt is complete (written to a temp name, then renamed)
     for ck in (killed / "checkpoints").glob("ckpt-*.pt"):
         assert load_checkpoint(str(ck))["step"] > 0
     log = [json.loads(x) for x in open(killed / "train_log.jsonl")]
     killed_at = max(x["step"] for x in log if x["event"] == "train")
     assert killed_at < steps
-    r = subprocess.run(_train_cmd(killed, train_glob, steps, ["--resume"]), env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(_train_cmd(killed, train_glob, steps, ["--resume", *worker_args]), env=env,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s1, a = _final_tensors(full)
     s2, b = _final_tensors(killed)
