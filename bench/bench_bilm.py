@@ -103,17 +103,20 @@ def test_cpu_tiny_embed(benchmark, tiny):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-PROVIDERS = ("reference", "triton", "auto", "auto+graph", "cuda")
+# "+graph": the model CUDA graph; "+2streams": ELMO_FAST_BILM_STREAMS=2 (the two LSTM stacks on two streams)
+PROVIDERS = ("reference", "triton", "auto", "auto+2streams", "auto+graph", "auto+graph+2streams", "cuda")
 
 
 def _elmo_fast(o, w, provider, dev, dtype):
-    backend, _, graph = provider.partition("+")
+    backend, *extras = provider.split("+")
+    graph = "graph" in extras
     if backend == "cuda":  # the extension has the LSTMP chain only: the token encoder stays on Triton
-        m = elmo_fast.ElmoBiLM(o, w, backend="triton", stateful=False, cuda_graph=bool(graph))
+        m = elmo_fast.ElmoBiLM(o, w, backend="triton", stateful=False, cuda_graph=graph)
         m._bilm.forward_lstm.backend = m._bilm.backward_lstm.backend = "cuda"
     else:
-        m = elmo_fast.ElmoBiLM(o, w, backend=backend, stateful=False, cuda_graph=bool(graph))
-    return m.to(dev, dtype).eval()
+        m = elmo_fast.ElmoBiLM(o, w, backend=backend, stateful=False, cuda_graph=graph)
+    m = m.to(dev, dtype).eval()
+    return common.with_env(m, "ELMO_FAST_BILM_STREAMS", "2") if "2streams" in extras else m
 
 
 def _providers(opts, o, w, dtype, dev):
@@ -165,7 +168,7 @@ def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
                                  "sentences": len(sents), "tokens": n_tok, "ms_p50": round(p50, 4),
                                  "ms_p20": round(p20, 4), "ms_p80": round(p80, 4),
                                  "tokens_per_s": round(n_tok / (p50 / 1e3)), "peak_mem_mib": round(mem, 1)})
-                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:24s} {p50:9.3f} ms "
+                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:30s} {p50:9.3f} ms "
                           f"{rows[-1]['tokens_per_s']:>10d} tok/s", flush=True)
     common.append_rows("bilm", rows)
     return rows

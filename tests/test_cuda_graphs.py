@@ -154,3 +154,67 @@ def test_stream_order_makes_a_use_on_another_stream_wait_for_the_last():
     order.end()
     order.begin(torch.device("cpu"))
     assert log == [("record", "a"), ("record", "a"), ("wait", "b", "a"), ("record", "b")]
+
+
+def test_bilm_two_streams_fork_before_the_forward_stack_and_join_after(tiny_model, monkeypatch):
+    """ELMO_FAST_BILM_STREAMS=2, its plumbing on the CPU with a stand-in side stream: forked before the forward
+    stack is queued (or the side stream would wait for it), the backward stack inside, its results handed over,
+    joined on exit; the results are the one-stream run's. The real side stream is for CUDA tensors only."""
+    log = []
+
+    class Fork:
+        def __init__(self, x):
+            log.append("fork")
+
+        def __enter__(self):
+            log.append("enter")
+            return self
+
+        def hand_over(self, *tensors):
+            log.append(("hand_over", len(tensors)))
+
+        def __exit__(self, *exc):
+            log.append("exit")
+
+    model = elmo_fast.ElmoBiLM(*tiny_model, backend="reference", stateful=False)
+    want = _run(model, BATCHES[:1])
+    for name in ("forward_lstm", "backward_lstm"):
+        getattr(model._bilm, name).register_forward_hook(lambda *a, name=name: log.append(name))
+    monkeypatch.setattr(_graphs, "side_stream", Fork)
+    got = _run(model, BATCHES[:1])
+    _same(got, want, atol=0)
+    L = model._bilm.options.lstm.n_layers
+    assert log == ["fork", "forward_lstm", "enter", "backward_lstm", ("hand_over", 3 * L), "exit"] * 2
+    monkeypatch.undo()
+    monkeypatch.setenv("ELMO_FAST_BILM_STREAMS", "2")
+    assert _graphs.side_stream(torch.zeros(1)) is None  # CPU tensors: one stream
+    monkeypatch.setenv("ELMO_FAST_BILM_STREAMS", "3")
+    with pytest.raises(ValueError, match="ELMO_FAST_BILM_STREAMS must be 1 or 2"):
+        _graphs.side_stream(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "graph"])
+def test_gpu_bilm_two_streams_equal_one(tiny_model, monkeypatch, cuda_graph):
+    """The two stacks on two streams give the bits of one stream: inference (eagerly with the loop graphs, and
+    captured whole), and the gradients of a fine-tuning step."""
+    runs = {}
+    for streams in ("1", "2"):
+        monkeypatch.setenv("ELMO_FAST_BILM_STREAMS", streams)
+        m = elmo_fast.ElmoBiLM(*tiny_model, cuda_graph=cuda_graph).cuda()
+        runs[streams] = _run(m, BATCHES, "cuda")
+    _same(runs["2"], runs["1"], atol=0)
+    from elmo_fast.determinism import deterministic
+
+    grads = {}
+    for streams in ("1", "2"):
+        monkeypatch.setenv("ELMO_FAST_BILM_STREAMS", streams)
+        elmo = elmo_fast.Elmo(*tiny_model, 1, dropout=0.0, requires_grad=True).cuda()
+        with deterministic():  # the char-CNN backward's atomics would change the last bits from run to run
+            for sents in BATCHES:
+                out = elmo(elmo_fast.batch_to_ids(sents).cuda())["elmo_representations"][0]
+                out.square().sum().backward()
+        grads[streams] = {n: p.grad.clone() for n, p in elmo.named_parameters() if p.grad is not None}
+    assert grads["1"].keys() == grads["2"].keys() and grads["1"]
+    for n in grads["1"]:
+        assert torch.equal(grads["2"][n], grads["1"][n]), n

@@ -15,6 +15,7 @@ call runs eagerly; a failed capture warns once and that shape stays eager.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import warnings
 
@@ -70,6 +71,53 @@ class StreamOrder:
             if self.event is None:
                 self.event = self._make_event()
             self.event.record(self.stream)
+
+
+class SideStream:
+    """A block run on a second CUDA stream, forked from the current one where this object is made (so work queued
+    on the current stream after that, the biLM's forward stack, runs beside the block) and joined back to it when
+    the block exits: the biLM's backward stack (``ELMO_FAST_BILM_STREAMS=2``; opt-in until measured on a GPU). The
+    tensors given to ``hand_over`` (the block's results, read later on the current stream) are recorded on it, so
+    the allocator does not hand their memory to the side stream while the current one may still read it (not
+    during a capture, where the graph's private pool holds them). Captured in a CUDA graph, fork and join become
+    two branches that run at once."""
+
+    _streams: dict = {}  # device index -> its side stream
+
+    def __init__(self, device: torch.device):
+        self.main = torch.cuda.current_stream(device)
+        key = torch.device(device).index
+        if key not in SideStream._streams:
+            SideStream._streams[key] = torch.cuda.Stream(device)
+        self.side = SideStream._streams[key]
+        self.side.wait_stream(self.main)  # the fork: the side stream starts from what is queued so far
+        self._results: list = []
+
+    def __enter__(self):
+        self._ctx = torch.cuda.stream(self.side)
+        self._ctx.__enter__()
+        return self
+
+    def hand_over(self, *tensors: torch.Tensor) -> None:
+        self._results.extend(tensors)
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        self.main.wait_stream(self.side)
+        if not torch.cuda.is_current_stream_capturing():
+            for t in self._results:
+                t.record_stream(self.main)
+
+
+def side_stream(x: torch.Tensor) -> SideStream | None:
+    """A :class:`SideStream` for ``x``'s device where ``ELMO_FAST_BILM_STREAMS=2`` asks for one and can have it
+    (CUDA tensors, not while torch.compile traces), else None: one stream."""
+    env = os.environ.get("ELMO_FAST_BILM_STREAMS", "1").strip()
+    if env not in ("1", "2"):
+        raise ValueError(f"ELMO_FAST_BILM_STREAMS must be 1 or 2, got {env!r}")
+    if env == "1" or x.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    return SideStream(x.device)
 
 
 class GraphCache:

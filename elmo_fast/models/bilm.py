@@ -12,6 +12,7 @@ from ..ops import _precision as prec
 from ..ops.lstmp import check_lengths, trusted_lengths
 from ..options import ElmoOptions, OptionsError
 from ..weights import WeightFileError, lstm_prefix, read_weights, write_weights
+from . import _graphs
 
 
 class BiLM(nn.Module):
@@ -98,8 +99,16 @@ class BiLM(nn.Module):
     def _run_lstms(self, token_embedding, lengths, h0, c0, dropout, token_embedding_bwd):
         x_b = token_embedding if token_embedding_bwd is None else token_embedding_bwd
         L = self.options.lstm.n_layers
+        # ELMO_FAST_BILM_STREAMS=2: on a GPU the backward stack on a side stream forked here, before the forward
+        # stack is queued, so that the two run at once
+        fork = _graphs.side_stream(token_embedding)
         fwd, f_fin = self.forward_lstm(token_embedding, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], dropout)
-        bwd, b_fin = self.backward_lstm(x_b, lengths, [(h0[1, i], c0[1, i]) for i in range(L)], dropout)
+        if fork is None:
+            bwd, b_fin = self.backward_lstm(x_b, lengths, [(h0[1, i], c0[1, i]) for i in range(L)], dropout)
+        else:
+            with fork:
+                bwd, b_fin = self.backward_lstm(x_b, lengths, [(h0[1, i], c0[1, i]) for i in range(L)], dropout)
+                fork.hand_over(*bwd, *(t for state in b_fin for t in state))
         h_n = torch.stack([torch.stack([s[0] for s in f_fin]), torch.stack([s[0] for s in b_fin])])
         c_n = torch.stack([torch.stack([s[1] for s in f_fin]), torch.stack([s[1] for s in b_fin])])
         return fwd, bwd, h_n, c_n
