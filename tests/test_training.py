@@ -166,17 +166,22 @@ def test_training_stream_never_ends_and_resumes_exactly(tmp_path):
     assert not np.array_equal(expect[0]["token_ids"], expect[0]["token_ids_reverse"][:, ::-1])
 
 
-@pytest.mark.parametrize("kind", ["BackgroundLoader", "ProcessLoader"])
-def test_loader_position_is_the_consumed_one(tmp_path, kind):
-    """Thread or process: the batches of the stream in order, and a position from which a new loader goes on
-    with exactly the next batch (the worker has read ahead by then)."""
-    Loader = getattr(D, kind)
+@pytest.mark.parametrize("kind", ["BackgroundLoader", "ProcessLoader", "ProcessLoader-spawn"])
+def test_loader_position_is_the_consumed_one(tmp_path, kind, monkeypatch):
+    """Thread or process (forked, or spawned where a platform cannot fork): the batches of the stream in order,
+    and a position from which a new loader goes on with exactly the next batch (the worker has read ahead by
+    then)."""
+    if kind.endswith("-spawn"):
+        monkeypatch.setattr(D.multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    Loader = getattr(D, kind.split("-")[0])
     files = _corpus(tmp_path)
     counts, *_ = D.count_tokens(files)
     vocab = Vocabulary(words=D.build_vocab(counts))
     ref = D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1)
     expect = [ref.next_batch() for _ in range(12)]
     loader = Loader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3)
+    if kind != "BackgroundLoader":
+        assert type(loader._proc).__name__ == ("SpawnProcess" if kind.endswith("-spawn") else "ForkProcess")
     for i in range(5):
         np.testing.assert_array_equal(next(loader)["token_ids"], expect[i]["token_ids"])
     time.sleep(0.2)  # the worker has read ahead by now
