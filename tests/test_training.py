@@ -223,7 +223,7 @@ def test_process_loader_ends_errs_and_notices_a_dead_worker(tmp_path):
     loader._proc.kill()
     loader._proc.join()
     with pytest.raises(RuntimeError, match=r"data loader process \(pid \d+\) died"):
-        for _ in range(100_000):  # what it had sent before it died comes first (a pipe's worth of tiny batches)
+        for _ in range(100_000):  # what it had sent before it died comes first (a socket buffer of tiny batches)
             next(loader)
     loader.close()
 
@@ -514,7 +514,7 @@ def _processes_running(marker: str) -> list[int]:
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_resume_after_sigkill_is_bit_identical(tmp_path, worker):
     """Killed mid-run and resumed: the bits of an uninterrupted run. With data_worker 'process' (the GPU default)
-    the killed run's loader process exits too (its pipe breaks), and the positions it sent resume exactly."""
+    the killed run's loader process exits too (its socket breaks), and the positions it sent resume exactly."""
     train_glob, _ = _grammar_corpus(tmp_path, n_train=300, n_held=10)
     steps = 20
     env = _cli_env()

@@ -25,6 +25,7 @@ import pickle
 import queue
 import random
 import signal
+import socket
 import threading
 import warnings
 from collections import Counter
@@ -441,17 +442,18 @@ class ProcessLoader:
     """``BackgroundLoader`` with the stream in a worker process: ``stream.next_batch`` is Python (a B=384 batch of
     both directions took 7-18 ms on a 2-core Xeon, 2026-11-26), and in a thread it holds the interpreter lock that
     the training step's own host work needs, so the two add up (9.7-9.9 ms of small torch ops a step took 18.9-20.2
-    ms beside a thread making those batches). In a process they overlap where it has a core of its own (not on 2
-    cores: the trainer uses it on a GPU). The same batches and positions as the thread, in the same order.
+    ms beside a thread making those batches; 13.4-21.7 ms beside this process, even on those 2 cores). The trainer
+    uses it on a GPU. The same batches and positions as the thread, in the same order.
 
     The process is forked where the platform can (Linux, as torch's DataLoader workers are: no re-import of the
     user's ``__main__``, nothing to pickle on the way in; the worker touches no CUDA and runs one intra-op thread),
-    else spawned with the stream pickled. Batches come back through a one-way pipe (arrays and CPU tensors, a few
-    MB at the original sizes, with the stream state after each); a thread here receives them into a queue of
-    ``queue_size``, and the pipe's back-pressure holds the worker there. Only the worker holds the pipe's writing
-    end, so its death is an end of file here (an error in the consumer, not a hang), and this process's death is
-    a broken pipe there (it exits). ``prepare`` (optional) runs on each batch in the consumer before it is handed
-    out (the trainer pins the tensors there: pinned memory belongs to the process that copies it).
+    else spawned with the stream pickled. Batches come back through a socket pair (arrays and CPU tensors, a few
+    MB at the original sizes, with the stream state after each); a thread here receives each in one wait without
+    the interpreter lock (``_recv_exact``) into a queue of ``queue_size``, and the socket's back-pressure holds the
+    worker there. The worker holds the only other end, so its death is an end of file here (an error in the
+    consumer, not a hang), and this process's death a broken connection there (it exits). ``prepare`` (optional)
+    runs on each batch in the consumer before it is handed out (the trainer pins the tensors there: pinned memory
+    belongs to the process that copies it).
     """
 
     def __init__(self, stream, queue_size: int = 4, state: dict | None = None, prepare=None):
@@ -460,7 +462,7 @@ class ProcessLoader:
         self.prepare = prepare
         fork = "fork" in multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("fork" if fork else "spawn")
-        self._reader, writer = ctx.Pipe(duplex=False)
+        self._reader, writer = socket.socketpair()
         self._stop = ctx.Event()
         self._proc = ctx.Process(target=_loader_process, name="elmo-fast-data", daemon=True,
                                  args=(stream, state, writer, self._reader if fork else None, self._stop))
@@ -480,7 +482,7 @@ class ProcessLoader:
     def _receive(self) -> None:
         while True:
             try:
-                item = self._reader.recv()
+                item = _recv_message(self._reader)
             except (EOFError, OSError):
                 item = ("died",)
             while not self._closing.is_set():
@@ -535,7 +537,7 @@ def _loader_process(stream, state, writer, reader, stop) -> None:
     ("error", exc). Ctrl-C is the parent's to handle (the trainer checkpoints, then stops this process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if reader is not None:
-        reader.close()  # a forked copy of the parent's end: without it a dead parent would not break the pipe
+        reader.close()  # a forked copy of the parent's end: with it a dead parent would not break the socket
     try:
         import torch
 
@@ -546,10 +548,10 @@ def _loader_process(stream, state, writer, reader, stop) -> None:
             try:
                 item = ("batch", stream.next_batch(), pickle.dumps(stream.get_state(), pickle.HIGHEST_PROTOCOL))
             except StopIteration:
-                writer.send(("end",))
+                _send_message(writer, ("end",))
                 return
-            writer.send(item)
-    except (BrokenPipeError, KeyboardInterrupt):
+            _send_message(writer, item)
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the consumer is gone
     except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
         try:
@@ -557,9 +559,34 @@ def _loader_process(stream, state, writer, reader, stop) -> None:
         except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
             exc = RuntimeError(f"the data loader process failed: {exc!r}")
         try:
-            writer.send(("error", exc))
+            _send_message(writer, ("error", exc))
         except OSError:
             pass
+
+
+def _send_message(sock: socket.socket, obj) -> None:
+    data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    sock.sendall(len(data).to_bytes(8, "little"))
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    """``n`` bytes, received by as few calls as the socket allows: each call waits for all that is left without the
+    interpreter lock (MSG_WAITALL). A pipe's reader takes a batch of a few MB in 64 KB chunks, taking the lock
+    again for each, and a step busy in Python starved it: 7 batches in 2 s against 72 while the step slept
+    (2026-11-26, this 2-core Xeon)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise EOFError("the data loader process closed its socket")
+        got += k
+    return buf
+
+
+def _recv_message(sock: socket.socket):
+    return pickle.loads(_recv_exact(sock, int.from_bytes(_recv_exact(sock, 8), "little")))
 
 
 def iter_sentences(files: Iterable[str]):
