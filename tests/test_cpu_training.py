@@ -152,9 +152,9 @@ def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
     assert got["num_tries"] == want["num_tries"]
 
 
-def test_tower_stream_in_a_loader_process_is_pinned_by_the_consumer(tmp_path, monkeypatch):
+def test_tower_stream_in_a_loader_process_is_pinned_in_this_process(tmp_path, monkeypatch):
     """The GPU mode with data_worker 'process': the worker draws the samples (its copy of the generator) and does
-    not pin; the consumer pins what it receives; batches and positions are those of the stream run here."""
+    not pin; this process pins what it receives; batches and positions are those of the stream run here."""
     files = _corpus(tmp_path)
     counts, _, _, _ = D.count_tokens(files)
     vocab = Vocabulary(words=D.build_vocab(counts))

@@ -452,7 +452,7 @@ class ProcessLoader:
     the interpreter lock (``_recv_exact``) into a queue of ``queue_size``, and the socket's back-pressure holds the
     worker there. The worker holds the only other end, so its death is an end of file here (an error in the
     consumer, not a hang), and this process's death a broken connection there (it exits). ``prepare`` (optional)
-    runs on each batch in the consumer before it is handed out (the trainer pins the tensors there: pinned memory
+    runs on each batch in the receiving thread, in this process (the trainer pins the tensors there: pinned memory
     belongs to the process that copies it).
     """
 
@@ -483,8 +483,12 @@ class ProcessLoader:
         while True:
             try:
                 item = _recv_message(self._reader)
+                if item[0] == "batch" and self.prepare is not None:  # here, off the consumer's path
+                    item = ("batch", self.prepare(item[1]), item[2])
             except (EOFError, OSError):
                 item = ("died",)
+            except Exception as exc:  # noqa: BLE001 - a failed prepare: the consumer's error
+                item = ("error", exc)
             while not self._closing.is_set():
                 try:
                     self._q.put(item, timeout=0.1)
@@ -511,7 +515,7 @@ class ProcessLoader:
         kind, *item = self._q.get()
         if kind == "batch":
             batch, self._position_blob = item
-            return self.prepare(batch) if self.prepare is not None else batch
+            return batch
         self._finished = True
         if kind == "end":
             raise StopIteration
