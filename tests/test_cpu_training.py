@@ -173,8 +173,8 @@ def test_tower_stream_in_a_loader_process_is_pinned_in_this_process(tmp_path, mo
             want, got = ref.next_batch(), next(process)
             for key in (*TowerStream.KEYS, "sampled_ids"):
                 assert torch.equal(got[key], want[key]), key
+                assert any(t is got[key] for t in pinned), f"{key} not pinned here"
             assert got["num_tries"] == want["num_tries"]
-        assert len(pinned) == 2 * 3 * 5  # five tensors a batch, each side's pinned in this process
         assert str(process.position) == str(ref.get_state())
     finally:
         process.close()

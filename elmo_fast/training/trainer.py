@@ -135,7 +135,7 @@ class TowerStream:
     def __init__(self, stream: BidirectionalStream, sampler: torch.Generator | None, num_samples: int,
                  vocab_size: int, ahead: bool, pin: bool | None = None):
         self.stream, self.sampler, self.ahead = stream, sampler, ahead
-        self.pin = ahead if pin is None else pin  # False in a loader process: the consumer pins (``pinned``)
+        self.pin = ahead if pin is None else pin  # False in a loader process: the trainer's process pins
         self.num_samples, self.vocab_size = num_samples, vocab_size
 
     def draw(self) -> tuple[torch.Tensor, list[int]]:
