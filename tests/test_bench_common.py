@@ -205,3 +205,18 @@ def test_peak_memory_off_cuda_is_nan_without_a_call():
         pytest.skip("a CUDA device is present")
     calls = []
     assert math.isnan(common.peak_memory_mib(lambda: calls.append(1))) and calls == []
+
+
+def test_bench_data_smoke(tmp_path, monkeypatch):
+    """bench_data.py --small: every measure of both data workers, and the receiver's count; rows go to scratch."""
+    import bench_data
+
+    monkeypatch.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    rows = bench_data.run(small=True)
+    steps = {r["worker"] for r in rows if r["measure"] == "step"}
+    assert steps == {"none", "thread", "process"}
+    assert all(r["ms"] > 0 for r in rows if "ms" in r)
+    received = [r for r in rows if r["measure"] == "received"]
+    assert [r["round"] for r in received] == ["asleep", "busy"] and all(r["batches"] > 0 for r in received)
+    bench_data.report(rows)
+    assert (tmp_path / "data.csv").exists()
