@@ -439,11 +439,11 @@ class BackgroundLoader:
 
 
 class ProcessLoader:
-    """``BackgroundLoader`` with the stream in a worker process: ``stream.next_batch`` is Python (a B=384 batch of
-    both directions took 7-18 ms on a 2-core Xeon, 2026-11-26), and in a thread it holds the interpreter lock that
-    the training step's own host work needs, so the two add up (9.7-9.9 ms of small torch ops a step took 18.9-20.2
-    ms beside a thread making those batches; 13.4-21.7 ms beside this process, even on those 2 cores). The trainer
-    uses it on a GPU. The same batches and positions as the thread, in the same order.
+    """``BackgroundLoader`` with the stream in a worker process: ``stream.next_batch`` is Python (9.4-10.3 ms for a
+    384-row batch of both directions on a 2-core Xeon), and in a thread it holds the interpreter lock that the
+    training step's own host work needs, so the two add up (a stand-in step of 9.7-9.9 ms took 20.1-21.4 ms beside
+    the thread, 15.2-20.6 ms beside this process even on those 2 cores: bench/results/data.md). The trainer uses it
+    on a GPU. The same batches and positions as the thread, in the same order.
 
     The process is forked where the platform can (Linux, as torch's DataLoader workers are: no re-import of the
     user's ``__main__``, nothing to pickle on the way in; the worker touches no CUDA and runs one intra-op thread),
