@@ -167,6 +167,25 @@ def test_calls_on_two_streams_each_get_their_own_results(graphs, monkeypatch):
                 assert torch.equal(a, b)
 
 
+def test_a_slot_orders_each_use_across_streams(graphs):
+    """The wiring of StreamOrder into a slot (its CUDA behaviour: tests/test_cuda_graphs.py): a run begins the use
+    before it fills the buffers, and giving the slot back ends it (also when a dropped lease gives it back)."""
+    log = []
+
+    class Order:
+        def begin(self, device):
+            log.append(("begin", str(device)))
+
+        def end(self):
+            log.append("end")
+
+    slot = graphs.Slot("key", "record", ({}, {"z": torch.zeros(1)}))
+    slot.order = Order()
+    slot.run("fwd", lambda plan, bufs: None, lambda bufs: log.append("fill"))
+    graphs.POOL.give_back(slot)
+    assert log == [("begin", "cpu"), "fill", "fill", "end"]  # filled again after the recording capture
+
+
 def test_two_forwards_before_backward_get_two_slots(graphs, monkeypatch):
     """A module used twice in one loss: the second forward must not overwrite what the first saved."""
     case = make_case(B=4, T=3)
