@@ -79,18 +79,22 @@ def _warn(message: str) -> None:
     print(f"WARNING: elmo_fast: {message}", file=sys.stderr, flush=True)
 
 
+def _torch_define() -> str:
+    """The torch this build is against, recorded in the module (csrc/include/elmo_fast/built_with.h)."""
+    import torch
+
+    return f"-DELMO_FAST_BUILT_WITH_TORCH={torch.__version__}"
+
+
 ext_modules, cmdclass = [], {}
 if _want_cpu():
-    import torch
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     ext_modules.append(CppExtension(name="elmo_fast._cpu",
                                     sources=["csrc/cpu/lstmp_cell.cpp", "csrc/cpu/sparse_rows.cpp",
                                              "csrc/cpu/small_gemm.cpp"],
                                     # -g0: Python's CFLAGS carry -g (twice the compile time); -fopenmp: at::parallel_for
-                                    # the torch it is built against: elmo_fast.cpu.ext refuses it under another
-                                    extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp",
-                                                        f'-DELMO_FAST_BUILT_WITH_TORCH="{torch.__version__}"'],
+                                    extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp", _torch_define()],
                                     extra_link_args=["-fopenmp"]))
     cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 if _want_cuda():
@@ -102,7 +106,7 @@ if _want_cuda():
             name="elmo_fast._C",
             sources=_sources(),
             include_dirs=[os.path.join(HERE, "csrc", "include")],
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"],
+            extra_compile_args={"cxx": ["-O3", "-std=c++17", _torch_define()],
                                 "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]},
         )
     )

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         name="_C",
         sources=sources(),
         extra_include_paths=[os.path.join(HERE, "include")],
-        extra_cflags=["-O3", "-std=c++17"],
+        extra_cflags=["-O3", "-std=c++17", f"-DELMO_FAST_BUILT_WITH_TORCH={torch.__version__}"],  # built_with.h
         extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"],
         build_directory=args.build_dir,
         verbose=args.verbose,

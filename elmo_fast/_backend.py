@@ -47,13 +47,26 @@ def triton_import_error() -> str | None:
     return None
 
 
+def torch_build_mismatch(mod) -> str | None:
+    """Why the compiled module ``mod`` (elmo_fast._cpu, elmo_fast._C) must not run under this torch, or None. A
+    module built against another torch imports, then crashes in its first call (a segmentation fault: elmo_fast._cpu
+    built for torch 2.11 under 2.13, 2026-11-26; editable installs of two venvs share the in-tree module), so each
+    build records its torch (csrc/include/elmo_fast/built_with.h) and only that one runs it."""
+    built = getattr(mod, "torch_version", None)
+    if built == torch.__version__:
+        return None
+    return (f"{mod.__name__} ({mod.__file__}) was built against torch "
+            f"{built or 'of an unknown version (built before elmo_fast recorded it)'}, and this process runs torch "
+            f"{torch.__version__}: its kernels would crash here")
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_ext_import_error() -> str | None:
     try:
-        importlib.import_module("elmo_fast._C")
+        mod = importlib.import_module("elmo_fast._C")
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
-    return None
+    return torch_build_mismatch(mod)
 
 
 def cuda_ext():
@@ -156,8 +169,8 @@ BACKEND_STATUS: tuple[BackendStatus, ...] = (
                   "every kernel against the reference under TRITON_INTERPRET=1 in CI (a test tool, never auto)"),
     BackendStatus("triton", "cuda", "run on an H200 (2026-11-26), not yet verified",
                   "self-check passed for every op, fp32 and bf16; 188 of 193 Triton tests on CUDA passed (3 fixed "
-                  "since, not re-run; 2 torch.compile graph breaks open); auto uses it behind a once-per-device "
-                  "self-check"),
+                  "since, and the 2 torch.compile graph breaks were torch 2.11's, fixed on the CPU; not re-run); "
+                  "auto uses it behind a once-per-device self-check"),
     BackendStatus("cuda", "cuda", "run on an H200 (2026-11-26), not yet verified",
                   "built there; 18 of 19 tests passed (the test fixed since); slower than Triton from B=16 "
                   "(bench/results/gpu_h200.md); opt-in build; auto skips it"),

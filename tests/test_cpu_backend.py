@@ -65,21 +65,43 @@ def gate_path(request, monkeypatch):
     ext.set_isa(best)
 
 
-def test_an_extension_built_for_another_torch_is_refused_with_the_fix():
-    """elmo_fast._cpu built against another torch imports, then segfaults in its first call (a build for torch 2.11
-    under 2.13, 2026-11-26): the loader compares the version the build recorded and refuses a mismatch, or no record,
-    with a warning naming the rebuild; the module built here passes."""
+@pytest.mark.parametrize("which", ["_cpu", "_C"])
+def test_an_extension_built_for_another_torch_is_refused_with_the_fix(monkeypatch, which):
+    """A compiled module built against another torch imports, then segfaults in its first call (elmo_fast._cpu built
+    for torch 2.11 under 2.13, 2026-11-26): both loaders refuse a build that recorded another torch, or none, and
+    say so with the fix (the cpu backend warns and runs torch ops; backend 'cuda' raises); the build made here
+    recorded this torch."""
+    import importlib
     import types
 
+    from elmo_fast import _backend
     from elmo_fast.cpu import ext as ext_module
 
-    for built in ("1.0.0+elsewhere", None):
-        fake = types.SimpleNamespace(__file__="/x/_cpu.so", **({"torch_version": built} if built else {}))
-        with pytest.warns(RuntimeWarning, match=r"built against torch .*this process runs torch .*Rebuild"):
-            assert not ext_module._same_torch(fake)
-    assert ext_module._same_torch(types.SimpleNamespace(__file__="/x/_cpu.so", torch_version=torch.__version__))
+    real_import = importlib.import_module
+    for built, accepted in (("1.0.0+elsewhere", False), (None, False), (torch.__version__, True)):
+        fake = types.SimpleNamespace(__name__=f"elmo_fast.{which}", __file__=f"/x/{which}.so",
+                                     **({"torch_version": built} if built else {}))
+        monkeypatch.setattr(importlib, "import_module",
+                            lambda name, fake=fake: fake if name == f"elmo_fast.{which}" else real_import(name))
+        if which == "_cpu":
+            ext_module._load.cache_clear()
+            if accepted:
+                assert ext_module.cpu_ext() is fake
+            else:
+                with pytest.warns(RuntimeWarning, match=r"built against torch .*this process runs torch .*Rebuild"):
+                    assert ext_module.cpu_ext() is None
+        else:
+            _backend.cuda_ext_import_error.cache_clear()
+            if accepted:
+                assert _backend.cuda_ext() is fake
+            else:
+                with pytest.raises(BackendUnavailableError, match=r"built against torch .*ELMO_FAST_BUILD_CUDA=1"):
+                    _backend.cuda_ext()
+    monkeypatch.undo()
+    ext_module._load.cache_clear()
+    _backend.cuda_ext_import_error.cache_clear()
     real = cpu_ext()
-    if real is not None:
+    if which == "_cpu" and real is not None:
         assert real.torch_version == torch.__version__
 
 

@@ -15,6 +15,7 @@
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's Tensor and optional casters
 
 #include "common.h"
+#include "../include/elmo_fast/built_with.h"
 
 #include <algorithm>
 #include <cmath>
@@ -284,10 +285,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),
         py::arg("c_pre"), py::arg("tc"), py::arg("c_prev"), py::arg("cell_clip"), py::arg("dz"),
         py::arg("dc_prev"));
-#ifdef ELMO_FAST_BUILT_WITH_TORCH
-  // checked by elmo_fast.cpu.ext before any call: an extension built against another torch crashes in its calls
-  m.attr("torch_version") = ELMO_FAST_BUILT_WITH_TORCH;
-#endif
+  elmo_fast::record_torch_version(m);
   m.def("isa", &isa_name, "the instruction set the kernels run with");
   m.def("set_isa", &set_isa, "run a lesser instruction set (tests)", py::arg("name"));
   add_sparse_rows(m);

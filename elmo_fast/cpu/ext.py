@@ -12,6 +12,8 @@ import warnings
 
 import torch
 
+from .._backend import torch_build_mismatch
+
 
 @functools.lru_cache(maxsize=None)
 def _load():
@@ -19,22 +21,13 @@ def _load():
         mod = importlib.import_module("elmo_fast._cpu")
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
-    return mod if _same_torch(mod) else None
-
-
-def _same_torch(mod) -> bool:
-    """An extension imports under another torch than its build's, then crashes in its first call (a segmentation
-    fault, seen with a build for torch 2.11 loaded by 2.13: editable installs of two venvs share the in-tree
-    module). So it runs only under the torch it was built against, and says so otherwise."""
-    built = getattr(mod, "torch_version", None)
-    if built == torch.__version__:
-        return True
-    warnings.warn(f"elmo_fast: the CPU extension elmo_fast._cpu ({mod.__file__}) was built against torch "
-                  f"{built or 'of an unknown version (built before elmo_fast recorded it)'}, and this process runs "
-                  f"torch {torch.__version__}: its kernels would crash here, so the cpu backend runs the same math as "
-                  "torch ops. Rebuild it with this torch: `pip install --no-build-isolation -e .` (or `make setup` "
-                  "after removing the venv's .elmo_fast-setup stamp).", RuntimeWarning, stacklevel=3)
-    return False
+    why = torch_build_mismatch(mod)
+    if why is not None:
+        warnings.warn(f"elmo_fast: {why}, so the cpu backend runs the same math as torch ops. Rebuild it with this "
+                      "torch: `pip install --no-build-isolation -e .` (or `make setup` after removing the venv's "
+                      ".elmo_fast-setup stamp).", RuntimeWarning, stacklevel=3)
+        return None
+    return mod
 
 
 def cpu_ext():

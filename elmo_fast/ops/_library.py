@@ -42,9 +42,9 @@ def tracing(*tensors) -> bool:
 def _traced(t: torch.Tensor) -> bool:
     # A plain, non-functional torch.Tensor is a real one: every kernel launch asks this of each argument, and
     # ``is_fake`` alone cost ~1 µs a tensor (a 15-argument LSTMP launch: 14.5 µs of host time on the CPU here)
-    if type(t) is torch.Tensor and not torch._is_functional_tensor(t):
-        return False
-    return is_fake(t) or torch._is_functional_tensor(t)
+    if torch._is_functional_tensor(t):
+        return True
+    return type(t) is not torch.Tensor and is_fake(t)
 
 
 class ThreadFlag:
