@@ -310,7 +310,8 @@ def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes) -> d
     return dict(meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 kernel=kernel, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
                 grid="x".join(map(str, launch.grid)),
-                tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" (tuned)" if tuned else ""),
+                tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" fused" if t.fused else "")
+                + (" (tuned)" if tuned else ""),
                 us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                 est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops)
 
@@ -375,10 +376,13 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
 
 
 def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
-    """None (the tuned tile) and the first ``top`` other candidates of ``bench/lstmp_compile.py``'s search in its
-    compile-free order (programs rule, SM-fill-charged estimate, L2 traffic): the compile-time model's short list,
-    for the clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their estimates at B=384 bf16
-    and are two thirds of a step: the model's pick among them is the least trusted."""
+    """None (the tuned tile), for ``fwd_cell`` the tuned tile in the other design (``Tile.fused``: one dot over the
+    gate-interleaved weight, or one per gate; chosen from compiled code alone, kernels/lstmp.FUSED_GATES), and the
+    first ``top`` other candidates of ``bench/lstmp_compile.py``'s search in its compile-free order (programs rule,
+    SM-fill-charged estimate, L2 traffic), in the tuned tile's design: the compile-time model's short list, for the
+    clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their estimates at B=384 bf16 and are
+    two thirds of a step: the model's pick among them is the least trusted."""
+    import dataclasses
     import functools
 
     import lstmp_compile
@@ -388,7 +392,9 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     tuned = KL._tile(name, B, dtype, KL.H100)
     ranked = sorted(lstmp_compile.candidates(name, B, dtype != torch.float32),
                     key=functools.partial(lstmp_compile._prekey, name, dtype, B))
-    return (None, *[t for t in ranked if t != tuned][:top])
+    others = [dataclasses.replace(t, fused=tuned.fused) for t in ranked]
+    twin = (dataclasses.replace(tuned, fused=not tuned.fused),) if name == "fwd_cell" else ()
+    return (None, *twin, *[t for t in others if t != tuned][:top])
 
 
 def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(torch.bfloat16,), T=20, dims=ELMO,
@@ -406,6 +412,7 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
     for dtype in dtypes:
         for B in batches:
             plan, bufs, bplan, bbufs = _step_buffers(B, T, dtype, device, dims)
+            bufs.setdefault("w_rec_g", KL.interleave_gates(bufs["w_rec"]))  # the fused cell kernel's weight
             for name in kernels:
                 b = bufs if name.startswith("fwd") else bbufs
                 saved = {k: v.clone() for k, v in b.items()}

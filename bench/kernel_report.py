@@ -492,7 +492,8 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
                          TorchOp("char_cnn prep: packed weights, lengths, argsort", 0, 4 * N * L * 8, 16, False)],
         "highway/fwd": [gemm("token projection 2048->512 (addmm)", N, P, NF, dt)],
         "lstmp/fwd": [gemm("input projection x·W_in (all steps)", nt, 4 * H, P, dt),
-                      TorchOp("lstmp state copies, consts, zero fill", 0, size.B * (H + P) * 8, 6, False)],
+                      TorchOp("lstmp state copies, consts, zero fill", 0, size.B * (H + P) * 8, 6, False),
+                      *_interleave_op(dt)],
     }
     if size.train:
         ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False)]
@@ -518,6 +519,14 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     return ops
 
 
+def _interleave_op(dt) -> list[TorchOp]:
+    """The gate-interleaved copy of w_rec that the fused forward cell kernel reads (16-bit operands), once per chain
+    call: eagerly a fresh tensor, in a loop graph a refill of its static buffer."""
+    if not KL.FUSED_GATES["16bit" if dt in (BF16, torch.float16) else "fp32"]:
+        return []
+    return [TorchOp("w_rec gate-interleaved copy (fused cell kernel)", 0, 2 * 4 * H * P * es(dt), 1, False)]
+
+
 def loop_graph_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     """What a chain call adds around a loop-graph replay (``kernels/lstmp_graphs.py``): the refill of the static
     buffers, the replay's own launch, the clones of the returned tensors."""
@@ -525,7 +534,7 @@ def loop_graph_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     return {
         "lstmp/fwd": [TorchOp("loop graph: refill x, bias, weights, states, lengths; replay; clone y, h_n, c_n", 0,
                               2 * ((4 * H * P + H * P + 4 * H) * isz + nt * P * isz + B * (2 * P + H) * 4)
-                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False)],
+                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False), *_interleave_op(dt)],
         "lstmp/bwd": [TorchOp("loop graph: refill dy, dh_n, dc_n, c0; replay; clone dh0, dc0", 0,
                               2 * (nt * P * isz + 2 * B * (P + H) * 4) + 2 * B * (P + H) * 4, 7, False)],
     }
@@ -598,7 +607,7 @@ COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice"
            "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm", "hgmma",
            "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "violations", "variant_id",
            "compile_s"]
-_CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "num_")
+_CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "num_")
 
 
 def row_of(c: Case, picked: bool) -> dict:

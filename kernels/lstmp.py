@@ -11,7 +11,9 @@ grid-wide barrier between them (a persistent kernel would need a spin barrier, w
 ``TRITON_INTERPRET=1`` where programs run one after another, so CI could not check it). Forward, per step:
 
 1. ``_fwd_cell_kernel``, grid (B/BB, H/BH): ``h_{t-1} · w_rec`` for the four gate tiles of one H slice
-   (tensor cores for 16-bit operands), gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t``.
+   (tensor cores for 16-bit operands), gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t``. With
+   16-bit operands (``FUSED_GATES``) it reads a gate-interleaved copy of ``w_rec`` (``interleave_gates``, made
+   with the call's other buffers) so that one (BK, 4·BH) tile and one dot per k step cover the four gates.
 2. ``_splitk_kernel``, grid (B/BB, P/BP, S): split-K ``m_t · w_proj``: split k of S sums K-rows
    [k·KS, (k+1)·KS) of H=4096 and writes an fp32 partial (S, B, P). Without the split the projection has
    (B/BB)·(P/BP) programs (a dozen at B=384) each walking K=4096 serially.
@@ -92,7 +94,7 @@ that give every SM a program.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -182,11 +184,13 @@ def _fwd_cell_kernel(
     s, B, T, H: tl.constexpr, P: tl.constexpr,
     HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
-    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr,
 ):
     """Gates, cell and m for one (row block, H slice) at step s. hop (B,P) is h in the operand dtype; c (B,H)
     is the ACC cell state (inference: read and written every step; training: c0 at s == 0, c_{t-1} comes
-    from the pre-clip cache, and c is written only at a row's last step)."""
+    from the pre-clip cache, and c is written only at a row's last step). FUSED: w_rec is in the gate-interleaved
+    layout (``interleave_gates``: column 4h + g holds gate g of unit h), so one (BK, 4·BH) tile and one dot per k
+    step give the four gates of the slice, split apart after the loop."""
     forget_bias = tl.load(consts_ptr)
     cell_clip = tl.load(consts_ptr + 1)
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
@@ -195,20 +199,36 @@ def _fwd_cell_kernel(
     G = 4 * H
     live = _any(valid)
 
-    acc_i = tl.zeros([BB, BH], ACC)
-    acc_j = tl.zeros([BB, BH], ACC)
-    acc_f = tl.zeros([BB, BH], ACC)
-    acc_o = tl.zeros([BB, BH], ACC)
-    for k0 in tl.range(0, P, BK, num_stages=STAGES):
-        rk = k0 + tl.arange(0, BK)
-        kmask = rk < P
-        hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        wp = w_rec_ptr + rk[:, None].to(tl.int64) * G + rh[None, :]
-        wm = kmask[:, None] & hmask[None, :] & live
-        acc_i = _mma(hp, tl.load(wp, mask=wm, other=0.0), acc_i, IEEE, ACC, EMU)
-        acc_j = _mma(hp, tl.load(wp + H, mask=wm, other=0.0), acc_j, IEEE, ACC, EMU)
-        acc_f = _mma(hp, tl.load(wp + 2 * H, mask=wm, other=0.0), acc_f, IEEE, ACC, EMU)
-        acc_o = _mma(hp, tl.load(wp + 3 * H, mask=wm, other=0.0), acc_o, IEEE, ACC, EMU)
+    if FUSED:
+        rn = tl.program_id(1) * (4 * BH) + tl.arange(0, 4 * BH)  # interleaved columns 4h + g of this slice
+        nmask = rn < G
+        acc = tl.zeros([BB, 4 * BH], ACC)
+        for k0 in tl.range(0, P, BK, num_stages=STAGES):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < P
+            hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_rec_ptr + rk[:, None].to(tl.int64) * G + rn[None, :],
+                        mask=kmask[:, None] & nmask[None, :] & live, other=0.0)
+            acc = _mma(hp, w, acc, IEEE, ACC, EMU)
+        # column 4h + g -> (h, g1, g0) with g = 2 g1 + g0: g0 = 0 holds i (g=0) and f (g=2), g0 = 1 holds j and o
+        even, odd = tl.split(tl.reshape(acc, [BB, BH, 2, 2]))
+        acc_i, acc_f = tl.split(even)
+        acc_j, acc_o = tl.split(odd)
+    else:
+        acc_i = tl.zeros([BB, BH], ACC)
+        acc_j = tl.zeros([BB, BH], ACC)
+        acc_f = tl.zeros([BB, BH], ACC)
+        acc_o = tl.zeros([BB, BH], ACC)
+        for k0 in tl.range(0, P, BK, num_stages=STAGES):
+            rk = k0 + tl.arange(0, BK)
+            kmask = rk < P
+            hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            wp = w_rec_ptr + rk[:, None].to(tl.int64) * G + rh[None, :]
+            wm = kmask[:, None] & hmask[None, :] & live
+            acc_i = _mma(hp, tl.load(wp, mask=wm, other=0.0), acc_i, IEEE, ACC, EMU)
+            acc_j = _mma(hp, tl.load(wp + H, mask=wm, other=0.0), acc_j, IEEE, ACC, EMU)
+            acc_f = _mma(hp, tl.load(wp + 2 * H, mask=wm, other=0.0), acc_f, IEEE, ACC, EMU)
+            acc_o = _mma(hp, tl.load(wp + 3 * H, mask=wm, other=0.0), acc_o, IEEE, ACC, EMU)
 
     vm = valid[:, None] & hmask[None, :]
     zi = acc_i + _gate_input(gx_ptr, bias_ptr, tok, rh, 0, vm, hmask, H, ACC)
@@ -424,13 +444,16 @@ def _bwd_reduce_kernel(
 # ------------------------------------------------------------------------------------- launch planning
 @dataclass(frozen=True)
 class Tile:
-    """Tiling of one kernel: BM rows x BN columns per program, K steps of BK, ``warps``, pipeline ``stages``."""
+    """Tiling of one kernel: BM rows x BN columns per program, K steps of BK, ``warps``, pipeline ``stages``;
+    ``fused`` (``fwd_cell`` only): one dot per k step over the gate-interleaved weight (``interleave_gates``) instead
+    of one per gate."""
 
     BM: int
     BN: int
     BK: int = 0
     warps: int = 4
     stages: int = 1
+    fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -529,11 +552,24 @@ def _low(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
+# The forward cell kernel's design per operand class: one dot over the gate-interleaved weight (``Tile.fused``) or one
+# per gate. Compiled for sm_90a at every tuned tile (2026-11-26, commit in bench/results/kernel_report.md), the fused
+# kernel issues a quarter of the 16-bit one's tensor-core instructions (one m64n4·BN wgmma per k16 instead of four
+# m64nBN), fewer and wider async copies (16 against 24 cp.async at B=384), fewer shared-memory stores and barriers
+# around the epilogue (26 against 40 st.shared, 4 against 12 layout conversions at B=384), at the same shared memory
+# and no spills; in fp32 (plain FMA dots) it reads more operands from shared memory (241 against 133 ld.shared at
+# B=128) with more registers (up to 255): fp32 keeps one dot per gate. Unmeasured on a GPU: the tile sweep
+# (bench_lstmp.py --parts tiles) times both designs.
+FUSED_GATES = {"16bit": True, "fp32": False}
+
+
 def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
-    if target.interpret:
-        return _INTERPRET_TILE[kernel]
+    """The tile of ``kernel`` at batch ``B``: ``TUNED``'s (the interpreter's fixed one under it), with the forward cell
+    kernel's design from ``FUSED_GATES``, so the interpreter runs the GPU's design for each operand dtype."""
+    cls = "16bit" if _low(dtype) else "fp32"
     size = next((b for b in BATCHES if b >= B), BATCHES[-1])
-    return TUNED[(kernel, "16bit" if _low(dtype) else "fp32", size)]
+    t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, size)]
+    return replace(t, fused=FUSED_GATES[cls]) if kernel == "fwd_cell" else t
 
 
 def _splits(K: int, BK: int, tiles: int, sms: int) -> tuple[int, int]:
@@ -586,9 +622,10 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     t = tile("fwd_cell")
     plan["fwd_cell"] = launch(
         _fwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
-        dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, **flags),
-        (("gx", op), ("bias", op), ("w_rec", op), ("hop", op), ("c", acc), ("lengths", i64), ("m", op),
-         ("z", op), ("cpre", acc), ("consts", acc)),
+        dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, FUSED=t.fused,
+             **flags),
+        (("gx", op), ("bias", op), ("w_rec_g" if t.fused else "w_rec", op), ("hop", op), ("c", acc),
+         ("lengths", i64), ("m", op), ("z", op), ("cpre", acc), ("consts", acc)),
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
         T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * isz if training else 0),
         2 * B * P * G, t)
@@ -716,6 +753,17 @@ def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, re
                        residual=bool(residual))
 
 
+def interleave_gates(w_rec: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w_rec (P, 4H), gate blocks i|j|f|o, as the fused cell kernel reads it: column 4h + g holds gate g of unit h,
+    so one slice of units is one run of columns (a strided copy, into ``out`` when given)."""
+    P, G = w_rec.shape
+    src = w_rec.reshape(P, 4, G // 4).transpose(1, 2)
+    if out is None:
+        return src.contiguous().view(P, G)
+    out.view(P, G // 4, 4).copy_(src)
+    return out
+
+
 def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_clip, forget_bias, reverse,
               residual, save: bool) -> tuple[dict, dict]:
     """(plan, buffers) of a forward call: the input projection done, the state initialised, every buffer the
@@ -735,6 +783,7 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     hop = h0.to(op).contiguous().clone()
     bufs = dict(
         gx=gx, z=gx, bias=bias.to(op).contiguous(), w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, x=xo,
+        **({"w_rec_g": interleave_gates(w_rec)} if plan["fwd_cell"].tile.fused else {}),
         hop=hop, hn=hn, c=c, lengths=_lengths(lengths, dev),
         consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev),
         y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
@@ -810,6 +859,8 @@ def _fill_fwd(bufs, x, w_in, w_rec, bias, w_proj, h0, c0, lengths) -> None:
                     ("c", c0), ("lengths", lengths)):
         if t is not None:
             bufs[name].copy_(t)
+    if "w_rec_g" in bufs:
+        interleave_gates(w_rec, out=bufs["w_rec_g"])
 
 
 def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_clip, reverse, residual

@@ -23,7 +23,9 @@ def _alternatives(sweep: str) -> dict:
 
     if sweep == "splits":
         return {"fwd_proj": (None, Tile(16, 16, 16)), "bwd_rec": (None, Tile(16, 32, 16))}
-    return {"fwd_cell": (None, Tile(16, 16, 16, 4, 2)), "bwd_cell": (None, Tile(16, 16, 16, 4, 2))}
+    # fp32: the tuned forward cell kernel runs one dot per gate, the third alternative the fused design
+    return {"fwd_cell": (None, Tile(16, 16, 16, 4, 2), Tile(16, 16, 16, 4, 2, fused=True)),
+            "bwd_cell": (None, Tile(16, 16, 16, 4, 2))}
 
 
 def _sweep(sweep: str):
@@ -40,8 +42,9 @@ def test_every_alternative_is_timed_and_checked_against_the_tuned_tile(sweep, ke
     import bench_lstmp
 
     rows = _sweep(sweep)
+    alternatives = _alternatives(sweep)
     assert [(r["kernel"], r["tile"].endswith("(tuned)")) for r in rows] == [
-        (k, tuned) for k in kernels for tuned in (True, False)]
+        (k, t is None) for k in kernels for t in alternatives[k.split("+")[0]]]
     assert all(float(r["us_p50"]) > 0 and float(r["est_us"]) >= 0 and r["ratio"] for r in rows)
     assert set(bench_lstmp.KERNEL_FIELDS) >= set(rows[0]) - {"note"}
 
@@ -65,7 +68,17 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch, sweep
 
 
 def test_the_gpu_short_list_comes_from_the_compile_search():
+    """The tuned tile, for the forward cell kernel the same tile in the other design, then ``top`` other candidates
+    in the tuned design."""
+    import dataclasses
+
     import bench_lstmp
 
+    from elmo_fast.kernels import lstmp as KL
+
+    tuned = KL._tile("fwd_cell", 384, torch.bfloat16, KL.H100)
     tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
+    assert tiles[0] is None and tiles[1] == dataclasses.replace(tuned, fused=not tuned.fused) and len(tiles) == 6
+    assert len(set(tiles[2:])) == 4 and tuned not in tiles[2:] and all(t.fused == tuned.fused for t in tiles[2:])
+    tiles = bench_lstmp._tile_alternatives("bwd_cell", 384, torch.bfloat16, top=4)
     assert tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4

@@ -89,6 +89,19 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape,fl", CASES)
 def test_training_replays_equal_eager(graphs, monkeypatch, shape, fl, dtype):
+    _replays_equal_eager(graphs, monkeypatch, shape, fl, dtype)
+
+
+def test_fused_cell_replays_equal_eager(graphs, monkeypatch):
+    """The fused forward cell kernel (the GPU's 16-bit design) reads the gate-interleaved copy of w_rec, which each
+    replay's refill must rewrite from the updated weights."""
+    from elmo_fast.kernels import lstmp
+
+    monkeypatch.setattr(lstmp, "FUSED_GATES", dict.fromkeys(lstmp.FUSED_GATES, True))
+    _replays_equal_eager(graphs, monkeypatch, *CASES[1], torch.float64)
+
+
+def _replays_equal_eager(graphs, monkeypatch, shape, fl, dtype):
     case = make_case(B=5, T=4, **shape)
     with_graphs = _train(case, fl, dtype)
     assert _replays(graphs) == 2 * 2  # call 1 eager (first sight); calls 2 and 3 replay forward and backward

@@ -57,8 +57,46 @@ def test_interpreter_plan_splits_odd_shape():
     assert plan["bwd_reduce"].constexprs["SPLITS"] == 5 and plan["bwd_reduce"].count == ODD["T"] + 1
 
 
+@pytest.fixture(params=[False, True], ids=["per_gate", "fused"])
+def fwd_design(request, monkeypatch):
+    """The forward cell kernel's design for every dtype: one dot per gate, or one over the gate-interleaved weight
+    (``Tile.fused``; the GPU's 16-bit design)."""
+    mod = _mod()
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, request.param))
+    return request.param
+
+
+def test_fused_design_follows_the_operand_class():
+    """16-bit operands run the fused forward cell kernel on the GPU and under the interpreter, fp32 one dot per gate;
+    an explicit tile keeps its own design, and only the forward cell kernel has one."""
+    mod = _mod()
+    for target in (mod.H100, mod.Target(interpret=True, sms=132)):
+        for dtype, fused in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False),
+                             (torch.float64, False)):
+            plan = mod.launch_plan(384, 20, 4096, 512, dtype, training=True, target=target)
+            assert plan["fwd_cell"].tile.fused is fused and plan["fwd_cell"].constexprs["FUSED"] is fused
+            assert dict(plan["fwd_cell"].args).keys() >= ({"w_rec_g"} if fused else {"w_rec"})
+            assert not any(launch.tile.fused for name, launch in plan.items() if name != "fwd_cell")
+    t = mod.Tile(64, 32, 32, 4, 2)
+    assert not mod.launch_plan(64, 3, 64, 32, torch.bfloat16, training=False, tiles={"fwd_cell": t})["fwd_cell"
+                                                                                                     ].tile.fused
+
+
+def test_interleave_gates():
+    """Column 4h + g of the interleaved weight is column g·H + h of w_rec (gate blocks i|j|f|o), into a new tensor or
+    in place (the loop graphs' refill), from any strides."""
+    mod = _mod()
+    P, H = 3, 5
+    w = torch.arange(P * 4 * H, dtype=torch.float64).reshape(P, 4 * H)
+    want = torch.stack([w[:, g * H:(g + 1) * H] for g in range(4)], dim=2).reshape(P, 4 * H)
+    assert torch.equal(mod.interleave_gates(w), want)
+    assert torch.equal(mod.interleave_gates(w.t().contiguous().t()), want)
+    out = torch.full_like(w, float("nan"))
+    assert mod.interleave_gates(w, out=out) is out and torch.equal(out, want)
+
+
 @pytest.mark.parametrize("name", list(ODD_CASES))
-def test_odd_shape_fp64(name):
+def test_odd_shape_fp64(name, fwd_design):
     shape, fl = ODD_CASES[name]
     case = make_case(**{**ODD, **shape, "residual": fl["residual"]})
     want = run(reference, case, torch.float64, fl, upstream_grads(3))
@@ -67,7 +105,7 @@ def test_odd_shape_fp64(name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_odd_shape_low_precision(dtype):
+def test_odd_shape_low_precision(dtype, fwd_design):
     shape, fl = ODD_CASES["reverse_residual"]
     case = make_case(**{**ODD, **shape, "residual": True})
     exact = run(reference, case, torch.float64, fl, upstream_grads(4))
