@@ -25,6 +25,19 @@ def on_signal(signum, frame):
     raise Signalled(signum)
 
 
+def quiet_unraisable(previous):
+    """A ``sys.unraisablehook`` for while the handler is installed: a :class:`Signalled` that Python could not raise
+    (inside a finalizer) is recorded in ``PENDING`` and raised again by :func:`check_signals`, so its "Exception
+    ignored in ..." traceback would only confuse the one-line message that follows; anything else goes to
+    ``previous``."""
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, Signalled):
+            previous(unraisable)
+
+    return hook
+
+
 def check_signals() -> None:
     """Raise the first pending signal again (a no-op when none is pending: one list test)."""
     if PENDING:

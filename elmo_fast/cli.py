@@ -210,10 +210,11 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # a usage error (2, one line already printed), or --help / --version (0)
         return exc.code if isinstance(exc.code, int) else 0
-    handlers = {}
+    handlers, unraisable = {}, sys.unraisablehook
     if threading.current_thread() is threading.main_thread():
         _signals.PENDING.clear()
         handlers = {s: signal.signal(s, _signals.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        sys.unraisablehook = _signals.quiet_unraisable(unraisable)
     show = warnings.showwarning
     warnings.showwarning = _warn_one_line
     try:
@@ -231,6 +232,7 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         for s, h in handlers.items():
             signal.signal(s, h)
         if handlers:
+            sys.unraisablehook = unraisable
             _signals.PENDING.clear()
 
 
