@@ -178,6 +178,15 @@ def _gate_input(gx_ptr, bias_ptr, tok, rh, g: tl.constexpr, vm, hmask, H: tl.con
     return gx + tl.load(bias_ptr + col, mask=hmask, other=0.0).to(ACC)[None, :]
 
 
+@triton.jit
+def _h_tile(hop_ptr, rb, valid, k0, P: tl.constexpr, BK: tl.constexpr):
+    """The A tile of the recurrent product: rows rb of h (zero at inactive rows), columns k0..k0+BK-1 of P; and those
+    columns with their mask."""
+    rk = k0 + tl.arange(0, BK)
+    kmask = rk < P
+    return tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0), rk, kmask
+
+
 @triton.jit(do_not_specialize=["s"])
 def _fwd_cell_kernel(
     gx_ptr, bias_ptr, w_rec_ptr, hop_ptr, c_ptr, len_ptr, m_ptr, z_ptr, cpre_ptr, consts_ptr,
@@ -204,9 +213,7 @@ def _fwd_cell_kernel(
         nmask = rn < G
         acc = tl.zeros([BB, 4 * BH], ACC)
         for k0 in tl.range(0, P, BK, num_stages=STAGES):
-            rk = k0 + tl.arange(0, BK)
-            kmask = rk < P
-            hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            hp, rk, kmask = _h_tile(hop_ptr, rb, valid, k0, P, BK)
             w = tl.load(w_rec_ptr + rk[:, None].to(tl.int64) * G + rn[None, :],
                         mask=kmask[:, None] & nmask[None, :] & live, other=0.0)
             acc = _mma(hp, w, acc, IEEE, ACC, EMU)
@@ -220,9 +227,7 @@ def _fwd_cell_kernel(
         acc_f = tl.zeros([BB, BH], ACC)
         acc_o = tl.zeros([BB, BH], ACC)
         for k0 in tl.range(0, P, BK, num_stages=STAGES):
-            rk = k0 + tl.arange(0, BK)
-            kmask = rk < P
-            hp = tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            hp, rk, kmask = _h_tile(hop_ptr, rb, valid, k0, P, BK)
             wp = w_rec_ptr + rk[:, None].to(tl.int64) * G + rh[None, :]
             wm = kmask[:, None] & hmask[None, :] & live
             acc_i = _mma(hp, tl.load(wp, mask=wm, other=0.0), acc_i, IEEE, ACC, EMU)
@@ -553,13 +558,14 @@ def _low(dtype: torch.dtype) -> bool:
 
 
 # The forward cell kernel's design per operand class: one dot over the gate-interleaved weight (``Tile.fused``) or one
-# per gate. Compiled for sm_90a at every tuned tile (2026-11-26, commit in bench/results/kernel_report.md), the fused
-# kernel issues a quarter of the 16-bit one's tensor-core instructions (one m64n4·BN wgmma per k16 instead of four
-# m64nBN), fewer and wider async copies (16 against 24 cp.async at B=384), fewer shared-memory stores and barriers
-# around the epilogue (26 against 40 st.shared, 4 against 12 layout conversions at B=384), at the same shared memory
-# and no spills; in fp32 (plain FMA dots) it reads more operands from shared memory (241 against 133 ld.shared at
-# B=128) with more registers (up to 255): fp32 keeps one dot per gate. Unmeasured on a GPU: the tile sweep
-# (bench_lstmp.py --parts tiles) times both designs.
+# per gate. Compiled for sm_90a at the tuned tiles (2026-11-26; SASS rows in bench/results/kernel_report_fused_cell.md),
+# the 16-bit fused kernel's loop body has a quarter of the tensor-core instructions (per k16 one m64n(4·BN) wgmma
+# instead of four m64nBN) and fewer, wider async copies (PTX at B=384: 2 against 8 wgmma, 16 against 24 cp.async), and
+# the epilogue fewer shared-memory round trips (26 against 40 st.shared, 4 against 12 layout conversions), at the same
+# shared memory, no spills, 174 against 186 registers at B=384 (168 against 144 at B=128); ptxas then unrolls its
+# whole K loop (32 HGMMA in the SASS). In fp32 (FMA dots) it reads more operands from shared memory (241 against 133
+# ld.shared at B=128) with up to 255 registers: fp32 keeps one dot per gate. Unmeasured on a GPU: the tile sweep
+# (bench_lstmp.py --parts tiles) times the tuned tile in both designs.
 FUSED_GATES = {"16bit": True, "fp32": False}
 
 
