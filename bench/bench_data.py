@@ -100,7 +100,7 @@ def run(batch: int = 384, rounds: int = 3, steps: int = 20, n_ops: int = 10_000,
                         if not busy:
                             time.sleep(0.01)
                     rows.append({"measure": "received", "worker": "process", "round": "busy" if busy else "asleep",
-                                 "batches": loader._q.qsize(), "seconds": round(time.perf_counter() - t0, 2)})
+                                 "batches": loader.ready(), "seconds": round(time.perf_counter() - t0, 2)})
                 finally:
                     loader.close()
     finally:

@@ -184,7 +184,10 @@ def test_loader_position_is_the_consumed_one(tmp_path, kind, monkeypatch):
         assert type(loader._proc).__name__ == ("SpawnProcess" if kind.endswith("-spawn") else "ForkProcess")
     for i in range(5):
         np.testing.assert_array_equal(next(loader)["token_ids"], expect[i]["token_ids"])
-    time.sleep(0.2)  # the worker has read ahead by now
+    deadline = time.time() + 30
+    while loader.ready() < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert loader.ready() == 3  # the worker has read ahead: the queue is full, and holds no more than its size
     pos = loader.position
     loader.close()
     again = Loader(D.BidirectionalStream(files, vocab, 2, 5, 50, seed=1), queue_size=3, state=pos)

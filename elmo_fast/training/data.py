@@ -412,6 +412,11 @@ class BackgroundLoader:
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             self._put(exc)
 
+    def ready(self) -> int:
+        """Items in the read-ahead queue: batches made and not handed out yet (and the end-of-data or error mark once
+        the worker has stopped); 0: the next step waits for data."""
+        return self._q.qsize()
+
     def __iter__(self):
         return self
 
@@ -505,6 +510,11 @@ class ProcessLoader:
         if self._position_blob is not None:
             self._position, self._position_blob = pickle.loads(self._position_blob), None
         return self._position
+
+    def ready(self) -> int:
+        """Items in the read-ahead queue: batches made and not handed out yet (and the end-of-data or error mark once
+        the worker has stopped); 0: the next step waits for data."""
+        return self._q.qsize()
 
     def __iter__(self):
         return self
