@@ -362,6 +362,30 @@ def test_data_worker_process_trains_as_the_thread_does(tmp_path):
     assert positions["process"] == positions["thread"]
 
 
+def test_log_records_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypatch):
+    """Each train record says which share of the time since the last one the step waited for batches: near all of it
+    when making a batch takes far longer than a step (here 0.2 s against a few ms), little when the worker has the
+    next batch ready (here a 0.1 s pause after each step, ``sleep_per_step``, lets it read ahead)."""
+    from elmo_fast.training.trainer import train_loop
+
+    train_glob, _ = _grammar_corpus(tmp_path)
+    shares, real = {}, D.BidirectionalStream.next_batch
+    for case, delay, pause in (("slow data", 0.2, 0.0), ("data ready", 0.0, 0.1)):
+        def next_batch(self, delay=delay):
+            time.sleep(delay)
+            return real(self)
+
+        monkeypatch.setattr(D.BidirectionalStream, "next_batch", next_batch)
+        tr, _ = _trainer(tmp_path / case.replace(" ", "_"), train_glob, batch_size=2, unroll_steps=3, max_steps=6,
+                         log_every=3, queue_size=1, data_worker="thread", checkpoint_every=100, eval_every=None,
+                         sleep_per_step=pause)
+        recs = []
+        train_loop(tr, recs.append, progress=False)
+        shares[case] = [r["data_wait"] for r in recs if r["event"] == "train"]
+    assert len(shares["slow data"]) == 2 and all(0.7 < x <= 1.0 for x in shares["slow data"]), shares
+    assert len(shares["data ready"]) == 2 and all(0.0 <= x < 0.3 for x in shares["data ready"]), shares
+
+
 def test_tiny_model_beats_unigram_perplexity(tmp_path):
     train_glob, held = _grammar_corpus(tmp_path)
     tr, counts = _trainer(tmp_path, train_glob, held, batch_size=8, unroll_steps=10, dropout=0.0,

@@ -230,6 +230,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.train_seconds = 0.0
+        self.data_wait_s = 0.0  # time train_step spent waiting for the data worker's batches (this process)
         self.autocast = (self.device.type == "cuda" and cfg.bf16)
         tower_states = {}
         if checkpoint is not None:
@@ -347,7 +348,9 @@ class Trainer:
             p.grad = None
         losses = []
         for tw in self.towers:
+            t0 = time.perf_counter()
             batch = next(tw.loader)
+            self.data_wait_s += time.perf_counter() - t0
             losses.append(self._tower_step(tw, batch, 1.0 / self.n_towers_total))
         loss = torch.stack(losses).sum() / self.n_towers_total
         dense, accs = self.dense_params, self.acc_dense
@@ -662,7 +665,7 @@ def train_loop(trainer: Trainer, log: JsonLog, progress: bool = True) -> dict:
         bar = tqdm(total=n_steps, initial=trainer.step, unit="step", dynamic_ncols=True)
         log.bar = bar
     t_start = time.perf_counter()
-    t_mark, tok_mark, step_mark = t_start, trainer.tokens_seen, trainer.step
+    t_mark, tok_mark, step_mark, wait_mark = t_start, trainer.tokens_seen, trainer.step, trainer.data_wait_s
     loss_acc, n_acc = None, 0
     last_eval = None
     stopped_by = "steps"
@@ -696,11 +699,14 @@ def train_loop(trainer: Trainer, log: JsonLog, progress: bool = True) -> dict:
                        "tokens_per_s": (trainer.tokens_seen - tok_mark) / max(now - t_mark, 1e-9),
                        "steps_per_s": (trainer.step - step_mark) / max(now - t_mark, 1e-9),
                        "grad_norm": float(trainer.last_grad_norm), "tokens": trainer.tokens_seen,
+                       # the share of the time since the last record spent waiting for batches: near 0 unless the
+                       # data worker is the bottleneck
+                       "data_wait": round((trainer.data_wait_s - wait_mark) / max(now - t_mark, 1e-9), 3),
                        "elapsed_s": round(now - t_start, 3)}
                 log(rec)
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                t_mark, tok_mark, step_mark = now, trainer.tokens_seen, trainer.step
+                t_mark, tok_mark, step_mark, wait_mark = now, trainer.tokens_seen, trainer.step, trainer.data_wait_s
                 loss_acc, n_acc = None, 0
             if trainer.step % cfg.checkpoint_every == 0 and trainer.step < n_steps:
                 trainer.save_checkpoint()
