@@ -148,10 +148,12 @@ def _compiles():
         knobs.listener = previous
 
 
-def _timed(step, steps: int, rounds: int, warmup: int, dev) -> dict:
+def _timed(step, steps: int, rounds: int, warmup: int, dev, waited=None) -> dict:
     """``warmup`` steps, then ``steps`` timed steps in ``rounds`` rounds. ms_per_step is the median round's, so one
     round that pays for something once (a kernel specialisation compiled on a new token count, a late
-    allocation) does not set the number; every round's time and the compiles inside timed rounds are kept."""
+    allocation) does not set the number; every round's time and the compiles inside timed rounds are kept.
+    ``waited``: the trainer's seconds spent waiting for batches so far (``Trainer.data_wait_s``), which gives
+    ``data_wait``, their share of the timed rounds."""
     for _ in range(warmup):
         step()
     if dev.type == "cuda":
@@ -159,7 +161,7 @@ def _timed(step, steps: int, rounds: int, warmup: int, dev) -> dict:
         torch.cuda.reset_peak_memory_stats()
     rounds = max(1, min(rounds, steps))
     per_round = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
-    ms = []
+    ms, w0 = [], waited() if waited else 0.0
     with _compiles() as compiled:
         for n in per_round:
             t0 = time.perf_counter()
@@ -168,8 +170,9 @@ def _timed(step, steps: int, rounds: int, warmup: int, dev) -> dict:
             float(loss)  # waits for the device
             ms.append(1000 * (time.perf_counter() - t0) / n)
     mem = torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else float("nan")
+    wait = (waited() - w0) / (1e-3 * sum(m * n for m, n in zip(ms, per_round))) if waited else float("nan")
     return {"ms_per_step": statistics.median(ms), "round_ms": " ".join(f"{m:.1f}" for m in ms),
-            "compiles_timed": compiled["compiled"], "peak_mem_mib": mem}
+            "compiles_timed": compiled["compiled"], "peak_mem_mib": mem, "data_wait": round(wait, 3)}
 
 
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
@@ -200,7 +203,8 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
             with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
                 tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
-                    results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev)))
+                    results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,
+                                                                waited=lambda t=tr: t.data_wait_s)))
                     if profile and name == "elmo_fast":
                         common.print_device_profile(f"elmo_fast training step, B={batch}",
                                                     common.device_profile(lambda t=tr: float(t.train_step()), profile))
@@ -236,7 +240,7 @@ def _report(results):
     for r in results:
         print(f"{r['provider']:>15}: {r['tokens_per_s']:10.0f} tokens/s  {r['ms_per_step']:8.1f} ms/step (median "
               f"round; rounds {r['round_ms']} ms/step; {r['compiles_timed']} Triton compiles in them)  "
-              f"peak {r['peak_mem_mib']:.0f} MiB  [{r['shape']}]")
+              f"peak {r['peak_mem_mib']:.0f} MiB  data wait {r['data_wait']:.1%}  [{r['shape']}]")
     parts = next((r for r in results if r["provider"] == "parts"), None)
     for r in results:
         if parts is not None and r is not parts:
@@ -259,6 +263,7 @@ def test_bench_train_smoke_cpu():
     res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu", profile=1)
     assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
     assert all(r["tokens_per_s"] > 0 and len(r["round_ms"].split()) == 2 for r in res)
+    assert 0.0 <= res[0]["data_wait"] <= 1.0 and res[1]["data_wait"] != res[1]["data_wait"]  # parts: NaN, no worker
 
 
 def main(argv=None) -> int:

@@ -166,18 +166,27 @@ def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
                 path: str | os.PathLike | None = None) -> Path:
     """Append rows to ``path`` (default ``<results_dir()>/<name>.csv``: see the module docstring). Each row is
     completed with ``environment()``; keys the row already has win. Columns: ``fields`` when given (keys outside
-    it are dropped), else the first row's keys."""
+    it are dropped), else the first row's keys. A file written before with other columns is rewritten with the
+    union of both (its columns first; empty where a row has no value), so no value lands under another column."""
     path = Path(path) if path else results_dir() / f"{name}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     env = environment()
     rows = [{**r, **{k: v for k, v in env.items() if k not in r}} for r in rows]
     fields = list(fields or rows[0].keys())
-    new = not path.exists()
-    with open(path, "a", newline="") as fh:
+    old: list[dict] = []
+    if path.exists():
+        with open(path, newline="") as fh:
+            reader = csv.DictReader(fh)
+            header = list(reader.fieldnames or [])
+            if header != fields:
+                old = list(reader)
+                fields = header + [f for f in fields if f not in header]
+    mode = "w" if old or not path.exists() else "a"
+    with open(path, mode, newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        if new:
+        if mode == "w":
             w.writeheader()
-        w.writerows(rows)
+        w.writerows(old + rows)
     return path
 
 

@@ -198,6 +198,19 @@ def test_report_rows_prints_each_row_then_appends_them(bench_env, tmp_path, caps
     assert path.read_text().splitlines()[0] == "a,b" and len(path.read_text().splitlines()) == 3
 
 
+def test_appending_rows_with_new_columns_keeps_every_value_under_its_column(bench_env, tmp_path):
+    import csv
+
+    path = tmp_path / "t.csv"
+    common.append_rows("t", [{"a": 1, "b": 2}], ["a", "b"], path)
+    common.append_rows("t", [{"a": 3, "c": 4}], ["a", "c"], path)  # a column added since, one dropped
+    common.append_rows("t", [{"a": 5, "b": 6, "c": 7}], ["a", "b", "c"], path)
+    with open(path, newline="") as fh:
+        got = [(r["a"], r["b"], r["c"]) for r in csv.DictReader(fh)]
+    assert path.read_text().splitlines()[0] == "a,b,c"
+    assert got == [("1", "2", ""), ("3", "", "4"), ("5", "6", "7")]
+
+
 def test_peak_memory_off_cuda_is_nan_without_a_call():
     import math
 
