@@ -378,10 +378,10 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
 def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     """None (the tuned tile), for ``fwd_cell`` the tuned tile in the other design (``Tile.fused``: one dot over the
     gate-interleaved weight, or one per gate; chosen from compiled code alone, kernels/lstmp.FUSED_GATES), and the
-    first ``top`` other candidates of ``bench/lstmp_compile.py``'s search in its compile-free order (programs rule,
-    SM-fill-charged estimate, L2 traffic), in the tuned tile's design: the compile-time model's short list, for the
-    clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their estimates at B=384 bf16 and are
-    two thirds of a step: the model's pick among them is the least trusted."""
+    first ``top`` (``fwd_cell``: ``top`` - 1) other candidates of ``bench/lstmp_compile.py``'s search in its
+    compile-free order (programs rule, SM-fill-charged estimate, L2 traffic), in the tuned tile's design: the
+    compile-time model's short list, for the clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x
+    their estimates at B=384 bf16 and are two thirds of a step: the model's pick among them is the least trusted."""
     import dataclasses
     import functools
 
