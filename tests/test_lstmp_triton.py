@@ -315,11 +315,13 @@ def test_elmo_bilm_lstm_on_triton_reproduces_reference(tmp_path):
 
 # ---------------------------------------------------------------------------------------- ELMo size (GPU)
 @pytest.mark.gpu
+@pytest.mark.parametrize("B", [8, 128, 384])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_elmo_size_on_gpu(dtype):
-    """H=4096, P=512 (the published model) on a GPU, forward and every gradient against fp64."""
+def test_elmo_size_on_gpu(dtype, B):
+    """H=4096, P=512 (the published model) on a GPU, forward and every gradient against fp64; B=128 and 384 run the
+    training sizes' tiles (bf16: the fused forward cell kernel on its wgmma tiles)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    case = make_case(B=8, T=6, D=512, H=4096, P=512, residual=True, lengths=[6, 0, 3, 5, 6, 1, 2, 4])
+    case = make_case(B=B, T=6, D=512, H=4096, P=512, residual=True, lengths=[6, 0, 3, 5, 6, 1, 2, 4] * (B // 8))
     fl = flags(cell_clip=3.0, proj_clip=3.0, reverse=True, residual=True)
     exact = run(reference, case, torch.float64, fl, upstream_grads(), device="cuda")
     got = run(kernel, case, dtype, fl, upstream_grads(), device="cuda")
