@@ -392,10 +392,9 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     tuned = KL._tile(name, B, dtype, KL.H100)
     ranked = sorted(lstmp_compile.candidates(name, B, dtype != torch.float32),
                     key=functools.partial(lstmp_compile._prekey, name, dtype, B))
-    others = [dataclasses.replace(t, fused=tuned.fused) for t in ranked]
     twin = (dataclasses.replace(tuned, fused=not tuned.fused),) if name == "fwd_cell" else ()
     # the twin takes the place of the last candidate: a sweep's launches (and its minutes on a leased GPU) stay the same
-    return (None, *twin, *[t for t in others if t != tuned][:top - len(twin)])
+    return (None, *twin, *[t for t in ranked if t != tuned][:top - len(twin)])
 
 
 def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(torch.bfloat16,), T=20, dims=ELMO,
@@ -413,7 +412,8 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
     for dtype in dtypes:
         for B in batches:
             plan, bufs, bplan, bbufs = _step_buffers(B, T, dtype, device, dims)
-            bufs.setdefault("w_rec_g", KL.interleave_gates(bufs["w_rec"]))  # the fused cell kernel's weight
+            if "w_rec_g" not in bufs:  # the fused cell kernel's weight, for a fused alternative
+                bufs["w_rec_g"] = KL.interleave_gates(bufs["w_rec"])
             for name in kernels:
                 b = bufs if name.startswith("fwd") else bbufs
                 saved = {k: v.clone() for k, v in b.items()}

@@ -493,7 +493,7 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
         "highway/fwd": [gemm("token projection 2048->512 (addmm)", N, P, NF, dt)],
         "lstmp/fwd": [gemm("input projection x·W_in (all steps)", nt, 4 * H, P, dt),
                       TorchOp("lstmp state copies, consts, zero fill", 0, size.B * (H + P) * 8, 6, False),
-                      *_interleave_op(dt)],
+                      *_interleave_op(size, dt)],
     }
     if size.train:
         ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False)]
@@ -519,10 +519,10 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     return ops
 
 
-def _interleave_op(dt) -> list[TorchOp]:
+def _interleave_op(size: Size, dt) -> list[TorchOp]:
     """The gate-interleaved copy of w_rec that the fused forward cell kernel reads (16-bit operands), once per chain
     call: eagerly a fresh tensor, in a loop graph a refill of its static buffer."""
-    if not KL.FUSED_GATES["16bit" if dt in (BF16, torch.float16) else "fp32"]:
+    if not KL._tile("fwd_cell", size.B, dt, KL.H100).fused:
         return []
     return [TorchOp("w_rec gate-interleaved copy (fused cell kernel)", 0, 2 * 4 * H * P * es(dt), 1, False)]
 
@@ -534,7 +534,10 @@ def loop_graph_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     return {
         "lstmp/fwd": [TorchOp("loop graph: refill x, bias, weights, states, lengths; replay; clone y, h_n, c_n", 0,
                               2 * ((4 * H * P + H * P + 4 * H) * isz + nt * P * isz + B * (2 * P + H) * 4)
-                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False), *_interleave_op(dt)],
+                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False),
+                      # in inference the fused kernel's interleaved copy replaces the refill of w_rec (nothing else
+                      # reads it); training's backward reads w_rec too
+                      *(_interleave_op(size, dt) if size.train else [])],
         "lstmp/bwd": [TorchOp("loop graph: refill dy, dh_n, dc_n, c0; replay; clone dh0, dc0", 0,
                               2 * (nt * P * isz + 2 * B * (P + H) * 4) + 2 * B * (P + H) * 4, 7, False)],
     }

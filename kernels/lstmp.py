@@ -787,9 +787,12 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     hn = h0.to(acc).contiguous().clone()
     c = c0.to(acc).contiguous().clone()
     hop = h0.to(op).contiguous().clone()
+    fused = plan["fwd_cell"].tile.fused
     bufs = dict(
-        gx=gx, z=gx, bias=bias.to(op).contiguous(), w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, x=xo,
-        **({"w_rec_g": interleave_gates(w_rec)} if plan["fwd_cell"].tile.fused else {}),
+        gx=gx, z=gx, bias=bias.to(op).contiguous(), w_proj=w_rec if w_proj is None else w_proj, x=xo,
+        # w_rec as the cell kernel reads it, and as training's backward does (no copy of it where nothing reads it:
+        # a loop graph would refill it every call)
+        **({"w_rec_g": interleave_gates(w_rec)} if fused else {}), **({"w_rec": w_rec} if save or not fused else {}),
         hop=hop, hn=hn, c=c, lengths=_lengths(lengths, dev),
         consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev),
         y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
@@ -859,11 +862,11 @@ _BWD_INPUTS = ("dy", "c0")  # the same of backward (its weights, caches and leng
 
 def _fill_fwd(bufs, x, w_in, w_rec, bias, w_proj, h0, c0, lengths) -> None:
     """The call's inputs into a loop graph's forward buffers (what ``fwd_setup`` computes, in place)."""
-    D, G, op = x.shape[2], w_in.shape[1], bufs["w_rec"].dtype
+    D, G, op = x.shape[2], w_in.shape[1], bufs["gx"].dtype
     torch.matmul(x.reshape(-1, D).to(op), w_in.to(op), out=bufs["gx"].view(-1, G))
     for name, t in (("x", x), ("bias", bias), ("w_rec", w_rec), ("w_proj", w_proj), ("hop", h0), ("hn", h0),
                     ("c", c0), ("lengths", lengths)):
-        if t is not None:
+        if t is not None and name in bufs:
             bufs[name].copy_(t)
     if "w_rec_g" in bufs:
         interleave_gates(w_rec, out=bufs["w_rec_g"])

@@ -113,7 +113,11 @@ def _replays_equal_eager(graphs, monkeypatch, shape, fl, dtype):
             assert torch.equal(got[k], want[k]), f"call {i}: {k} differs from the eager run"
 
 
-def test_inference_replays_equal_eager_and_return_fresh_tensors(graphs, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["per_gate", "fused"])
+def test_inference_replays_equal_eager_and_return_fresh_tensors(graphs, monkeypatch, fused):
+    from elmo_fast.kernels import lstmp
+
+    monkeypatch.setattr(lstmp, "FUSED_GATES", dict.fromkeys(lstmp.FUSED_GATES, fused))  # fused: no plain w_rec kept
     case = make_case(B=5, T=4)
     fl = flags()
     params = _params(case, torch.float32)

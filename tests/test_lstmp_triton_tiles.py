@@ -83,6 +83,18 @@ def test_fused_design_follows_the_operand_class():
                                                                                                      ].tile.fused
 
 
+def test_a_fused_call_keeps_the_plain_w_rec_only_for_backward(fwd_design):
+    """The forward's buffers (a loop graph refills each every call) hold the interleaved weight where the fused cell
+    kernel reads it, and the plain one only where something reads it: the per-gate kernel, or training's backward."""
+    mod = _mod()
+    case = make_case(B=3, T=2)
+    for save in (False, True):
+        _, bufs = mod.fwd_setup(*(case[k].to(DEV) for k in GRAD_NAMES), case["lengths"].to(DEV), cell_clip=None,
+                                proj_clip=None, forget_bias=1.0, reverse=False, residual=False, save=save)
+        assert ("w_rec_g" in bufs) is fwd_design
+        assert ("w_rec" in bufs) is (save or not fwd_design), save
+
+
 def test_interleave_gates():
     """Column 4h + g of the interleaved weight is column g·H + h of w_rec (gate blocks i|j|f|o), into a new tensor or
     in place (the loop graphs' refill), from any strides."""

@@ -25,8 +25,7 @@ TRAIN_OPS = ("char_cnn", "highway", "lstmp", "sampled_softmax", "full_softmax")
 # fields that may change on --resume (run control); the rest must match the checkpoint
 RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
              "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "data_worker", "sleep_per_step",
-             "n_epochs",
-             "n_train_tokens", "device", "backend", "num_threads", "bf16", "deterministic", "check_memory",
+             "n_epochs", "n_train_tokens", "device", "backend", "num_threads", "bf16", "deterministic", "check_memory",
              "check_vocab_order", "vocab_check_lines"}
 
 

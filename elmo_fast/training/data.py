@@ -372,7 +372,33 @@ class BidirectionalStream:
 _END = object()
 
 
-class BackgroundLoader:
+class _ReadAhead:
+    """What both loaders share: the bounded queue of batches made ahead, and how a batch goes into it."""
+
+    def __init__(self, queue_size: int):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self._finished = False
+
+    def _put(self, item, stop: threading.Event) -> bool:
+        """Queue ``item``, waiting for room; False (not queued) once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def ready(self) -> int:
+        """Items in the read-ahead queue: batches made and not handed out yet (and the end-of-data or error mark once
+        the worker has stopped); 0: the next step waits for data."""
+        return self._q.qsize()
+
+    def __iter__(self):
+        return self
+
+
+class BackgroundLoader(_ReadAhead):
     """Runs ``stream.next_batch`` in a daemon thread with a bounded queue.
 
     ``position`` is the stream state *after the last batch handed out* (not after the read-ahead), so a checkpoint
@@ -384,20 +410,10 @@ class BackgroundLoader:
         if state is not None:
             stream.set_state(state)
         self.position = stream.get_state()
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        super().__init__(queue_size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="elmo-fast-data", daemon=True)
-        self._finished = False
         self._thread.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def _work(self) -> None:
         try:
@@ -405,20 +421,12 @@ class BackgroundLoader:
                 try:
                     b = self.stream.next_batch()
                 except StopIteration:
-                    self._put(_END)
+                    self._put(_END, self._stop)
                     return
-                if not self._put((b, self.stream.get_state())):
+                if not self._put((b, self.stream.get_state()), self._stop):
                     return
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            self._put(exc)
-
-    def ready(self) -> int:
-        """Items in the read-ahead queue: batches made and not handed out yet (and the end-of-data or error mark once
-        the worker has stopped); 0: the next step waits for data."""
-        return self._q.qsize()
-
-    def __iter__(self):
-        return self
+            self._put(exc, self._stop)
 
     def __next__(self) -> dict:
         if self._finished:
@@ -443,7 +451,7 @@ class BackgroundLoader:
         self._thread.join(timeout=5)
 
 
-class ProcessLoader:
+class ProcessLoader(_ReadAhead):
     """``BackgroundLoader`` with the stream in a worker process: ``stream.next_batch`` is Python (9.4-10.3 ms for a
     384-row batch of both directions on a 2-core Xeon), and in a thread it holds the interpreter lock that the
     training step's own host work needs, so the two add up (a stand-in step of 9.7-9.9 ms took 20.1-21.4 ms beside
@@ -478,9 +486,8 @@ class ProcessLoader:
                                     category=DeprecationWarning)
             self._proc.start()
         writer.close()  # the worker's is now the only writing end
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        super().__init__(queue_size)
         self._closing = threading.Event()
-        self._finished = False
         self._thread = threading.Thread(target=self._receive, name="elmo-fast-data-receiver", daemon=True)
         self._thread.start()
 
@@ -494,13 +501,7 @@ class ProcessLoader:
                 item = ("died",)
             except Exception as exc:  # noqa: BLE001 - a failed prepare: the consumer's error
                 item = ("error", exc)
-            while not self._closing.is_set():
-                try:
-                    self._q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if self._closing.is_set() or item[0] != "batch":
+            if not self._put(item, self._closing) or item[0] != "batch":
                 return
 
     @property
@@ -510,14 +511,6 @@ class ProcessLoader:
         if self._position_blob is not None:
             self._position, self._position_blob = pickle.loads(self._position_blob), None
         return self._position
-
-    def ready(self) -> int:
-        """Items in the read-ahead queue: batches made and not handed out yet (and the end-of-data or error mark once
-        the worker has stopped); 0: the next step waits for data."""
-        return self._q.qsize()
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> dict:
         if self._finished:
