@@ -26,4 +26,7 @@ inline void check_matrix(const at::Tensor& t, const char* name, int64_t rows, in
 // The CPU runs AVX-512 (F, DQ, VL, BW): the best instruction set the gate kernels detect (lstmp_cell.cpp).
 bool has_avx512();
 
+// The kernels run AVX-512 now: has_avx512() unless a test chose a lesser instruction set (set_isa).
+bool use_avx512();
+
 }  // namespace elmo_cpu

@@ -272,6 +272,7 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
 }  // namespace
 
 bool elmo_cpu::has_avx512() { return kBest == Isa::kAvx512; }
+bool elmo_cpu::use_avx512() { return kIsa == Isa::kAvx512; }
 
 void add_sparse_rows(pybind11::module_& m);  // csrc/cpu/sparse_rows.cpp
 void add_small_gemm(pybind11::module_& m);   // csrc/cpu/small_gemm.cpp

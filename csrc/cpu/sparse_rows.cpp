@@ -8,8 +8,10 @@
 // one pass, with the same arithmetic in the same order, so the results are bit-identical to the torch ops:
 //   sums[s] = ((0 + v[perm[a]]) + v[perm[a+1]]) + ...   over the sorted rows a.. of segment s (index_add_'s order)
 //   g = v / f;  a = acc + g*g;  acc = a;  p = p + (g / sqrt(a)) * (-lr)
-// Plain loops, compiled for the baseline instruction set (no FMA contraction can change a rounding); both
-// are memory bound.
+// Plain loops, and for the update an AVX-512 loop chosen at run time (elmo_cpu::use_avx512): division and square
+// root are correctly rounded at any width, and nothing here may be contracted into an FMA (the pragma below), so
+// both paths give the same bits. The scalar loop's std::sqrt keeps errno and so is never vectorized: 20 ms for the
+// 14,500 distinct rows of 512 of a B=16 step on 2 Xeon cores, against ~5 ms for the vector loop.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
@@ -20,6 +22,13 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ELMO_X86 1
+#endif
+
+#pragma GCC optimize("fp-contract=off")  // a*b + c stays two roundings, as in the torch ops
 
 namespace {
 
@@ -75,6 +84,32 @@ void sum_rows(const at::Tensor& sid, const at::Tensor& perm, const at::Tensor& v
   });
 }
 
+// One row of the update: g = x / f;  a = acc + g*g;  acc = a;  p = p + (g / sqrt(a)) * step.
+void adagrad_row(const float* x, float* pr, float* ar, int64_t k, float f, float step) {
+  for (int64_t c = 0; c < k; ++c) {
+    const float gc = x[c] / f;
+    const float a = ar[c] + gc * gc;
+    ar[c] = a;
+    pr[c] = pr[c] + (gc / std::sqrt(a)) * step;
+  }
+}
+
+#ifdef ELMO_X86
+// The same, 16 columns at a time (the last vector masked).
+__attribute__((target("avx512f"))) void adagrad_row_avx512(const float* x, float* pr, float* ar, int64_t k, float f,
+                                                           float step) {
+  const __m512 vf = _mm512_set1_ps(f), vs = _mm512_set1_ps(step);
+  for (int64_t c = 0; c < k; c += 16) {
+    const __mmask16 m = k - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - c)) - 1u);
+    const __m512 g = _mm512_maskz_div_ps(m, _mm512_maskz_loadu_ps(m, x + c), vf);
+    const __m512 a = _mm512_add_ps(_mm512_maskz_loadu_ps(m, ar + c), _mm512_mul_ps(g, g));
+    _mm512_mask_storeu_ps(ar + c, m, a);
+    const __m512 q = _mm512_maskz_div_ps(m, g, _mm512_maskz_sqrt_ps(m, a));
+    _mm512_mask_storeu_ps(pr + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, pr + c), _mm512_mul_ps(q, vs)));
+  }
+}
+#endif
+
 // TF1 Adagrad on the rows `rows` (M,) of p and acc (V, k) with gradient rows g (M, k) divided by inv_factor. Rows
 // whose gradient is all zero are left alone (what the update does to them where acc > 0: sum_rows's padding; where
 // acc = 0 the torch ops would write 0/0 = NaN into such a row).
@@ -96,9 +131,9 @@ bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& 
   at::parallel_for(0, M, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = gv + r * k;
-      bool any = false;
-      for (int64_t c = 0; c < k; ++c) any |= x[c] != 0.0f;  // NaN counts as non-zero
-      live[r] = any;
+      int64_t c = 0;
+      while (c < k && x[c] == 0.0f) ++c;  // NaN counts as non-zero
+      live[r] = c < k;
     }
   });
   std::vector<uint8_t> seen(V, 0);
@@ -112,19 +147,14 @@ bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& 
   float* pw = p.data_ptr<float>();
   float* aw = acc.data_ptr<float>();
   const float f = static_cast<float>(inv_factor.item<double>()), step = static_cast<float>(-lr);
+#ifdef ELMO_X86
+  auto row = elmo_cpu::use_avx512() ? adagrad_row_avx512 : adagrad_row;
+#else
+  auto row = adagrad_row;
+#endif
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (!live[r]) continue;
-      const float* x = gv + r * k;
-      float* pr = pw + id[r] * k;
-      float* ar = aw + id[r] * k;
-      for (int64_t c = 0; c < k; ++c) {
-        const float gc = x[c] / f;
-        const float a = ar[c] + gc * gc;
-        ar[c] = a;
-        pr[c] = pr[c] + (gc / std::sqrt(a)) * step;
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      if (live[r]) row(gv + r * k, pw + id[r] * k, aw + id[r] * k, k, f, step);
   });
   return true;
 }
