@@ -65,7 +65,10 @@ def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Te
         return dh, nothing(hidden)
     # d loss / d (w_row, b_row) = Σ_n d_n·(hidden_n, 1): the bias column rides along the weight's product
     h1 = torch.cat([hidden] * need_w + [hidden.new_ones(N, 1)] * need_b, 1)
-    return dh, torch.cat([d_true.unsqueeze(1) * h1, gemm(d_samp.t(), h1)])
+    rows = hidden.new_empty(N + d_samp.shape[1], h1.shape[1])  # written in place: no (N + S, P + 1) concatenation
+    torch.mul(d_true.unsqueeze(1), h1, out=rows[:N])
+    gemm(d_samp.t(), h1, out=rows[N:])
+    return dh, rows
 
 
 @_sampled_softmax_backward.register_fake
