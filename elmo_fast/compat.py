@@ -260,7 +260,8 @@ def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_
     if len(vocab) == 0:
         raise ValueError(f"vocabulary {vocab_file} is empty")
     bilm = BiLM.from_files(options_file, weight_file, backend=backend).to(device).eval()
-    ids = torch.tensor([word_to_char_ids(w) for w in vocab.words], dtype=torch.long)
+    L = bilm.options.char_cnn.max_characters_per_token  # as bilm-tf: the model's own token width
+    ids = torch.tensor([word_to_char_ids(w, L) for w in vocab.words], dtype=torch.long)
     emb = torch.cat([bilm.token_encoder(ids[s : s + batch_size].to(device)).float().cpu()
                      for s in range(0, len(ids), batch_size)])
     with atomic_h5(outfile) as fh:
@@ -273,7 +274,7 @@ def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, ou
     """bilm-tf's ``dump_bilm_embeddings``: one sentence per batch, in file order, stateful; dataset per line
     index, shape (n_layers+1, n_tokens, 2P)."""
     model = BidirectionalLanguageModel(options_file, weight_file)
-    batcher = Batcher(vocab_file)
+    batcher = Batcher(vocab_file, model._bilm.options.char_cnn.max_characters_per_token)
     with open(dataset_file, encoding="utf-8") as fin, atomic_h5(outfile) as fout:
         for i, line in enumerate(fin):
             sent = line.strip().split()

@@ -102,3 +102,31 @@ def test_allennlp_token_embeddings(backend):
     assert got.shape == exp.shape
     worst = float(np.abs(got - exp).max())
     assert worst < ATOL, f"allennlp token embeddings, backend {backend}: off by {worst:.3g}"
+
+
+TRAIN = ROOT / "bilm-tf" / "tests" / "fixtures" / "train"
+
+
+@pytest.mark.skipif(not TRAIN.is_dir(), reason=f"bilm-tf's training fixture not found under {ROOT}")
+def test_bilm_tf_training_fixture(tmp_path):
+    """bilm-tf's tests/test_training.py ``test_train_bilm_chars`` through the training CLI: its options (a char CNN
+    of widths 1-5 over 10 ids a token, tanh, 1 highway, 4-d char embeddings; LSTM 16/8, 2 layers, no clips, no
+    skip connections; batch 2, unroll 10, 16 samples, 50 epochs of its 134 tokens, clip 1.0, dropout 0.1) on its
+    train fixture, then the held-out perplexity of the same file in test mode, one token a row: under its bound
+    of 20 (15.99 when this test was written)."""
+    from elmo_fast.training.cli import main as train_main
+
+    cfg = {"char_embed_dim": 4, "filters": [[1, 8], [2, 8], [3, 16], [4, 32], [5, 64]], "n_highway": 1,
+           "activation": "tanh", "max_characters_per_token": 10, "lstm_dim": 16, "projection_dim": 8, "n_layers": 2,
+           "cell_clip": None, "proj_clip": None, "use_skip_connections": False, "dropout": 0.1, "batch_size": 2,
+           "unroll_steps": 10, "n_negative_samples_batch": 16, "n_epochs": 50, "n_train_tokens": 134,
+           "all_clip_norm_val": 1.0, "eval_batch_size": 1, "eval_unroll_steps": 1, "num_threads": 1,
+           "checkpoint_every": 1000, "backend": "cpu"}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    data = str(TRAIN / "data.txt")
+    rc = train_main(["train", "--corpus", data, "--heldout", data, "--vocab", str(TRAIN / "vocab.txt"), "--save-dir",
+                     str(tmp_path / "run"), "--config", str(tmp_path / "cfg.json"), "--no-progress", "--quiet"])
+    assert rc == 0
+    done = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])
+    assert done["event"] == "done" and done["step"] == 50 * (134 // 20)
+    assert done["heldout_perplexity"] < 20.0, done

@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -299,6 +300,19 @@ def test_cli_reports_errors_clearly(tmp_path, capsys):
     assert "GiB" in capsys.readouterr().err
 
 
+def test_token_width_any_from_3_that_holds_the_widest_filter():
+    cfg = tiny()
+    cfg.max_characters_per_token = 4  # tiny's widest filter
+    cfg.validate()
+    cfg.max_characters_per_token = 3
+    with pytest.raises(ConfigError, match="a filter is wider than max_characters_per_token"):
+        cfg.validate()
+    cfg.filters = [[1, 4]]
+    cfg.max_characters_per_token = 2
+    with pytest.raises(ConfigError, match="at least 3 .begin-of-word, a character, end-of-word., got 2"):
+        cfg.validate()
+
+
 def test_memory_estimate_rejects_what_does_not_fit():
     cfg = original()
     with pytest.raises(ConfigError, match="needs about .* GiB"):
@@ -452,11 +466,18 @@ def test_one_adagrad_step_by_hand(tmp_path, clip, monkeypatch):
         tr.close()
 
 
-def test_dumped_weights_reproduce_trainer_outputs(tmp_path):
-    from elmo_fast import ElmoBiLM, batch_to_ids
+@pytest.mark.parametrize("width", [50, 10], ids=["50 ids", "10 ids"])
+def test_dumped_weights_reproduce_trainer_outputs(tmp_path, width):
+    """The dumped hdf5 + options.json give the trainer's own outputs. Also with 10 character ids a token, the width
+    of bilm-tf's training tests: read through bilm-tf's Batcher, which takes any width; the AllenNLP API, which
+    takes 50, refuses that model by name, and dump_token_embeddings encodes at the model's width."""
+    from elmo_fast import Batcher, ElmoBiLM, batch_to_ids
+    from elmo_fast.compat import dump_bilm_embeddings, dump_token_embeddings
+    from elmo_fast.models.bilm import BiLM
+    from elmo_fast.options import OptionsError
 
     train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
-    tr, _ = _trainer(tmp_path, train_glob)
+    tr, _ = _trainer(tmp_path, train_glob, max_characters_per_token=width)
     try:
         for _ in range(5):
             tr.train_step()
@@ -464,18 +485,31 @@ def test_dumped_weights_reproduce_trainer_outputs(tmp_path):
         out = tmp_path / "dump"
         out.mkdir()
         dump_weights(str(tmp_path / "run"), str(out / "weights.hdf5"))
-        opts = json.load(open(out / "options.json"))
+        files = str(out / "options.json"), str(out / "weights.hdf5")
+        opts = json.load(open(files[0]))
         assert opts["char_cnn"]["n_characters"] == 262
-        bilm = ElmoBiLM(str(out / "options.json"), str(out / "weights.hdf5"), backend="reference", stateful=False)
+        assert opts["char_cnn"]["max_characters_per_token"] == width
+        if width == 50:
+            bilm = ElmoBiLM(*files, backend="reference", stateful=False)
+
+            def activations(sent):
+                return bilm(batch_to_ids([sent]))["activations"]
+        else:
+            with pytest.raises(OptionsError, match="max_characters_per_token=10, and this AllenNLP-style API"):
+                ElmoBiLM(*files, backend="reference")
+            bilm = BiLM.from_files(*files, backend="reference", stateful=False)
+
+            def activations(sent):
+                return bilm(Batcher(max_token_length=width).batch_sentences([sent]))["activations"]
         sents = [["the", "big", "cat", "sees", "a", "fish", "."], ["unseen", "wordz", "here"]]
         P = tr.P
         for s in sents:
             n = len(s)
-            acts = bilm(batch_to_ids([s]))["activations"]
+            acts = activations(s)
             fwd_words = ["<S>", *s]
             rev_words = ["</S>", *s[::-1]]
-            chars = np.array([[word_to_char_ids(w) for w in fwd_words]], dtype=np.int32)
-            chars_r = np.array([[word_to_char_ids(w) for w in rev_words]], dtype=np.int32)
+            chars = np.array([[word_to_char_ids(w, width) for w in fwd_words]], dtype=np.int32)
+            chars_r = np.array([[word_to_char_ids(w, width) for w in rev_words]], dtype=np.int32)
             z = np.zeros((1, n + 1), dtype=np.int64)
             batch = {"tokens_characters": chars, "tokens_characters_reverse": chars_r, "next_token_id": z,
                      "next_token_id_reverse": z}
@@ -492,6 +526,19 @@ def test_dumped_weights_reproduce_trainer_outputs(tmp_path):
                 # reverse-stream position k is sentence position n + 1 - k
                 torch.testing.assert_close(acts[layer + 1][0, 1:, P:], o["bwd"][layer][0].flip(0), rtol=1e-5,
                                            atol=1e-6)
+        vocab = tmp_path / "vocab.txt"
+        vocab.write_text("<S>\n</S>\nthe\nwordz\n", encoding="utf-8")
+        dump_token_embeddings(str(vocab), *files, str(out / "tokens.hdf5"), backend="reference")
+        with h5py.File(out / "tokens.hdf5", "r") as fh:
+            got = torch.from_numpy(fh["embedding"][...])
+        ids = torch.tensor([word_to_char_ids(w, width) for w in ["<S>", "</S>", "the", "wordz"]])
+        with torch.no_grad():
+            torch.testing.assert_close(got, tr.model.token_encoder(ids), rtol=1e-5, atol=1e-6)
+        text = tmp_path / "sents.txt"
+        text.write_text("the big cat\n", encoding="utf-8")
+        dump_bilm_embeddings(str(vocab), str(text), *files, str(out / "bilm.hdf5"))  # Batcher at the model's width
+        with h5py.File(out / "bilm.hdf5", "r") as fh:
+            assert fh["0"].shape == (tr.cfg.n_layers + 1, 3, 2 * P)
     finally:
         tr.close()
 

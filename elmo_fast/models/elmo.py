@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..allennlp_compat import bilm_links, encoder_links, load_allennlp_pre_hook, to_allennlp_state_dict
 from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
 from ..modules.scalar_mix import ScalarMix
+from ..options import OptionsError
 from ..ops import _precision as prec
 from ..util import add_sentence_boundary_token_ids, remove_sentence_boundaries
 from ._graphs import GraphCache
@@ -95,6 +96,11 @@ class ElmoBiLM(nn.Module):
                  backend: str | None = "auto", stateful: bool = True, cuda_graph: bool = False):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
+        L = self._bilm.options.char_cnn.max_characters_per_token
+        if L != MAX_WORD_LENGTH:
+            raise OptionsError(f"the options give char_cnn.max_characters_per_token={L}, and this AllenNLP-style "
+                               f"API takes the {MAX_WORD_LENGTH} ids a token of batch_to_ids; run the model through "
+                               f"elmo_fast.compat.BidirectionalLanguageModel on Batcher(vocab_file, {L}) ids")
         self._graphs = GraphCache(self._graph_forward, max_graphs=8) if cuda_graph else None
         self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
         self._requires_grad = requires_grad

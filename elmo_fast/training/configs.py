@@ -30,7 +30,8 @@ class TrainConfig:
                            "CNN filters, a JSON list of [width, count]")
     n_highway: int = _field(2, "highway layers after the CNN")
     activation: str = _field("relu", "CNN activation")
-    max_characters_per_token: int = _field(50, "character ids per token (must be 50)")
+    max_characters_per_token: int = _field(50, "character ids per token (50 for AllenNLP's batch_to_ids; bilm-tf's "
+                                           "Batcher takes any)")
     lstm_dim: int = _field(4096, "LSTM cell size (lstm.dim)")
     projection_dim: int = _field(512, "LSTM projection size, also the token-layer size")
     n_layers: int = _field(2, "LSTM layers per direction")
@@ -103,8 +104,9 @@ class TrainConfig:
             raise ConfigError(f"filters must be a non-empty list of [width, count], got {self.filters!r}")
         if max(f[0] for f in self.filters) > self.max_characters_per_token:
             raise ConfigError("a filter is wider than max_characters_per_token")
-        if self.max_characters_per_token != 50:
-            raise ConfigError("max_characters_per_token must be 50: elmo_fast.Elmo/batch_to_ids use 50 ids a token")
+        if self.max_characters_per_token < 3:
+            raise ConfigError(f"max_characters_per_token must be at least 3 (begin-of-word, a character, end-of-word), "
+                              f"got {self.max_characters_per_token}")
         if self.learning_rate <= 0 or self.initial_accumulator_value <= 0:
             raise ConfigError("learning_rate and initial_accumulator_value must be > 0")
         from .._backend import BACKENDS
