@@ -3,14 +3,14 @@
 Public API (AllenNLP names and contracts; code written for AllenNLP ports by changing the import):
 ``batch_to_ids``, ``Elmo``, ``ElmoBiLM``, ``ScalarMix``, ``remove_sentence_boundaries``,
 ``add_sentence_boundary_token_ids``; bilm-tf's ``Batcher``, ``TokenBatcher``, ``Vocabulary``,
-``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset``; the biLM itself (``BiLM``), its options
-and weight files; ``LSTMP``, a drop-in ``torch.nn.LSTM`` on elmo_fast's LSTMP chain. Importing this package never
-imports triton or compiles anything.
+``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset``, ``weight_layers``; the biLM itself
+(``BiLM``), its options and weight files; ``LSTMP``, a drop-in ``torch.nn.LSTM`` on elmo_fast's LSTMP chain.
+Importing this package never imports triton or compiles anything.
 """
 from ._backend import BackendUnavailableError
 from .chars import Batcher, TokenBatcher, Vocabulary, batch_to_ids, word_to_char_ids
 from .compat import (BidirectionalLanguageModel, BidirectionalLMDataset, ElmoTokenEmbedder, LMDataset,
-                     UnicodeCharsVocabulary, dump_bilm_embeddings, dump_token_embeddings)
+                     UnicodeCharsVocabulary, WeightLayers, dump_bilm_embeddings, dump_token_embeddings, weight_layers)
 from .determinism import deterministic, is_deterministic, set_deterministic
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM
@@ -39,6 +39,8 @@ __all__ = [
     "ElmoTokenEmbedder",
     "dump_token_embeddings",
     "dump_bilm_embeddings",
+    "weight_layers",
+    "WeightLayers",
     "ScalarMix",
     "ElmoOptions",
     "OptionsError",

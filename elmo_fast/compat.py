@@ -5,9 +5,10 @@ configurations can then name ``"elmo_fast_token_embedder"``; it runs by itself w
 e.g. by ``allennlp train ... --include-package elmo_fast.compat``);
 ``to_allennlp_state_dict`` (AllenNLP's checkpoint layout; ``load_state_dict`` takes it as is).
 bilm-tf: ``BidirectionalLanguageModel`` (inputs *with* boundaries, fixed ``max_batch_size`` state rows),
-``dump_token_embeddings``, ``dump_bilm_embeddings``; its data classes ``Vocabulary`` (``elmo_fast.chars``),
-``UnicodeCharsVocabulary``, ``LMDataset``, ``BidirectionalLMDataset`` with bilm-tf's ids (raw character ids
-0..260 where bilm-tf shows them; the inference models take them + 1, as ``Batcher`` gives them).
+``weight_layers`` (and ``WeightLayers``, its module), ``dump_token_embeddings``, ``dump_bilm_embeddings``; its
+data classes ``Vocabulary`` (``elmo_fast.chars``), ``UnicodeCharsVocabulary``, ``LMDataset``,
+``BidirectionalLMDataset`` with bilm-tf's ids (raw character ids 0..260 where bilm-tf shows them; the inference
+models take them + 1, as ``Batcher`` gives them).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM
 from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder
+from .reference.scalar_mix import scalar_mix_reference
 from .weights import atomic_h5
 
 _ElmoBiLm = ElmoBiLM
@@ -137,6 +139,54 @@ class BidirectionalLanguageModel(nn.Module):
         lm = layers[:, :, 1 : T2 - 1] * new_mask[:, None, :, None].to(layers.dtype)
         return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
                 "token_embeddings": out["token_embedding"]}
+
+
+class WeightLayers(nn.Module):
+    """bilm-tf's ``weight_layers`` (``bilm/elmo.py``, spec §5.1) as a module, applied to the ops of
+    ``BidirectionalLanguageModel``: ``γ · Σ_j softmax(W + 1/n)_j · N(layer_j)``, where N is the identity or, with
+    ``do_layer_norm``, one mean and variance over the valid positions (the mask *without* boundaries) and all
+    features, ε = 1e-12. Parameters as bilm-tf initialises them: ``W`` (n_lm_layers,) zeros (none with
+    ``use_top_only``, whose output is γ · the top layer) and ``gamma`` (1,) ones. ``forward`` returns bilm-tf's
+    dict: ``weighted_op`` (B, T, 2P) and ``regularization_op``, ``l2_coef · Σ W²`` (0.0 without ``l2_coef`` or with
+    ``use_top_only``), which the caller adds to its loss as TF's regularization losses are."""
+
+    def __init__(self, n_lm_layers: int, l2_coef: float | None = None, use_top_only: bool = False,
+                 do_layer_norm: bool = False, name: str = ""):
+        super().__init__()
+        if n_lm_layers < 1:
+            raise ValueError(f"n_lm_layers must be at least 1, got {n_lm_layers}")
+        self.n_lm_layers, self.l2_coef, self.name = n_lm_layers, l2_coef, name
+        self.use_top_only, self.do_layer_norm = use_top_only, do_layer_norm
+        self.W = None if use_top_only else nn.Parameter(torch.zeros(n_lm_layers))
+        self.gamma = nn.Parameter(torch.ones(1))
+
+    def tf_variables(self) -> dict[str, nn.Parameter]:
+        """The parameters under bilm-tf's variable names: ``{name}_ELMo_W`` (unless top-only), ``{name}_ELMo_gamma``."""
+        out = {} if self.W is None else {f"{self.name}_ELMo_W": self.W}
+        return {**out, f"{self.name}_ELMo_gamma": self.gamma}
+
+    def forward(self, bilm_ops: dict) -> dict:
+        lm, mask = bilm_ops["lm_embeddings"], bilm_ops["mask"]
+        if lm.dim() != 4 or lm.shape[1] != self.n_lm_layers or mask.shape != lm.shape[:1] + lm.shape[2:3]:
+            raise ValueError(f"weight_layers: expected lm_embeddings (B, {self.n_lm_layers}, T, D) and mask (B, T), "
+                             f"got {tuple(lm.shape)} and {tuple(mask.shape)}")
+        gamma = self.gamma.to(lm.dtype)
+        if self.use_top_only:
+            return {"weighted_op": lm[:, -1] * gamma, "regularization_op": 0.0}
+        w = (self.W + 1.0 / self.n_lm_layers).to(lm.dtype)  # bilm-tf's shift: it cancels in the softmax
+        out = scalar_mix_reference(list(lm.unbind(1)), w, gamma, mask, self.do_layer_norm, eps=1e-12)
+        reg = self.l2_coef * (self.W**2).sum() if self.l2_coef is not None else 0.0
+        return {"weighted_op": out, "regularization_op": reg}
+
+
+def weight_layers(name: str, bilm_ops: dict, l2_coef: float | None = None, use_top_only: bool = False,
+                  do_layer_norm: bool = False) -> dict:
+    """bilm-tf's ``weight_layers``: a fresh ``WeightLayers`` with bilm-tf's initial values, applied to ``bilm_ops``.
+    bilm-tf's dict (``weighted_op``, ``regularization_op``), plus the module under ``module``: PyTorch has no
+    graph to find variables in by name, so a caller keeps it to train or set them (``module.tf_variables()``)."""
+    module = WeightLayers(bilm_ops["lm_embeddings"].shape[1], l2_coef, use_top_only, do_layer_norm, name)
+    module = module.to(bilm_ops["lm_embeddings"].device)
+    return {**module(bilm_ops), "module": module}
 
 
 class UnicodeCharsVocabulary(Vocabulary):

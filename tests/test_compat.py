@@ -59,3 +59,21 @@ def test_dump_bilm_embeddings_one_sentence_per_batch(tiny_model, tmp_path):
             ref = model(elmo_fast.Batcher().batch_sentences([s]))["lm_embeddings"][0].numpy()
             assert fh[str(i)].shape == (3, len(s), 32)
             np.testing.assert_allclose(fh[str(i)][...], ref, atol=1e-6)
+
+
+def test_weight_layers_trains_and_names_bad_inputs():
+    """bilm-tf's weight_layers as a module: W, gamma and the L2 term get gradients; its variable names; a wrong
+    number of layers is named."""
+    import elmo_fast
+
+    g = torch.Generator().manual_seed(0)
+    ops = {"lm_embeddings": torch.randn(2, 3, 4, 6, generator=g),
+           "mask": torch.tensor([[True, True, True, False], [True, True, False, False]])}
+    out = elmo_fast.weight_layers("x", ops, l2_coef=0.5, do_layer_norm=True)
+    m = out["module"]
+    (out["weighted_op"].square().sum() + out["regularization_op"]).backward()
+    assert m.W.grad is not None and m.W.grad.abs().sum() > 0 and m.gamma.grad is not None
+    assert set(m.tf_variables()) == {"x_ELMo_W", "x_ELMo_gamma"}
+    assert set(elmo_fast.WeightLayers(3, use_top_only=True, name="t").tf_variables()) == {"t_ELMo_gamma"}
+    with pytest.raises(ValueError, match=r"lm_embeddings \(B, 3, T, D\) and mask \(B, T\), got \(2, 4, 4, 6\)"):
+        m({"lm_embeddings": torch.randn(2, 4, 4, 6), "mask": ops["mask"]})

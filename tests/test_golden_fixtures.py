@@ -130,3 +130,47 @@ def test_bilm_tf_training_fixture(tmp_path):
     done = json.loads((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()[-1])
     assert done["event"] == "done" and done["step"] == 50 * (134 // 20)
     assert done["heldout_perplexity"] < 20.0, done
+
+
+@pytest.mark.parametrize("l2_coef, do_layer_norm, use_top_only",
+                         [(1.0, True, False), (1.0, False, False), (None, False, True)],
+                         ids=["layer norm", "no norm", "top only"])
+def test_bilm_tf_weight_layers(l2_coef, do_layer_norm, use_top_only):
+    """bilm-tf's tests/test_elmo.py: two weight_layers on the fixture model, their variables set to its values,
+    against its numpy expectation (layer norm as (x - mean) / (std + 1e-12) over the masked positions), atol 1e-6;
+    its counts of trainable variables and of regularization losses."""
+    batcher = elmo_fast.Batcher(str(BILM_TF / "vocab_test.txt"), 50)
+    model = BidirectionalLanguageModel(str(BILM_TF / "options.json"), str(BILM_TF / "lm_weights.hdf5"),
+                                       max_batch_size=4, backend="reference")
+    sentences = [["The", "first", "sentence", "."], ["The", "second"], ["Third"]]
+    with torch.no_grad():
+        ops = model(batcher.batch_sentences(sentences))
+        weighted = [elmo_fast.weight_layers(str(k), ops, l2_coef=l2_coef, do_layer_norm=do_layer_norm,
+                                            use_top_only=use_top_only) for k in range(2)]
+    params = [p for w in weighted for p in w["module"].parameters()]
+    assert len(params) == 2 * (1 + int(not use_top_only))
+    assert sum(torch.is_tensor(w["regularization_op"]) for w in weighted) == 2 * int(not use_top_only)
+    values = [([0.1, 0.3, 0.5], 1.1), ([0.2, 0.4, 0.6], 0.88)]
+    with torch.no_grad():
+        for k, (W, gamma) in enumerate(values):
+            names = weighted[k]["module"].tf_variables()
+            if not use_top_only:
+                names[f"{k}_ELMo_W"].copy_(torch.tensor(W))
+            names[f"{k}_ELMo_gamma"].fill_(gamma)
+        actual = [w["module"](ops) for w in weighted]
+    lm, mask = ops["lm_embeddings"].numpy(), ops["mask"].numpy()
+    assert (mask == np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=bool)).all()
+    for k, (W, gamma) in enumerate(values):
+        normed = np.exp(np.array(W) + 1.0 / 3) / np.sum(np.exp(np.array(W) + 1.0 / 3))
+        expected = np.zeros((3, 4, lm.shape[-1]))
+        if use_top_only:
+            expected += lm[:, -1]
+        for j in range(3) if not use_top_only else ():
+            layer = lm[:, j]
+            if do_layer_norm:
+                layer = (layer - np.mean(layer[mask])) / (np.std(layer[mask]) + 1e-12)
+            expected += normed[j] * layer
+        expected *= gamma
+        assert np.allclose(expected, actual[k]["weighted_op"].numpy(), atol=1e-6)
+        if not use_top_only:
+            assert float(actual[k]["regularization_op"]) == pytest.approx(l2_coef * sum(v * v for v in W), rel=1e-6)
