@@ -174,3 +174,50 @@ def test_bilm_tf_weight_layers(l2_coef, do_layer_norm, use_top_only):
         assert np.allclose(expected, actual[k]["weighted_op"].numpy(), atol=1e-6)
         if not use_top_only:
             assert float(actual[k]["regularization_op"]) == pytest.approx(l2_coef * sum(v * v for v in W), rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_bilm_tf_token_fixture(tmp_path, backend):
+    """bilm-tf's tests/test_model.py ``test_bilm_token``: a vocabulary of every token of the fixture sentences with
+    <S> and </S>, their token-layer vectors dumped by ``dump_token_embeddings``, then the model on ``TokenBatcher``
+    ids, the ten batches in order, against the same expected top layers as the character path."""
+    sents = json.loads((BILM_TF / "lm_embeddings_sentences.json").read_text())
+    tokens = {"<S>", "</S>"} | {t for row in sents for s in row for t in s.strip().split()}
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(sorted(tokens)), encoding="utf-8")
+    files = str(BILM_TF / "options.json"), str(BILM_TF / "lm_weights.hdf5")
+    emb_file = str(tmp_path / "emb.hdf5")
+    elmo_fast.dump_token_embeddings(str(vocab), *files, emb_file, backend=backend)
+    model = BidirectionalLanguageModel(*files, use_character_inputs=False, embedding_weight_file=emb_file,
+                                       max_batch_size=4, backend=backend)
+    assert not any(p.requires_grad for p in model.parameters())  # bilm-tf: no trainable variables
+    batcher = elmo_fast.TokenBatcher(str(vocab))
+    worst = 0.0
+    for i in range(10):
+        batch = [sents[k][i].strip().split() for k in range(3)]
+        with torch.no_grad():
+            emb = model(torch.as_tensor(batcher.batch_sentences(batch)))["lm_embeddings"].numpy()
+        for k in range(3):
+            n = len(batch[k])
+            worst = max(worst, float(np.abs(emb[k, 2, :n] - _expected(BILM_TF / f"lm_embeddings_{k}.hdf5", i)).max()))
+    assert worst < ATOL, f"bilm-tf token fixture, backend {backend}: top layer off by {worst:.3g}"
+
+
+def test_bilm_tf_fixture_state_rows():
+    """The state half of bilm-tf's ``test_bilm``: after the ten batches of 3 sentences the fourth state row of a
+    max_batch_size=4 model is still zero, and a batch of 2 leaves the third row as it was."""
+    sents = json.loads((BILM_TF / "lm_embeddings_sentences.json").read_text())
+    batcher = elmo_fast.Batcher(str(BILM_TF / "vocab_test.txt"), 50)
+    model = BidirectionalLanguageModel(str(BILM_TF / "options.json"), str(BILM_TF / "lm_weights.hdf5"),
+                                       max_batch_size=4, backend="reference")
+    with torch.no_grad():
+        for i in range(10):
+            model(torch.as_tensor(batcher.batch_sentences([sents[k][i].strip().split() for k in range(3)])))
+        states = [s.clone() for s in model._bilm._states]  # h (2, layers, rows, P), c (2, layers, rows, H)
+        for s in states:
+            assert s.shape[2] == 3 or float(s[:, :, 3:].abs().sum()) < 1e-7  # rows never used stay zero
+            assert float(s[:, :, 2].abs().sum()) > 0
+        model(torch.as_tensor(batcher.batch_sentences([sents[k][0].strip().split() for k in range(2)])))
+        for before, after in zip(states, model._bilm._states):
+            torch.testing.assert_close(after[:, :, 2], before[:, :, 2], rtol=0, atol=1e-6)
+            assert not torch.equal(after[:, :, :2], before[:, :, :2])
