@@ -91,3 +91,18 @@ def poison_allocations(monkeypatch, allocators=("empty", "empty_like", "new_empt
             return t
 
         monkeypatch.setattr(owner, attr, poisoned)
+
+
+@contextlib.contextmanager
+def isa_chosen(ext, name: str):
+    """elmo_fast._cpu's kernels in the instruction set ``name`` ("scalar", "avx2", "avx512") inside the block, the
+    CPU's best again after it; skips the test where this CPU cannot run ``name``."""
+    best = ext.isa()
+    try:
+        ext.set_isa(name)
+    except RuntimeError:
+        pytest.skip(f"this CPU cannot run {name}")
+    try:
+        yield name
+    finally:
+        ext.set_isa(best)

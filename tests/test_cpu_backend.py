@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import poison_allocations
+from conftest import isa_chosen, poison_allocations
 
 import elmo_fast
 from elmo_fast._backend import BackendUnavailableError, select_backend
@@ -56,13 +56,8 @@ def gate_path(request, monkeypatch):
     ext = cpu_ext()
     if ext is None:
         pytest.skip("elmo_fast._cpu is not built (no C++ compiler at install, or ELMO_FAST_CPU_EXT=0)")
-    best = ext.isa()
-    try:
-        ext.set_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"this CPU cannot run {request.param}")
-    yield request.param
-    ext.set_isa(best)
+    with isa_chosen(ext, request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("which", ["_cpu", "_C"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import elmo_fast.training.trainer as tr
-from conftest import poison_allocations
+from conftest import isa_chosen, poison_allocations
 from elmo_fast.cpu.ext import cpu_ext
 
 ext = cpu_ext()
@@ -55,13 +55,8 @@ def _adagrad_fp32(w, acc, rows, g, lr, f):
 @pytest.fixture(params=["scalar", "avx512"])
 def isa(request):
     """The update's loops: the scalar one, and the AVX-512 one where this CPU runs it."""
-    best = ext.isa()
-    try:
-        ext.set_isa(request.param)
-    except RuntimeError:
-        pytest.skip(f"this CPU cannot run {request.param}")
-    yield request.param
-    ext.set_isa(best)
+    with isa_chosen(ext, request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("seed,k", [(0, 37), (1, 48), (2, 7)])
