@@ -99,8 +99,14 @@ class BidirectionalLanguageModel(nn.Module):
         self._bilm.requires_grad_(False)
         self.max_batch_size = max_batch_size
         self.use_character_inputs = use_character_inputs
+        word_model = self._bilm.token_encoder is None
+        if use_character_inputs and word_model:
+            raise ValueError(f"{options_file}: the options have no char_cnn (a word-input biLM); load it with "
+                             "use_character_inputs=False and call it on TokenBatcher ids")
         if use_character_inputs:
             self._embedding = None
+        elif embedding_weight_file is None and word_model:
+            self._embedding = None  # the model's own 'embedding' (bilm-tf asks for the weight file again here)
         else:
             if embedding_weight_file is None:
                 raise ValueError("use_character_inputs=False needs embedding_weight_file (from dump_token_embeddings)")
@@ -127,10 +133,14 @@ class BidirectionalLanguageModel(nn.Module):
         else:
             if ids.dim() != 2:
                 raise ValueError(f"token inputs must be (batch, tokens + 2), got {tuple(ids.shape)}")
-            if int(ids.max()) >= self._embedding.shape[0] or int(ids.min()) < 0:
-                raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}]")
             mask = ids > 0
-            out = self._bilm.forward_embeddings(self._embedding[ids], mask, mask_token_layer=False)
+            if self._embedding is None:
+                emb = self._bilm.embed_words(ids)
+            else:
+                if int(ids.max()) >= self._embedding.shape[0] or int(ids.min()) < 0:
+                    raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}]")
+                emb = self._embedding[ids]
+            out = self._bilm.forward_embeddings(emb, mask, mask_token_layer=False)
         lengths = mask.long().sum(1)
         layers = torch.stack(out["activations"], 1)  # (B, L+1, T+2, 2P)
         T2 = layers.shape[2]
@@ -310,6 +320,9 @@ def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_
     if len(vocab) == 0:
         raise ValueError(f"vocabulary {vocab_file} is empty")
     bilm = BiLM.from_files(options_file, weight_file, backend=backend).to(device).eval()
+    if bilm.token_encoder is None:
+        raise ValueError(f"{options_file}: a word-input biLM (no char_cnn): its token vectors are the weight file's "
+                         "'embedding' dataset already, one row per vocabulary line of its training")
     L = bilm.options.char_cnn.max_characters_per_token  # as bilm-tf: the model's own token width
     ids = torch.tensor([word_to_char_ids(w, L) for w in vocab.words], dtype=torch.long)
     emb = torch.cat([bilm.token_encoder(ids[s : s + batch_size].to(device)).float().cpu()

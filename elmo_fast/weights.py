@@ -72,11 +72,14 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
                 f"{path} holds a model {'with' if residual else 'without'} residual connections but the options say "
                 f"lstm.use_skip_connections={str(opts.lstm.use_skip_connections).lower()}; use the options file "
                 "written with these weights")
-        if opts.char_cnn is None and "embedding" in fh:
-            raise WeightFileError(
-                f"{path}: word-input biLMs (an 'embedding' dataset, no char_cnn in the options) are not supported; "
-                "use a character model"
-            )
+        if opts.char_cnn is None:  # a word-input biLM: its (vocabulary, P) token table
+            ds = fh.get("embedding")
+            if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape[1] != opts.lstm.projection_dim:
+                found = "is missing" if ds is None else f"has shape {getattr(ds, 'shape', None)}"
+                raise WeightFileError(f"{path}: the options have no char_cnn (a word-input biLM), so the file needs "
+                                      f"an 'embedding' dataset of shape (vocabulary, {opts.lstm.projection_dim}); "
+                                      f"it {found}")
+            out["embedding"] = ds[...].astype(np.float32)
         for name, shape in expected_shapes(opts).items():
             if name not in fh:
                 if _optional(opts, name):

@@ -27,19 +27,22 @@ def _corpus(tmp_path, n=300):
     return [str(path)]
 
 
-def _trainer(tmp_path, backend="cpu"):
+def _trainer(tmp_path, backend="cpu", **over):
     files = _corpus(tmp_path)
     counts, _, n_tok, _ = D.count_tokens(files)
     cfg = tiny()
     cfg.backend, cfg.n_train_tokens, cfg.n_negative_samples_batch = backend, n_tok, 8
+    for k, v in over.items():
+        setattr(cfg, k, v)
     return Trainer(cfg, Vocabulary(words=D.build_vocab(counts)), files, None, str(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_train_step_code_never_syncs_with_the_host(tmp_path, monkeypatch, backend):
+@pytest.mark.parametrize("backend, model", [("cpu", "chars"), ("reference", "chars"), ("cpu", "words, forward only")])
+def test_train_step_code_never_syncs_with_the_host(tmp_path, monkeypatch, backend, model):
     """Reading a tensor's value on the host (every call elmo_fast.probes counts as a sync) from the trainer's own code
     would stall a GPU step; the trainer may do it only when it logs. (The ops check their own code.)"""
-    tr = _trainer(tmp_path, backend)
+    over = {} if model == "chars" else {"char_inputs": False, "share_embedding_softmax": True, "bidirectional": False}
+    tr = _trainer(tmp_path, backend, **over)
     calls = []
 
     def guard(name, fn):

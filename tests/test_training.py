@@ -543,6 +543,97 @@ def test_dumped_weights_reproduce_trainer_outputs(tmp_path, width):
         tr.close()
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["softmax tied", "own softmax"])
+def test_word_input_model_trains_with_row_gradients_and_loads_as_bilm_tf_reads_it(tmp_path, tied):
+    """A word-input biLM (bilm-tf's options without char_cnn), its softmax tied to its embedding or not: the table
+    gets row (sparse) gradients and an accumulator that a resumed run gets back; the dump holds 'embedding' and no
+    CNN; bilm-tf's loader path (use_character_inputs=False, the weight file as embedding_weight_file, TokenBatcher
+    ids) gives the trainer's own outputs; the character APIs refuse the model by name."""
+    from elmo_fast import ElmoBiLM, TokenBatcher
+    from elmo_fast.compat import BidirectionalLanguageModel
+    from elmo_fast.options import OptionsError
+
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob, char_inputs=False, share_embedding_softmax=tied)
+    try:
+        assert (tr.softmax_W is tr.embedding) == tied and tr.model.token_encoder is None
+        acc = tr.acc_W if tied else tr.acc_emb
+        before = tr.embedding.detach().clone()
+        for _ in range(3):
+            tr.train_step()
+        assert tr.embedding.grad.is_sparse and not torch.equal(tr.embedding, before)
+        assert all(p is not tr.embedding for p in tr.dense_params)
+        ck = load_checkpoint(tr.save_checkpoint())
+        again = Trainer(tr.cfg, tr.vocab, tr.train_shards, None, str(tmp_path / "run2"), checkpoint=ck)
+        try:  # a resumed run has the table (tied or not) and the table's accumulator
+            assert (again.softmax_W is again.embedding) == tied and torch.equal(again.embedding, tr.embedding)
+            again_acc = again.acc_W if tied else again.acc_emb
+            assert torch.equal(again_acc, acc) and not torch.equal(acc, torch.ones_like(acc))
+        finally:
+            again.close()
+        out = tmp_path / "dump"
+        out.mkdir()
+        dump_weights(str(tmp_path / "run"), str(out / "weights.hdf5"))
+        files = str(out / "options.json"), str(out / "weights.hdf5")
+        assert "char_cnn" not in json.load(open(files[0]))
+        with h5py.File(files[1], "r") as fh:
+            assert "CNN/W_cnn_0" not in fh
+            torch.testing.assert_close(torch.from_numpy(fh["embedding"][...]), tr.embedding.detach(), rtol=0, atol=0)
+        vocab = tmp_path / "vocab.txt"
+        vocab.write_text("\n".join(tr.vocab.words), encoding="utf-8")
+        blm = BidirectionalLanguageModel(*files, use_character_inputs=False, embedding_weight_file=files[1],
+                                         max_batch_size=1, backend="reference")
+        own = BidirectionalLanguageModel(*files, use_character_inputs=False, max_batch_size=1, backend="reference")
+        P, L = tr.P, tr.cfg.n_layers
+        tr.model.eval()
+        for s in [["the", "big", "cat", "sees", "a", "fish", "."], ["a", "dog", "today"]]:
+            n = len(s)
+            ids = TokenBatcher(str(vocab)).batch_sentences([s])
+            got, got_own = blm(ids)["lm_embeddings"][0], own(ids)["lm_embeddings"][0]
+            blm.reset_states()
+            own.reset_states()
+            torch.testing.assert_close(got_own, got, rtol=0, atol=0)
+            fwd_ids = torch.tensor([[tr.vocab.word_to_id(w) for w in ["<S>", *s]]])
+            rev_ids = torch.tensor([[tr.vocab.word_to_id(w) for w in ["</S>", *s[::-1]]]])
+            z = torch.zeros(1, n + 1, dtype=torch.long)
+            batch = {"token_ids": fwd_ids, "token_ids_reverse": rev_ids, "next_token_id": z,
+                     "next_token_id_reverse": z}
+            with torch.no_grad():
+                *_, o = tr.run_batch(batch, torch.zeros(2, L, 1, P), torch.zeros(2, L, 1, tr.cfg.lstm_dim),
+                                     training=False)
+            for layer in range(L):  # bilm-tf's lm_embeddings drop the boundaries: positions 1..n
+                torch.testing.assert_close(got[layer + 1, :, :P], o["fwd"][layer][0, 1:], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got[layer + 1, :, P:], o["bwd"][layer][0].flip(0)[:n], rtol=1e-5,
+                                           atol=1e-6)
+        with pytest.raises(OptionsError, match="word-input biLM, and this AllenNLP-style API takes characters"):
+            ElmoBiLM(*files, backend="reference")
+        with pytest.raises(ValueError, match="word-input biLM.*use_character_inputs=False"):
+            BidirectionalLanguageModel(*files, backend="reference")
+    finally:
+        tr.close()
+
+
+def test_forward_only_lm_trains_its_stack_alone_and_is_not_dumped(tmp_path):
+    """bidirectional false: the forward LM's loss alone; the backward stack is neither updated nor in the dense
+    parameters; a dump is refused (the published layout holds both directions)."""
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob, bidirectional=False)
+    try:
+        bwd = [p.detach().clone() for p in tr.model.backward_lstm.parameters()]
+        fwd = [p.detach().clone() for p in tr.model.forward_lstm.parameters()]
+        for _ in range(2):
+            tr.train_step()
+        assert all(torch.equal(a, b) for a, b in zip(bwd, tr.model.backward_lstm.parameters()))
+        assert not any(torch.equal(a, b) for a, b in zip(fwd, tr.model.forward_lstm.parameters()))
+        ids = {id(p) for p in tr.dense_params}
+        assert not any(id(p) in ids for p in tr.model.backward_lstm.parameters())
+        tr.save_checkpoint()
+        with pytest.raises(ConfigError, match="forward-only LM"):
+            dump_weights(str(tmp_path / "run"), str(tmp_path / "w.hdf5"))
+    finally:
+        tr.close()
+
+
 def _cli_env():
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"

@@ -217,3 +217,28 @@ def test_options_without_the_residual_key_warn():
     with pytest.warns(UserWarning, match="use_skip_connections is missing"):
         opts = ElmoOptions.from_dict({**TINY_OPTIONS, "lstm": lstm})
     assert opts.lstm.use_skip_connections is False
+
+
+def test_word_input_weights_round_trip_and_name_a_missing_table(tmp_path):
+    """bilm-tf's other kind of biLM, options without char_cnn: an 'embedding' (vocabulary, P) dataset in place of the
+    CNN, read back by from_files (which sizes the table from it); TokenBatcher ids index it + 1 (0: padding, a zero
+    vector); a file without the table, or ids past it, are named."""
+    from elmo_fast import BiLM, ElmoOptions
+
+    opts = {k: v for k, v in TINY_OPTIONS.items() if k != "char_cnn"}
+    torch.manual_seed(0)
+    model = BiLM(ElmoOptions.from_dict(opts), backend="reference", n_tokens_vocab=9)
+    w, o = tmp_path / "w.hdf5", tmp_path / "o.json"
+    model.save_weights(w, o)
+    back = BiLM.from_files(o, w, backend="reference")
+    assert torch.equal(back.word_embedding, model.word_embedding) and back.token_encoder is None
+    ids = torch.tensor([[1, 5, 9, 0]])
+    out = back(ids)
+    assert torch.equal(out["mask"], ids > 0) and torch.equal(out["token_embedding"][0, 3], torch.zeros(16))
+    torch.testing.assert_close(out["token_embedding"][0, 1], model.word_embedding[4].detach())
+    with pytest.raises(ValueError, match=r"TokenBatcher ids in \[0, 9\]"):
+        back(torch.tensor([[1, 10]]))
+    with h5py.File(w, "a") as fh:
+        del fh["embedding"]
+    with pytest.raises(WeightFileError, match=r"an 'embedding' dataset of shape \(vocabulary, 16\); it is missing"):
+        BiLM.from_files(o, w)

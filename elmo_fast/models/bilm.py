@@ -19,21 +19,34 @@ class BiLM(nn.Module):
     """Token encoder (shared by both directions) plus two independent LSTMP stacks.
 
     Inputs carry the sentence boundaries already (bilm-tf convention): char ids (B, T+2, L), a position is valid
-    iff any id > 0, rows right-padded. The LSTM state is kept per (direction, layer, batch row) across calls:
-    a batch of B rows starts from rows 0..B-1 of the stored state (zero rows are added when B grows), rows of
-    length 0 keep their state, rows >= B are untouched; ``reset_states`` clears all or some rows.
+    iff any id > 0, rows right-padded. A word-input biLM (options without ``char_cnn``, bilm-tf's other kind) has
+    a (vocabulary, P) ``word_embedding`` instead of the character CNN, dataset ``embedding`` in the weight file;
+    it takes ``TokenBatcher`` ids (vocabulary id + 1, 0 = padding). ``n_tokens_vocab`` sizes it where no weight
+    file does (training); ``from_files`` reads it from the file. The LSTM state is kept per (direction, layer,
+    batch row) across calls: a batch of B rows starts from rows 0..B-1 of the stored state (zero rows are added
+    when B grows), rows of length 0 keep their state, rows >= B are untouched; ``reset_states`` clears all or
+    some rows.
     """
 
     def __init__(self, options: ElmoOptions, backend: str | None = "auto", stateful: bool = True,
-                 cnn_projection: bool | None = None, lstm_projection: bool | None = None):
+                 cnn_projection: bool | None = None, lstm_projection: bool | None = None,
+                 n_tokens_vocab: int | None = None):
         super().__init__()
-        if options.char_cnn is None:
-            raise OptionsError("only character-input biLMs are supported: the options have no 'char_cnn' section")
         self.options = options
         self.backend = check_backend_name(backend)
         self.stateful = stateful
         P = options.projection_dim
-        self.token_encoder = CharCNNTokenEncoder(options.char_cnn, P, cnn_projection, backend=backend)
+        if options.char_cnn is not None:
+            self.token_encoder = CharCNNTokenEncoder(options.char_cnn, P, cnn_projection, backend=backend)
+            self.word_embedding = None
+        else:
+            if n_tokens_vocab is None or n_tokens_vocab < 1:
+                raise OptionsError("a word-input biLM (options without 'char_cnn') needs its vocabulary size "
+                                   "(n_tokens_vocab, or an 'embedding' dataset in the weight file)")
+            self.token_encoder = None
+            # bilm-tf: tf.get_variable's default initializer, Glorot uniform
+            bound = (6.0 / (n_tokens_vocab + P)) ** 0.5
+            self.word_embedding = nn.Parameter(torch.empty(n_tokens_vocab, P).uniform_(-bound, bound))
         self.forward_lstm = LSTMPStack(options.lstm, reverse=False, with_projection=lstm_projection, backend=backend)
         self.backward_lstm = LSTMPStack(options.lstm, reverse=True, with_projection=lstm_projection, backend=backend)
         self._states: list[torch.Tensor] | None = None  # [h (2, n_layers, B, P), c (2, n_layers, B, H)]
@@ -139,15 +152,30 @@ class BiLM(nn.Module):
 
     def forward(self, char_ids: torch.Tensor) -> dict:
         """char ids with boundaries (B, T+2, L) -> {"activations": [(B, T+2, 2P)] * (n_layers+1), "mask",
-        "token_embedding" (B, T+2, P) (unmasked, as bilm-tf returns it)}."""
+        "token_embedding" (B, T+2, P) (unmasked, as bilm-tf returns it)}. A word-input biLM takes ``TokenBatcher``
+        ids (B, T+2) instead."""
+        if self.token_encoder is None:
+            return self.forward_embeddings(self.embed_words(char_ids), char_ids > 0)
         mask = (char_ids > 0).any(-1)
         return self.forward_embeddings(self.token_encoder(char_ids), mask)
+
+    def embed_words(self, ids: torch.Tensor) -> torch.Tensor:
+        """A word-input biLM's token layer of ``TokenBatcher`` ids (..., T) (vocabulary id + 1; 0: padding, a zero
+        vector, as bilm-tf's loader prepends a zero row)."""
+        V = self.word_embedding.shape[0]
+        if ids.dtype != torch.long or ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > V):
+            raise ValueError(f"word ids must be int64 TokenBatcher ids in [0, {V}] (vocabulary id + 1, 0 = padding)")
+        table = torch.cat([self.word_embedding.new_zeros(1, self.word_embedding.shape[1]), self.word_embedding])
+        return table[ids]
 
     # ---------------------------------------------------------------- weights
     def _param_map(self) -> dict[str, tuple[nn.Parameter, bool]]:
         """hdf5 dataset name -> (parameter, has the leading 1 axis of W_cnn)."""
         m: dict[str, tuple[nn.Parameter, bool]] = {}
         enc = self.token_encoder
+        if enc is None:
+            m["embedding"] = (self.word_embedding, False)
+            return self._lstm_params(m)
         m["char_embed"] = (enc.char_embed, False)
         for i, (w, b) in enumerate(zip(enc.conv_w, enc.conv_b)):
             m[f"CNN/W_cnn_{i}"] = (w, True)
@@ -158,6 +186,9 @@ class BiLM(nn.Module):
         if enc.W_proj is not None:
             m["CNN_proj/W_proj"] = (enc.W_proj, False)
             m["CNN_proj/b_proj"] = (enc.b_proj, False)
+        return self._lstm_params(m)
+
+    def _lstm_params(self, m: dict) -> dict:
         for d, stack in enumerate((self.forward_lstm, self.backward_lstm)):
             for layer in range(self.options.lstm.n_layers):
                 pre = lstm_prefix(d, layer)
@@ -192,7 +223,8 @@ class BiLM(nn.Module):
         arrays = read_weights(weight_file, opts)
         model = cls(opts, backend=backend, stateful=stateful,
                     cnn_projection="CNN_proj/W_proj" in arrays,
-                    lstm_projection=f"{lstm_prefix(0, 0)}/W_P_0" in arrays)
+                    lstm_projection=f"{lstm_prefix(0, 0)}/W_P_0" in arrays,
+                    n_tokens_vocab=arrays["embedding"].shape[0] if "embedding" in arrays else None)
         model.load_arrays(arrays, source=str(weight_file))
         return model
 

@@ -96,6 +96,10 @@ class ElmoBiLM(nn.Module):
                  backend: str | None = "auto", stateful: bool = True, cuda_graph: bool = False):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
+        if self._bilm.token_encoder is None:
+            raise OptionsError("the options have no char_cnn: a word-input biLM, and this AllenNLP-style API takes "
+                               "characters (batch_to_ids); run it through elmo_fast.compat.BidirectionalLanguageModel"
+                               "(options_file, weight_file, use_character_inputs=False) on TokenBatcher ids")
         L = self._bilm.options.char_cnn.max_characters_per_token
         if L != MAX_WORD_LENGTH:
             raise OptionsError(f"the options give char_cnn.max_characters_per_token={L}, and this AllenNLP-style "

@@ -311,7 +311,13 @@ def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, c
     if path is None:
         raise ConfigError(f"no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
     ck = read_checkpoint(path)
-    model = BiLM(ElmoOptions.from_dict(ck["options"]), backend="reference", stateful=False)
+    if not ck["options"].get("bidirectional", True):
+        raise ConfigError(f"{path} holds a forward-only LM (bidirectional false): the published layout and its "
+                          "loaders (bilm-tf, AllenNLP) hold both directions, so there is nothing to dump it to; "
+                          "train with --bidirectional for a dumpable biLM")
+    opts = ElmoOptions.from_dict(ck["options"])
+    model = BiLM(opts, backend="reference", stateful=False,
+                 n_tokens_vocab=ck["vocab_size"] if opts.char_cnn is None else None)
     model.load_state_dict(ck["model"])
     model.save_weights(outfile, options_file)
     return path

@@ -25,6 +25,12 @@ def _field(default, help: str):
 @dataclass
 class TrainConfig:
     # ---- model (char CNN + LSTMP); written to options.json
+    char_inputs: bool = _field(True, "a character-CNN token encoder; --no-char-inputs trains a word-input biLM "
+                               "(a vocabulary x projection_dim embedding, bilm-tf's options without char_cnn)")
+    bidirectional: bool = _field(True, "forward and backward LMs; --no-bidirectional trains the forward LM alone "
+                                 "(bilm-tf's bidirectional false: its dump has no published layout)")
+    share_embedding_softmax: bool = _field(False, "the softmax weights are the word embedding (word inputs only, "
+                                           "as in bilm-tf)")
     char_embed_dim: int = _field(16, "character embedding size (char_cnn.embedding.dim)")
     filters: list = _field([[1, 32], [2, 32], [3, 64], [4, 128], [5, 256], [6, 512], [7, 1024]],
                            "CNN filters, a JSON list of [width, count]")
@@ -104,6 +110,9 @@ class TrainConfig:
             raise ConfigError(f"filters must be a non-empty list of [width, count], got {self.filters!r}")
         if max(f[0] for f in self.filters) > self.max_characters_per_token:
             raise ConfigError("a filter is wider than max_characters_per_token")
+        if self.share_embedding_softmax and self.char_inputs:
+            raise ConfigError("share_embedding_softmax needs a word-input model (--no-char-inputs): sharing the "
+                              "softmax and the embedding requires word inputs (bilm-tf raises the same)")
         if self.max_characters_per_token < 3:
             raise ConfigError(f"max_characters_per_token must be at least 3 (begin-of-word, a character, end-of-word), "
                               f"got {self.max_characters_per_token}")
@@ -121,11 +130,13 @@ class TrainConfig:
 
     def options(self, n_tokens_vocab: int) -> dict:
         """The bilm-tf training options dict (``n_characters`` 261; the dump writes 262)."""
+        chars = {"char_cnn": {"activation": self.activation, "embedding": {"dim": self.char_embed_dim},
+                              "filters": [list(map(int, f)) for f in self.filters], "max_characters_per_token":
+                                  self.max_characters_per_token, "n_characters": 261, "n_highway": self.n_highway}}
         return {
-            "bidirectional": True,
-            "char_cnn": {"activation": self.activation, "embedding": {"dim": self.char_embed_dim},
-                         "filters": [list(map(int, f)) for f in self.filters], "max_characters_per_token":
-                             self.max_characters_per_token, "n_characters": 261, "n_highway": self.n_highway},
+            "bidirectional": self.bidirectional,
+            **(chars if self.char_inputs else {}),
+            **({"share_embedding_softmax": True} if self.share_embedding_softmax else {}),
             "dropout": self.dropout,
             "lstm": {"cell_clip": self.cell_clip, "dim": self.lstm_dim, "n_layers": self.n_layers,
                      "proj_clip": self.proj_clip, "projection_dim": self.projection_dim,
@@ -219,6 +230,8 @@ def count_parameters(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
     cnn = 261 * d + sum(w * d * n + n for w, n in cfg.filters) + cfg.n_highway * 2 * (F_ * F_ + F_)
     if F_ != P:
         cnn += F_ * P + P
+    if not cfg.char_inputs:  # the word embedding (dense accounting: an upper bound)
+        cnn = 0 if cfg.share_embedding_softmax else vocab_size * P
     lstm = 2 * L * (2 * P * 4 * H + 4 * H + (H * P if P < H else 0))
     softmax = vocab_size * P + vocab_size
     return {"cnn": cnn, "lstm": lstm, "softmax": softmax, "total": cnn + lstm + softmax}

@@ -131,10 +131,11 @@ class TowerStream:
     stream's, plus the sampler's when it draws ahead, so a resumed run draws what an uninterrupted one would."""
 
     KEYS = ("tokens_characters", "tokens_characters_reverse", "next_token_id", "next_token_id_reverse")
+    WORD_KEYS = ("token_ids", "token_ids_reverse", "next_token_id", "next_token_id_reverse")
 
     def __init__(self, stream: BidirectionalStream, sampler: torch.Generator | None, num_samples: int,
-                 vocab_size: int, ahead: bool, pin: bool | None = None):
-        self.stream, self.sampler, self.ahead = stream, sampler, ahead
+                 vocab_size: int, ahead: bool, pin: bool | None = None, keys: tuple[str, ...] = KEYS):
+        self.stream, self.sampler, self.ahead, self.keys = stream, sampler, ahead, keys
         self.pin = ahead if pin is None else pin  # False in a loader process: the trainer's process pins
         self.num_samples, self.vocab_size = num_samples, vocab_size
 
@@ -145,7 +146,7 @@ class TowerStream:
 
     def next_batch(self) -> dict:
         b = self.stream.next_batch()
-        out = {k: torch.from_numpy(b[k]) for k in self.KEYS}
+        out = {k: torch.from_numpy(b[k]) for k in self.keys}
         if self.ahead and self.sampler is not None:
             out["sampled_ids"], out["num_tries"] = self.draw()
         return self.pinned(out) if self.pin else out
@@ -216,17 +217,32 @@ class Trainer:
         self.options = cfg.options(self.V)
         opts = ElmoOptions.from_dict(self.options)
         torch.manual_seed(cfg.seed)
-        self.model = BiLM(opts, backend=cfg.backend, stateful=False).to(self.device)
+        self.model = BiLM(opts, backend=cfg.backend, stateful=False,
+                          n_tokens_vocab=None if cfg.char_inputs else self.V).to(self.device)
+        self.embedding = self.model.word_embedding  # a word-input model's (V, P) table, else None
+        self.batch_keys = TowerStream.KEYS if cfg.char_inputs else TowerStream.WORD_KEYS
         P = cfg.projection_dim
         self.P = P
         self.softmax = SampledSoftmaxLoss(self.V, P, min(cfg.n_negative_samples_batch, self.V), sparse=True, seed=0,
-                                          sample_softmax=cfg.sample_softmax, backend=cfg.backend).to(self.device)
+                                          sample_softmax=cfg.sample_softmax, backend=cfg.backend,
+                                          share_embedding=self.embedding if cfg.share_embedding_softmax else None
+                                          ).to(self.device)
         self.softmax_W = self.softmax.softmax_W
         self.softmax_b = self.softmax.softmax_b
-        self.dense_params = [p for p in self.model.parameters() if p.requires_grad]
+        # updated by rows (sparse gradients): the word embedding, like the softmax tables; a forward-only LM leaves
+        # the backward stack out
+        skip = {id(self.embedding)}
+        if not cfg.bidirectional:
+            skip |= {id(p) for p in self.model.backward_lstm.parameters()}
+        self.dense_params = [p for p in self.model.parameters() if p.requires_grad and id(p) not in skip]
         self.acc_dense = [torch.full_like(p, cfg.initial_accumulator_value) for p in self.dense_params]
         self.acc_W = torch.full_like(self.softmax_W, cfg.initial_accumulator_value)
         self.acc_b = torch.full_like(self.softmax_b, cfg.initial_accumulator_value)
+        self.acc_emb = None
+        self.row_params = [(self.softmax_W, self.acc_W), (self.softmax_b, self.acc_b)]
+        if self.embedding is not None and not cfg.share_embedding_softmax:
+            self.acc_emb = torch.full_like(self.embedding, cfg.initial_accumulator_value)
+            self.row_params.append((self.embedding, self.acc_emb))
         self.step = 0
         self.tokens_seen = 0
         self.train_seconds = 0.0
@@ -258,7 +274,8 @@ class Trainer:
             c = torch.zeros(2, L, B, H, device=self.device)
             gpu = self.device.type == "cuda"
             in_process = cfg.data_worker == "process" or (cfg.data_worker == "auto" and gpu)
-            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=gpu, pin=gpu and not in_process)
+            ready = TowerStream(stream, gen, self.softmax.num_samples, self.V, ahead=gpu, pin=gpu and not in_process,
+                                keys=self.batch_keys)
             if st is not None:
                 h, c = st["h"].to(self.device), st["c"].to(self.device)
                 if gen is not None:
@@ -277,16 +294,22 @@ class Trainer:
         return self.run_model(*self.batch_tensors(batch), h0, c0, training)
 
     def batch_tensors(self, batch: dict) -> tuple[torch.Tensor, ...]:
-        """The batch's arrays on the device: (chars fwd, chars bwd (B, T, L), targets fwd, targets bwd (B, T))."""
-        return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) for k in TowerStream.KEYS)
+        """The batch's arrays on the device: (inputs fwd, inputs bwd, targets fwd, targets bwd (B, T)); the inputs
+        are char ids (B, T, L), or word ids (B, T) for a word-input model."""
+        return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) for k in self.batch_keys)
 
     def run_model(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
                   c0: torch.Tensor, training: bool):
         """``run_batch`` on the batch's tensors (``batch_tensors``)."""
         dev = self.device
         B, T = tf.shape
-        emb = self.model.token_encoder(torch.cat([cf, cb], 0).long())
-        ef, eb = emb[:B], emb[B:]
+        bi = self.cfg.bidirectional
+        x = torch.cat([cf, cb], 0) if bi else cf
+        if self.embedding is None:
+            emb = self.model.token_encoder(x.long())
+        else:  # a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices)
+            emb = F.embedding(x.long(), self.embedding, sparse=True)
+        ef, eb = emb[:B], (emb[B:] if bi else None)
         lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         p = self.cfg.dropout if training else 0.0
         # The backward LM runs left to right over the reversed stream; the reverse-direction stack scans right to
@@ -294,11 +317,19 @@ class Trainer:
         # The states stay fp32 under autocast (the ops keep the cell state in its own dtype); every row is full,
         # so the lengths need no range check (no host sync).
         with trusted_lengths():
-            fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0, c0, dropout=p, token_embedding_bwd=eb.flip(1))
-        top_f, top_b = fwd[-1], bwd[-1].flip(1)
+            if bi:
+                fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0, c0, dropout=p,
+                                                          token_embedding_bwd=eb.flip(1))
+            else:  # the forward LM alone; the backward rows of the state stay as they came
+                L = self.cfg.n_layers
+                fwd, fin = self.model.forward_lstm(ef, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], p)
+                bwd = []
+                h_n = torch.stack([torch.stack([s[0] for s in fin]), h0[1]])
+                c_n = torch.stack([torch.stack([s[1] for s in fin]), c0[1]])
+        top_f, top_b = fwd[-1], (bwd[-1].flip(1) if bi else None)
         if training and p > 0:
             top_f = F.dropout(top_f, p, training=True)
-            top_b = F.dropout(top_b, p, training=True)
+            top_b = F.dropout(top_b, p, training=True) if bi else None
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 
@@ -308,17 +339,17 @@ class Trainer:
         (``batch_tensors``), the LSTM states, and with the sampled softmax the two sample sets (ids (2, S) on the
         device, num_tries of each). No host work: this is the function to hand to ``torch.compile``."""
         top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
-        hf = top_f.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
-        hb = top_b.reshape(-1, self.P)
-        tf, tb = tf.reshape(-1), tb.reshape(-1)
         sm = self.softmax
-        if samples is not None:
-            ids, tries = samples
-            lf = sm(hf, tf, samples=(ids[0], tries[0]))
-            lb = sm(hb, tb, samples=(ids[1], tries[1]))
-        else:
-            lf, lb = sm(hf, tf), sm(hb, tb)
-        return 0.5 * (lf.float() + lb.float()), h_n, c_n
+        losses = []
+        for d, (top, targets) in enumerate(((top_f, tf), (top_b, tb))[: 1 + self.cfg.bidirectional]):
+            h = top.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
+            if samples is not None:
+                ids, tries = samples
+                losses.append(sm(h, targets.reshape(-1), samples=(ids[d], tries[d])).float())
+            else:
+                losses.append(sm(h, targets.reshape(-1)).float())
+        # bilm-tf: the mean of the two directions' losses, or the forward LM's alone
+        return (0.5 * (losses[0] + losses[1]) if len(losses) == 2 else losses[0]), h_n, c_n
 
     def _tower_step(self, tw: Tower, batch: dict, scale: float):
         cfg = self.cfg
@@ -344,7 +375,7 @@ class Trainer:
         ``sum_rows``), the clip factor stays a tensor, and the loss is returned as a tensor."""
         cfg = self.cfg
         self.model.train()
-        for p in [*self.dense_params, self.softmax_W, self.softmax_b]:
+        for p in [*self.dense_params, *(t for t, _ in self.row_params)]:
             p.grad = None
         losses = []
         for tw in self.towers:
@@ -353,29 +384,34 @@ class Trainer:
             self.data_wait_s += time.perf_counter() - t0
             losses.append(self._tower_step(tw, batch, 1.0 / self.n_towers_total))
         loss = torch.stack(losses).sum() / self.n_towers_total
-        dense, accs = self.dense_params, self.acc_dense
-        gW, gb = self.softmax_W.grad, self.softmax_b.grad
-        sparse = gW is not None and gW.is_sparse
-        if sparse:
-            rows = [g._indices()[0] for g in (gW, gb)]
-            vals = [gW._values(), gb._values().reshape(-1, 1)]
-        elif gW is not None:  # full softmax: dense gradients, updated with the other dense parameters
-            dense, accs = [*dense, self.softmax_W, self.softmax_b], [*accs, self.acc_W, self.acc_b]
+        dense, accs = list(self.dense_params), list(self.acc_dense)
+        tables, rows, vals = [], [], []  # the tables with row gradients: softmax W and b, a word embedding
+        for p, acc in self.row_params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                v = g._values()
+                tables.append((p, acc))
+                rows.append(g._indices()[0])
+                vals.append(v.reshape(v.shape[0], -1))
+            else:  # full softmax: dense gradients, updated with the other dense parameters
+                dense.append(p)
+                accs.append(acc)
         if self.dinfo.enabled:
             loss = self._allreduce(dense, loss)
-            if sparse:
-                rows, vals = zip(*(self._gather_rows(r, v) for r, v in zip(rows, vals)))
+            gathered = [self._gather_rows(r, v) for r, v in zip(rows, vals)]
+            rows, vals = [r for r, _ in gathered], [v for _, v in gathered]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
-        if sparse:
-            rows, vals = zip(*(sum_rows(r, v) for r, v in zip(rows, vals)))
-        norm = global_norm([*grads, *vals] if sparse else grads)
+        summed = [sum_rows(r, v) for r, v in zip(rows, vals)]
+        rows, vals = [r for r, _ in summed], [v for _, v in summed]
+        norm = global_norm([*grads, *vals])
         clip, lr = cfg.all_clip_norm_val, cfg.learning_rate
         inv_factor = torch.clamp(norm, min=clip) / clip  # gradients are divided by it: global-norm clipping
         with torch.no_grad():
             adagrad_dense(dense, grads, accs, lr, inv_factor)
-            if sparse:
-                for p, acc, r, v in zip((self.softmax_W, self.softmax_b), (self.acc_W, self.acc_b), rows, vals):
-                    adagrad_rows(p.view(p.shape[0], -1), acc.view(p.shape[0], -1), r, v, lr, inv_factor)
+            for (p, acc), r, v in zip(tables, rows, vals):
+                adagrad_rows(p.view(p.shape[0], -1), acc.view(p.shape[0], -1), r, v, lr, inv_factor)
         self.step += 1
         self.tokens_seen += cfg.batch_size * cfg.unroll_steps * self.n_towers_total
         self.last_grad_norm = norm.detach()
@@ -402,7 +438,7 @@ class Trainer:
         import torch.distributed as dist
 
         cfg = self.cfg
-        cap = cfg.towers * 2 * (cfg.batch_size * cfg.unroll_steps + self.softmax.num_samples)
+        cap = cfg.towers * 2 * (2 * cfg.batch_size * cfg.unroll_steps + self.softmax.num_samples)
         if rows.numel() > cap:
             raise RuntimeError(f"{rows.numel()} softmax gradient rows, more than the {cap} a tower can touch")
         rows = F.pad(rows, (0, cap - rows.numel()))
@@ -449,9 +485,12 @@ class Trainer:
                 top_f, top_b, h, c, tf, tb, _ = self.run_batch(batch, h, c, training=False)
             h, c = h.float(), c.float()
             self.softmax.eval()
-            lf = self.softmax(top_f.reshape(-1, self.P).float(), tf.reshape(-1))
-            lb = self.softmax(top_b.reshape(-1, self.P).float(), tb.reshape(-1))
-            losses.append(0.5 * (float(lf) + float(lb)))
+            lf = float(self.softmax(top_f.reshape(-1, self.P).float(), tf.reshape(-1)))
+            if top_b is None:  # the forward LM alone
+                losses.append(lf)
+                continue
+            lb = float(self.softmax(top_b.reshape(-1, self.P).float(), tb.reshape(-1)))
+            losses.append(0.5 * (lf + lb))
         self.model.train(was_training)
         if not losses:
             return {"heldout_perplexity": None, "heldout_batches": 0}
@@ -471,6 +510,8 @@ class Trainer:
             acc.copy_(a)
         self.acc_W.copy_(ck["acc_W"])
         self.acc_b.copy_(ck["acc_b"])
+        if self.acc_emb is not None:
+            self.acc_emb.copy_(ck["acc_emb"])
         self.step = ck["step"]
         self.tokens_seen = ck["tokens_seen"]
         self.train_seconds = ck.get("train_seconds", 0.0)
@@ -503,6 +544,7 @@ class Trainer:
             "acc_dense": [a.cpu() for a in self.acc_dense],
             "acc_W": self.acc_W.cpu(),
             "acc_b": self.acc_b.cpu(),
+            "acc_emb": None if self.acc_emb is None else self.acc_emb.cpu(),
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "train_seconds": self.train_seconds,
