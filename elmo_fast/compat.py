@@ -24,7 +24,7 @@ from .allennlp_compat import to_allennlp_state_dict  # noqa: F401  (re-exported)
 from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR, MAX_WORD_LENGTH, PAD_CHAR,
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM
-from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder
+from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder, check_allennlp_model
 from .reference.scalar_mix import scalar_mix_reference
 from .weights import atomic_h5
 
@@ -36,6 +36,7 @@ class _ElmoCharacterEncoder(ElmoCharacterEncoder):
 
     def __init__(self, options_file, weight_file, requires_grad: bool = False, backend: str | None = "auto"):
         bilm = BiLM.from_files(options_file, weight_file, backend=backend)
+        check_allennlp_model(bilm)
         super().__init__(bilm.token_encoder)
         for p in self.parameters():
             p.requires_grad_(requires_grad)
@@ -127,7 +128,8 @@ class BidirectionalLanguageModel(nn.Module):
             raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}")
         if self.use_character_inputs:
             if ids.dim() != 3:
-                raise ValueError(f"character inputs must be (batch, tokens + 2, 50), got {tuple(ids.shape)}")
+                L = self._bilm.options.char_cnn.max_characters_per_token
+                raise ValueError(f"character inputs must be (batch, tokens + 2, {L}), got {tuple(ids.shape)}")
             mask = (ids > 0).any(-1)
             out = self._bilm.forward_embeddings(self._bilm.token_encoder(ids), mask, mask_token_layer=False)
         else:

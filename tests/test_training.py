@@ -396,7 +396,10 @@ def test_log_records_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypa
         recs = []
         train_loop(tr, recs.append, progress=False)
         shares[case] = [r["data_wait"] for r in recs if r["event"] == "train"]
-    assert len(shares["slow data"]) == 2 and all(0.7 < x <= 1.0 for x in shares["slow data"]), shares
+    # the first record also covers the start of the run: its share fell to 0.56 once with other tests running beside
+    # (make test's 2 processes plus another suite), so the bound holds the second, steady record
+    assert len(shares["slow data"]) == 2 and 0.7 < shares["slow data"][-1] <= 1.0, shares
+    assert 0.0 < shares["slow data"][0] <= 1.0, shares
     assert len(shares["data ready"]) == 2 and all(0.0 <= x < 0.3 for x in shares["data ready"]), shares
 
 
@@ -550,7 +553,7 @@ def test_word_input_model_trains_with_row_gradients_and_loads_as_bilm_tf_reads_i
     CNN; bilm-tf's loader path (use_character_inputs=False, the weight file as embedding_weight_file, TokenBatcher
     ids) gives the trainer's own outputs; the character APIs refuse the model by name."""
     from elmo_fast import ElmoBiLM, TokenBatcher
-    from elmo_fast.compat import BidirectionalLanguageModel
+    from elmo_fast.compat import BidirectionalLanguageModel, _ElmoCharacterEncoder
     from elmo_fast.options import OptionsError
 
     train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
@@ -609,20 +612,30 @@ def test_word_input_model_trains_with_row_gradients_and_loads_as_bilm_tf_reads_i
             ElmoBiLM(*files, backend="reference")
         with pytest.raises(ValueError, match="word-input biLM.*use_character_inputs=False"):
             BidirectionalLanguageModel(*files, backend="reference")
+        with pytest.raises(OptionsError, match="word-input biLM, and this AllenNLP-style API takes characters"):
+            _ElmoCharacterEncoder(*files, backend="reference")
     finally:
         tr.close()
 
 
 def test_forward_only_lm_trains_its_stack_alone_and_is_not_dumped(tmp_path):
-    """bidirectional false: the forward LM's loss alone; the backward stack is neither updated nor in the dense
-    parameters; a dump is refused (the published layout holds both directions)."""
-    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
-    tr, _ = _trainer(tmp_path, train_glob, bidirectional=False)
+    """bidirectional false: the step's loss is the forward LM's softmax loss alone (one softmax call), held-out
+    perplexity too; the backward stack is neither updated nor in the dense parameters; a dump is refused (the
+    published layout holds both directions)."""
+    train_glob, held_glob = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob, heldout=held_glob, bidirectional=False)
     try:
         bwd = [p.detach().clone() for p in tr.model.backward_lstm.parameters()]
         fwd = [p.detach().clone() for p in tr.model.forward_lstm.parameters()]
+        calls, softmax_forward = [], tr.softmax.forward
+        tr.softmax.forward = lambda *a, **k: calls.append(softmax_forward(*a, **k)) or calls[-1]
         for _ in range(2):
-            tr.train_step()
+            calls.clear()
+            loss = tr.train_step()
+            assert len(calls) == 1 and torch.equal(loss, calls[0].detach().float())
+        calls.clear()
+        ev = tr.evaluate(batch_size=2, unroll_steps=3, max_batches=2)
+        assert len(calls) == 2 and ev["heldout_loss"] == pytest.approx(sum(float(c) for c in calls) / 2)
         assert all(torch.equal(a, b) for a, b in zip(bwd, tr.model.backward_lstm.parameters()))
         assert not any(torch.equal(a, b) for a, b in zip(fwd, tr.model.forward_lstm.parameters()))
         ids = {id(p) for p in tr.dense_params}
@@ -630,6 +643,21 @@ def test_forward_only_lm_trains_its_stack_alone_and_is_not_dumped(tmp_path):
         tr.save_checkpoint()
         with pytest.raises(ConfigError, match="forward-only LM"):
             dump_weights(str(tmp_path / "run"), str(tmp_path / "w.hdf5"))
+    finally:
+        tr.close()
+
+
+def test_tied_word_embedding_with_the_full_softmax_takes_dense_gradients(tmp_path):
+    """A word embedding tied to a full softmax gets its lookup's row gradient and the softmax's dense one; the sum is
+    dense and goes through the dense update, with the table's accumulator (TF aggregates the same way)."""
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=200, n_held=10)
+    tr, _ = _trainer(tmp_path, train_glob, char_inputs=False, share_embedding_softmax=True, sample_softmax=False)
+    try:
+        before, acc0 = tr.embedding.detach().clone(), tr.acc_W.clone()
+        tr.train_step()
+        assert not tr.embedding.grad.is_sparse
+        changed = (tr.embedding != before).any(1)
+        assert bool(changed.all()) and bool((tr.acc_W != acc0).any(1).all())  # every row: the softmax's gradient
     finally:
         tr.close()
 

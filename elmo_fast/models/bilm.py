@@ -165,8 +165,8 @@ class BiLM(nn.Module):
         V = self.word_embedding.shape[0]
         if ids.dtype != torch.long or ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > V):
             raise ValueError(f"word ids must be int64 TokenBatcher ids in [0, {V}] (vocabulary id + 1, 0 = padding)")
-        table = torch.cat([self.word_embedding.new_zeros(1, self.word_embedding.shape[1]), self.word_embedding])
-        return table[ids]
+        rows = self.word_embedding[(ids - 1).clamp_min(0)]  # no padded copy of the whole table
+        return torch.where((ids > 0).unsqueeze(-1), rows, rows.new_zeros(()))
 
     # ---------------------------------------------------------------- weights
     def _param_map(self) -> dict[str, tuple[nn.Parameter, bool]]:

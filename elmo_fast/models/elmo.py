@@ -41,6 +41,20 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
             raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")
 
 
+def check_allennlp_model(bilm: BiLM) -> None:
+    """AllenNLP's API reads characters, 50 ids a token (``batch_to_ids``): refuse a word-input biLM or another
+    width by name, with the bilm-tf API that reads it."""
+    if bilm.token_encoder is None:
+        raise OptionsError("the options have no char_cnn: a word-input biLM, and this AllenNLP-style API takes "
+                           "characters (batch_to_ids); run it through elmo_fast.compat.BidirectionalLanguageModel"
+                           "(options_file, weight_file, use_character_inputs=False) on TokenBatcher ids")
+    L = bilm.options.char_cnn.max_characters_per_token
+    if L != MAX_WORD_LENGTH:
+        raise OptionsError(f"the options give char_cnn.max_characters_per_token={L}, and this AllenNLP-style API "
+                           f"takes the {MAX_WORD_LENGTH} ids a token of batch_to_ids; run the model through "
+                           f"elmo_fast.compat.BidirectionalLanguageModel on Batcher(vocab_file, {L}) ids")
+
+
 _BOS_IDS = torch.tensor(word_to_char_ids(BOS_TOKEN), dtype=torch.long)
 _EOS_IDS = torch.tensor(word_to_char_ids(EOS_TOKEN), dtype=torch.long)
 
@@ -96,15 +110,7 @@ class ElmoBiLM(nn.Module):
                  backend: str | None = "auto", stateful: bool = True, cuda_graph: bool = False):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
-        if self._bilm.token_encoder is None:
-            raise OptionsError("the options have no char_cnn: a word-input biLM, and this AllenNLP-style API takes "
-                               "characters (batch_to_ids); run it through elmo_fast.compat.BidirectionalLanguageModel"
-                               "(options_file, weight_file, use_character_inputs=False) on TokenBatcher ids")
-        L = self._bilm.options.char_cnn.max_characters_per_token
-        if L != MAX_WORD_LENGTH:
-            raise OptionsError(f"the options give char_cnn.max_characters_per_token={L}, and this AllenNLP-style "
-                               f"API takes the {MAX_WORD_LENGTH} ids a token of batch_to_ids; run the model through "
-                               f"elmo_fast.compat.BidirectionalLanguageModel on Batcher(vocab_file, {L}) ids")
+        check_allennlp_model(self._bilm)
         self._graphs = GraphCache(self._graph_forward, max_graphs=8) if cuda_graph else None
         self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
         self._requires_grad = requires_grad

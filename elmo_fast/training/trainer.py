@@ -16,7 +16,8 @@ Design notes
   drawn by the trainer with one generator per tower and passed in. Towers' row gradients are concatenated and
   deduplicated by summing, as TF does for IndexedSlices. Across processes we **all-gather the touched rows**
   (ids + gradient rows, padded to the largest count), then deduplicate, rather than densify-and-allreduce: each
-  rank receives world x (at most 2·B·T + 2·S) rows instead of all V rows. For the original model (B 128, T 20,
+  rank receives world x (at most 2·B·T + 2·S) softmax rows instead of all V rows (a word-input model's embedding:
+  2·B·T more, its own table or the tied softmax's). For the original model (B 128, T 20,
   S 8192, V 793k) on 3 GPUs that is <= 64k rows against 793k, about 12x less traffic, and no (V, P) buffer.
 * **Clipping and update.** Global-norm clipping over all dense gradients and the deduplicated row gradients, then
   Adagrad as TF1 applies it (``acc += g²; w -= lr·g/√acc``, accumulator initialised to 1.0, no epsilon); for the
@@ -400,7 +401,7 @@ class Trainer:
                 accs.append(acc)
         if self.dinfo.enabled:
             loss = self._allreduce(dense, loss)
-            gathered = [self._gather_rows(r, v) for r, v in zip(rows, vals)]
+            gathered = [self._gather_rows(r, v, self._row_cap(p)) for (p, _), r, v in zip(tables, rows, vals)]
             rows, vals = [r for r, _ in gathered], [v for _, v in gathered]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in dense]
         summed = [sum_rows(r, v) for r, v in zip(rows, vals)]
@@ -431,16 +432,23 @@ class Trainer:
             off += n
         return flat[off]
 
-    def _gather_rows(self, rows, vals):
-        """All-gather every process's softmax row gradients (ids, values), padded to the most rows a process can
-        touch (targets and samples of both directions of every tower: fixed by the configuration, so no size
-        exchange); padding rows are (id 0, zeros), which the row update ignores."""
+    def _row_cap(self, table) -> int:
+        """The most gradient rows a process's towers give ``table``: a softmax table's targets and samples of both
+        directions, plus the inputs where the word embedding is that table; a word embedding of its own, the
+        inputs of both directions. Fixed by the configuration, so processes exchange no sizes."""
+        cfg = self.cfg
+        BT = cfg.batch_size * cfg.unroll_steps
+        if table is self.embedding and not cfg.share_embedding_softmax:
+            return cfg.towers * 2 * BT
+        return cfg.towers * 2 * (BT + self.softmax.num_samples + (BT if table is self.embedding else 0))
+
+    def _gather_rows(self, rows, vals, cap: int):
+        """All-gather every process's row gradients of one table (ids, values), padded to ``cap`` rows
+        (``_row_cap``); padding rows are (id 0, zeros), which the row update ignores."""
         import torch.distributed as dist
 
-        cfg = self.cfg
-        cap = cfg.towers * 2 * (2 * cfg.batch_size * cfg.unroll_steps + self.softmax.num_samples)
         if rows.numel() > cap:
-            raise RuntimeError(f"{rows.numel()} softmax gradient rows, more than the {cap} a tower can touch")
+            raise RuntimeError(f"{rows.numel()} gradient rows of a table, more than the {cap} a process can touch")
         rows = F.pad(rows, (0, cap - rows.numel()))
         vals = F.pad(vals, (0, 0, 0, cap - vals.shape[0]))
         out_r = [torch.empty_like(rows) for _ in range(self.dinfo.world_size)]
@@ -453,7 +461,7 @@ class Trainer:
         import torch.distributed as dist
 
         with torch.no_grad():
-            for t in [*self.dense_params, self.softmax_W.data, self.softmax_b.data]:
+            for t in [*self.dense_params, *(p.data for p, _ in self.row_params)]:
                 dist.broadcast(t, 0)
 
     # ------------------------------------------------------------------ held-out perplexity
