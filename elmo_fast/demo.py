@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                                checkpoint_every=100_000, backend=args.backend, device="cpu",
                                num_threads=None if args.threads is None else max(1, args.threads))
     dinfo = DistInfo()
-    cfg, vocab, train_files, heldout_files, _ = prepare(targs, dinfo)
+    cfg, vocab, train_files, heldout_files, *_ = prepare(targs, dinfo)
     with open(os.path.join(save_dir, "corpus", "corpus.json"), encoding="utf-8") as fh:
         meta = json.load(fh)
     print(f"  {meta['train_sentences']} training sentences ({meta['train_tokens']} tokens), "

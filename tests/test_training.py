@@ -22,7 +22,7 @@ from elmo_fast.training import data as D
 from elmo_fast.training import trainer as trainer_mod
 from elmo_fast.training.cli import dump_weights, main as cli_main
 from elmo_fast.training.configs import ConfigError, check_memory, original, tiny
-from elmo_fast.training.trainer import Trainer, load_checkpoint
+from elmo_fast.training.trainer import Trainer, latest_checkpoint, load_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -675,6 +675,54 @@ def _train_cmd(save_dir, train_glob, steps, extra=()):
             "--corpus", train_glob, "--backend", "reference", "--max-steps", str(steps), "--checkpoint-every", "6",
             "--log-every", "1", "--n-negative-samples-batch", "8", "--no-progress", "--quiet",
             "--keep-checkpoints", "10", *extra]
+
+
+def test_a_new_run_refuses_a_save_dir_with_checkpoints(tmp_path):
+    """A second run into a save dir that holds a run's checkpoints would mix the two (and a later --resume would pick
+    the older run's latest): refused, naming the ways out."""
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=100, n_held=5)
+    run = tmp_path / "run"
+    assert cli_main(_train_cmd(run, train_glob, 2)[3:]) == 0
+    assert cli_main(_train_cmd(run, train_glob, 2)[3:]) == 2
+    assert [os.path.basename(p) for p in sorted((run / "checkpoints").iterdir())] == ["ckpt-000000002.pt"]
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, monkeypatch, capsys):
+    """bilm-tf's restart.py: a new run on another corpus, with another batch size and epochs, from a checkpoint's
+    weights and Adagrad accumulators; its steps, data positions and LSTM states start from zero, its token count
+    is the new corpus's; a change to the model or a vocabulary of another size is refused."""
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=100, n_held=5)
+    other = tmp_path / "other.txt"
+    other.write_text("the cat sees a dog .\na big fish eats the old man today .\n" * 20, encoding="utf-8")
+    old = tmp_path / "old"
+    assert cli_main(_train_cmd(old, train_glob, 3)[3:]) == 0
+    ck = load_checkpoint(latest_checkpoint(str(old)))
+    seen = []
+    monkeypatch.setattr(trainer_mod, "train_loop", lambda tr, log, progress: seen.append(tr) or {})
+    new = ["train", "--save-dir", str(tmp_path / "new"), "--init-from", str(old), "--corpus", str(other),
+           "--batch-size", "3", "--n-epochs", "2", "--backend", "reference", "--no-progress", "--quiet"]
+    assert cli_main(new) == 0
+    tr = seen[0]
+    try:
+        assert tr.step == 0 and tr.cfg.batch_size == 3 and tr.cfg.n_epochs == 2 and tr.cfg.n_train_tokens == 300
+        for k, v in tr.model.state_dict().items():
+            assert torch.equal(v, ck["model"][k]), k
+        assert all(torch.equal(a, b) for a, b in zip(tr.acc_dense, ck["acc_dense"]))
+        assert torch.equal(tr.softmax_W.detach(), ck["softmax_W"]) and torch.equal(tr.acc_W, ck["acc_W"])
+        assert all(float(tw.h.abs().sum()) == 0 and tw.h.shape[2] == 3 for tw in tr.towers)
+        run = json.load(open(tmp_path / "new" / "run.json"))
+        assert run["init_from"] == os.path.abspath(latest_checkpoint(str(old)))
+    finally:
+        tr.close()
+    capsys.readouterr()
+    assert cli_main([*new[:2], str(tmp_path / "new2"), *new[3:], "--lstm-dim", "64"]) == 2
+    assert "['lstm_dim'] would change the model the checkpoint holds" in capsys.readouterr().err
+    small_vocab = tmp_path / "v.txt"
+    small_vocab.write_text("<S>\n</S>\n<UNK>\nthe\n", encoding="utf-8")
+    assert cli_main([*new[:2], str(tmp_path / "new3"), *new[3:], "--vocab", str(small_vocab)]) == 2
+    assert "has 4 entries but the checkpoint's softmax has" in capsys.readouterr().err
+    assert cli_main([*new[:2], str(tmp_path / "new4"), *new[3:], "--resume"]) == 2
+    assert "give one of them" in capsys.readouterr().err
 
 
 def _final_tensors(save_dir):

@@ -27,6 +27,8 @@ RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints",
              "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "data_worker", "sleep_per_step",
              "n_epochs", "n_train_tokens", "device", "backend", "num_threads", "bf16", "deterministic", "check_memory",
              "check_vocab_order", "vocab_check_lines"}
+# and on --init-from (bilm-tf's restart.py: a new run from a checkpoint's weights), also these: the data side
+RESTARTABLE = RESUMABLE | {"batch_size", "towers", "seed"}
 
 
 def _field_type(f: dataclasses.Field):
@@ -92,11 +94,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "frequency (default: built from the corpus and written to SAVE_DIR/vocab.txt)")
     p.add_argument("--save-dir", required=True, help="directory for checkpoints, options.json, vocab.txt, "
                    "train_log.jsonl (created if missing; required)")
-    p.add_argument("--config", default="small", help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of "
+    p.add_argument("--config", default=None, help=f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file of "
                    "configuration fields (default: small)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint in --save-dir, or from the given checkpoint file "
                    "(default: start a new run)")
+    p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                   help="start a new run from a checkpoint's weights and Adagrad accumulators (a checkpoint file, or "
+                   "a save dir: its latest), as bilm-tf's restart.py does to fine-tune on another corpus: the model "
+                   "comes from the checkpoint, its vocabulary from --vocab or the checkpoint's run; the data, batch "
+                   "size, epochs (n_train_tokens counted afresh) and run control from this command; steps, data "
+                   "positions and LSTM states start from zero (default: fresh weights)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (default: a bar on a terminal)")
     p.add_argument("--quiet", action="store_true", help="do not echo the JSON log lines to stdout (default: echo)")
     _add_config_args(p)
@@ -149,13 +157,22 @@ def read_checkpoint(path: str) -> dict:
 
 def prepare(args, dinfo):
     """Check every argument, then resolve config, corpus, vocabulary and checkpoint, and only then write the run's
-    files into the save dir. Returns (cfg, vocab, train_files, heldout_files, ckpt)."""
+    files into the save dir. Returns (cfg, vocab, train_files, heldout_files, ckpt, init): the checkpoint to resume,
+    or the one whose weights start a new run (--init-from)."""
     from .trainer import latest_checkpoint, resolve_device
 
     save_dir = args.save_dir
     check_output_dir(save_dir, "--save-dir", ConfigError)
     over = _overrides(args)
-    ckpt = None
+    ckpt = init = None
+    init_from = getattr(args, "init_from", None)
+    if args.resume and init_from:
+        raise ConfigError("--resume continues the run in --save-dir, --init-from starts a new one from a checkpoint's "
+                          "weights: give one of them")
+    if not args.resume and latest_checkpoint(save_dir) is not None:
+        raise ConfigError(f"--save-dir {save_dir} already holds checkpoints (latest: {latest_checkpoint(save_dir)}); "
+                          "continue that run with --resume, start from its weights in another --save-dir with "
+                          "--init-from, or choose an empty --save-dir")
     if args.resume:
         path = latest_checkpoint(save_dir if args.resume == "latest" else args.resume)
         if path is None:
@@ -174,8 +191,28 @@ def prepare(args, dinfo):
         with open(run_file, encoding="utf-8") as fh:
             run = json.load(fh)
         corpus, heldout, vocab_path = run["corpus"], run["heldout"], os.path.join(save_dir, "vocab.txt")
+    elif init_from:
+        path = latest_checkpoint(init_from)
+        if path is None:
+            raise ConfigError(f"--init-from: no checkpoint in {os.path.join(init_from, 'checkpoints')}")
+        if args.config is not None:
+            raise ConfigError("--init-from takes the model's configuration from the checkpoint: leave out --config "
+                              "and give the fields to change as flags")
+        init = read_checkpoint(path)
+        base = init["config"]
+        bad = {k: v for k, v in over.items() if k not in RESTARTABLE and base.get(k) != v}
+        if bad:
+            raise ConfigError(f"--init-from: {sorted(bad)} would change the model the checkpoint holds; only the "
+                              f"data side and run control may change ({sorted(RESTARTABLE)})")
+        # the new corpus's tokens are counted unless given; the old run's step limits do not carry over
+        cfg = TrainConfig.from_dict({**base, "n_train_tokens": None, "max_steps": None, "time_budget": None, **over})
+        corpus, heldout = args.corpus, args.heldout
+        vocab_path = args.vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
+        if args.vocab is None and not os.path.isfile(vocab_path):
+            raise ConfigError(f"--init-from: {vocab_path} (the checkpoint's run vocabulary) is missing; give the "
+                              "vocabulary the checkpoint was trained with as --vocab")
     else:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config or "small")
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **over})
         corpus, heldout, vocab_path = args.corpus, args.heldout, args.vocab
     cfg.validate()
@@ -203,6 +240,13 @@ def prepare(args, dinfo):
     words = None
     if ckpt is not None:
         vocab = load_training_vocab(vocab_path)
+    elif init is not None:  # the checkpoint's vocabulary: its order was checked against its own corpus
+        vocab = load_training_vocab(vocab_path)
+        if len(vocab) != init["vocab_size"]:
+            raise ConfigError(f"--init-from: {vocab_path} has {len(vocab)} entries but the checkpoint's softmax has "
+                              f"{init['vocab_size']} rows; give the vocabulary it was trained with as --vocab")
+        if cfg.n_train_tokens is None:
+            cfg.n_train_tokens = count_tokens(train_files)[2]
     elif vocab_path is None:
         counts, n_sent, n_tok, _ = count_tokens(train_files)
         words = build_vocab(counts, cfg.vocab_min_count, cfg.vocab_max_size)
@@ -231,13 +275,15 @@ def prepare(args, dinfo):
             shutil.copyfile(vocab_path, os.path.join(save_dir, "vocab.txt"))
         with open(os.path.join(save_dir, "run.json"), "w", encoding="utf-8") as fh:
             json.dump({"corpus": os.path.abspath(corpus) if os.path.exists(corpus) else corpus,
-                       "heldout": heldout, "world_size": dinfo.world_size}, fh, indent=2)
+                       "heldout": heldout, "world_size": dinfo.world_size,
+                       **({"init_from": os.path.abspath(latest_checkpoint(init_from))} if init else {})},
+                      fh, indent=2)
         with open(os.path.join(save_dir, "config.json"), "w", encoding="utf-8") as fh:
             json.dump(cfg.to_dict(), fh, indent=2)
         with open(os.path.join(save_dir, "options.json"), "w", encoding="utf-8") as fh:
             json.dump(cfg.options(len(vocab)), fh, indent=2)
     _barrier(dinfo)
-    return cfg, vocab, train_files, heldout_files, ckpt
+    return cfg, vocab, train_files, heldout_files, ckpt, init
 
 
 def _first_lines(files, n):
@@ -266,7 +312,7 @@ def run_train(args) -> dict:
 
     dinfo = setup_distributed(getattr(args, "device", "auto"))
     try:
-        cfg, vocab, train_files, heldout_files, ckpt = prepare(args, dinfo)
+        cfg, vocab, train_files, heldout_files, ckpt, init = prepare(args, dinfo)
         device = resolve_device(cfg.device, dinfo)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -274,8 +320,9 @@ def run_train(args) -> dict:
         log({"event": "start", "world_size": dinfo.world_size, "towers": cfg.towers, "device": str(device),
              "vocab_size": len(vocab), "train_shards": len(train_files),
              "heldout_shards": len(heldout_files or []), "resumed_from_step": ckpt["step"] if ckpt else 0,
+             **({"initialised_from_step": init["step"]} if init else {}),
              "n_train_tokens": cfg.n_train_tokens, "threads": torch.get_num_threads()})
-        trainer = Trainer(cfg, vocab, train_files, heldout_files, args.save_dir, dinfo, device, ckpt, log)
+        trainer = Trainer(cfg, vocab, train_files, heldout_files, args.save_dir, dinfo, device, ckpt, log, init=init)
         return train_loop(trainer, log, progress=not args.no_progress)
     finally:
         if dinfo.initialised_here:

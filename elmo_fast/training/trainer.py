@@ -199,7 +199,7 @@ def _in_mode(method):
 class Trainer:
     def __init__(self, cfg: TrainConfig, vocab: Vocabulary, train_shards: list[str], heldout_shards: list[str] | None,
                  save_dir: str, dinfo: DistInfo | None = None, device: torch.device | None = None,
-                 checkpoint: dict | None = None, log=None):
+                 checkpoint: dict | None = None, log=None, init: dict | None = None):
         self.cfg = cfg.validate()
         self.vocab = vocab
         self.V = len(vocab)
@@ -257,6 +257,8 @@ class Trainer:
                 raise ConfigError(f"the checkpoint has {len(checkpoint['towers'])} towers but this run has "
                                   f"{self.n_towers_total} (world size {self.dinfo.world_size} x --towers "
                                   f"{cfg.towers}); resume with the same layout")
+        elif init is not None:  # a new run from a checkpoint's weights and accumulators (bilm-tf's restart.py)
+            self._load_weights(init)
         elif self.dinfo.enabled:
             self._broadcast_params()
         self.towers: list[Tower] = []
@@ -508,6 +510,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _load_state(self, ck: dict) -> None:
+        self._load_weights(ck)
+        self.step = ck["step"]
+        self.tokens_seen = ck["tokens_seen"]
+        self.train_seconds = ck.get("train_seconds", 0.0)
+        torch.set_rng_state(ck["torch_rng"])
+        random.setstate(ck["py_random"])
+        restore_pack_timings(ck.get("cpu_pack_timings"))
+        restore_gemm_timings(ck.get("cpu_gemm_timings"))
+
+    def _load_weights(self, ck: dict) -> None:
+        """The weights and the Adagrad accumulators of a checkpoint (what --init-from takes; _load_state adds the
+        run's position)."""
         if ck.get("version") != CHECKPOINT_VERSION:
             raise ConfigError(f"unsupported checkpoint version {ck.get('version')}")
         self.model.load_state_dict(ck["model"])
@@ -520,13 +534,6 @@ class Trainer:
         self.acc_b.copy_(ck["acc_b"])
         if self.acc_emb is not None:
             self.acc_emb.copy_(ck["acc_emb"])
-        self.step = ck["step"]
-        self.tokens_seen = ck["tokens_seen"]
-        self.train_seconds = ck.get("train_seconds", 0.0)
-        torch.set_rng_state(ck["torch_rng"])
-        random.setstate(ck["py_random"])
-        restore_pack_timings(ck.get("cpu_pack_timings"))
-        restore_gemm_timings(ck.get("cpu_gemm_timings"))
 
     def tower_states(self) -> list[dict]:
         local = [{"gid": tw.gid, **tw.state(), "h": tw.h.detach().cpu(), "c": tw.c.detach().cpu()}
