@@ -174,17 +174,10 @@ def prepare(args, dinfo):
                           "continue that run with --resume, start from its weights in another --save-dir with "
                           "--init-from, or choose an empty --save-dir")
     if args.resume:
-        path = latest_checkpoint(save_dir if args.resume == "latest" else args.resume)
-        if path is None:
-            where = os.path.join(save_dir, "checkpoints") if args.resume == "latest" else args.resume
-            raise ConfigError(f"--resume: no checkpoint in {where}")
-        ckpt = read_checkpoint(path)
-        base = ckpt["config"]
-        bad = {k: v for k, v in over.items() if k not in RESUMABLE and base.get(k) != v}
-        if bad:
-            raise ConfigError(f"--resume: {sorted(bad)} differ from the checkpoint's configuration; only run-control "
-                              f"options may change ({sorted(RESUMABLE)})")
-        cfg = TrainConfig.from_dict({**base, **over})
+        where = save_dir if args.resume == "latest" else args.resume
+        path, ckpt = _checkpoint_for("--resume", where, over, RESUMABLE, "differ from the checkpoint's configuration; "
+                                     "only run-control options may change")
+        cfg = TrainConfig.from_dict({**ckpt["config"], **over})
         run_file = os.path.join(save_dir, "run.json")
         if not os.path.isfile(run_file):
             raise ConfigError(f"--resume: {run_file} is missing; resume in the --save-dir of the interrupted run")
@@ -192,20 +185,14 @@ def prepare(args, dinfo):
             run = json.load(fh)
         corpus, heldout, vocab_path = run["corpus"], run["heldout"], os.path.join(save_dir, "vocab.txt")
     elif init_from:
-        path = latest_checkpoint(init_from)
-        if path is None:
-            raise ConfigError(f"--init-from: no checkpoint in {os.path.join(init_from, 'checkpoints')}")
         if args.config is not None:
             raise ConfigError("--init-from takes the model's configuration from the checkpoint: leave out --config "
                               "and give the fields to change as flags")
-        init = read_checkpoint(path)
-        base = init["config"]
-        bad = {k: v for k, v in over.items() if k not in RESTARTABLE and base.get(k) != v}
-        if bad:
-            raise ConfigError(f"--init-from: {sorted(bad)} would change the model the checkpoint holds; only the "
-                              f"data side and run control may change ({sorted(RESTARTABLE)})")
+        path, init = _checkpoint_for("--init-from", init_from, over, RESTARTABLE, "would change the model the "
+                                     "checkpoint holds; only the data side and run control may change")
         # the new corpus's tokens are counted unless given; the old run's step limits do not carry over
-        cfg = TrainConfig.from_dict({**base, "n_train_tokens": None, "max_steps": None, "time_budget": None, **over})
+        cfg = TrainConfig.from_dict({**init["config"], "n_train_tokens": None, "max_steps": None, "time_budget": None,
+                                     **over})
         corpus, heldout = args.corpus, args.heldout
         vocab_path = args.vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
         if args.vocab is None and not os.path.isfile(vocab_path):
@@ -284,6 +271,22 @@ def prepare(args, dinfo):
             json.dump(cfg.options(len(vocab)), fh, indent=2)
     _barrier(dinfo)
     return cfg, vocab, train_files, heldout_files, ckpt, init
+
+
+def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: str) -> tuple[str, dict]:
+    """(path, checkpoint) of ``where`` (a checkpoint file, or a save dir's latest) for ``flag``, refusing flags
+    that set a field outside ``allowed`` to another value than the checkpoint's configuration."""
+    from .trainer import latest_checkpoint
+
+    path = latest_checkpoint(where)
+    if path is None:
+        shown = where if os.path.isfile(where) or where.endswith(".pt") else os.path.join(where, "checkpoints")
+        raise ConfigError(f"{flag}: no checkpoint in {shown}")
+    ck = read_checkpoint(path)
+    bad = {k: v for k, v in over.items() if k not in allowed and ck["config"].get(k) != v}
+    if bad:
+        raise ConfigError(f"{flag}: {sorted(bad)} {refusal} ({sorted(allowed)})")
+    return path, ck
 
 
 def _first_lines(files, n):
