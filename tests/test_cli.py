@@ -123,7 +123,7 @@ def test_help_has_a_default_for_every_flag():
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert set(sub.choices) == {"embed", "dump-token-embeddings", "train", "dump-weights"}
+    assert set(sub.choices) == {"embed", "dump-token-embeddings", "train", "dump-weights", "evaluate"}
     n = 0
     for name, sp in sub.choices.items():
         for action in sp._actions:

@@ -725,6 +725,26 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, monkeyp
     assert "give one of them" in capsys.readouterr().err
 
 
+def test_evaluate_command_gives_the_runs_own_held_out_perplexity(tmp_path, capsys):
+    """``elmo-fast evaluate`` (bilm-tf's run_test.py) on a run's last checkpoint and held-out shards, batched as the
+    run evaluated them: the perplexity the run logged, to the last bit; a vocabulary of another size is refused."""
+    train_glob, held = _grammar_corpus(tmp_path, n_train=100, n_held=10)
+    run = tmp_path / "run"
+    assert cli_main(_train_cmd(run, train_glob, 3, ["--heldout", held])[3:]) == 0
+    done = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])
+    capsys.readouterr()
+    cfg = tiny()
+    assert cli_main(["evaluate", "--save-dir", str(run), "--test-prefix", held, "--batch-size",
+                     str(cfg.eval_batch_size), "--unroll-steps", str(cfg.eval_unroll_steps)]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["step"] == 3 and got["heldout_batches"] == done["heldout_batches"] > 0
+    assert got["heldout_perplexity"] == done["heldout_perplexity"]
+    small_vocab = tmp_path / "v.txt"
+    small_vocab.write_text("<S>\n</S>\n<UNK>\nthe\n", encoding="utf-8")
+    assert cli_main(["evaluate", "--save-dir", str(run), "--test-prefix", held, "--vocab", str(small_vocab)]) == 2
+    assert "has 4 entries but the checkpoint's softmax has" in capsys.readouterr().err
+
+
 def _final_tensors(save_dir):
     from elmo_fast.training.trainer import latest_checkpoint
 

@@ -127,6 +127,26 @@ def add_subcommands(subparsers) -> None:
     dp = subparsers.add_parser("dump-weights", help="write a trained biLM as options.json + hdf5 (published layout)")
     add_dump_arguments(dp)
     dp.set_defaults(func=cmd_dump_weights)
+    ep = subparsers.add_parser("evaluate", help="held-out perplexity of a training checkpoint (bilm-tf's run_test.py)",
+                               description="Full-softmax perplexity of a checkpoint on test shards, as bilm-tf's "
+                               "bin/run_test.py computes it: test-mode data, no dropout, the state carried across "
+                               "batches, exp(mean batch loss), the last incomplete batch dropped.")
+    add_evaluate_arguments(ep)
+    ep.set_defaults(func=cmd_evaluate)
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-dir", required=True, help="the training directory (required)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint file (default: the latest in --save-dir)")
+    p.add_argument("--test-prefix", "--heldout", dest="test_prefix", required=True, metavar="GLOB",
+                   help="glob of the test shards, one tokenized sentence a line (required)")
+    p.add_argument("--vocab", default=None, help="the run's vocabulary (default: SAVE_DIR/vocab.txt)")
+    p.add_argument("--batch-size", type=int, default=256, help="rows of a batch (default: 256, as bilm-tf)")
+    p.add_argument("--unroll-steps", type=int, default=1, help="tokens per row of a batch (default: 1, as bilm-tf)")
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument("--backend", default=None, choices=BACKENDS,
+                   help="kernel backend (default: the checkpoint's configuration's)")
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -336,6 +356,41 @@ def run_train(args) -> dict:
 
 def cmd_train(args) -> int:
     run_train(args)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------- evaluate
+def evaluate_checkpoint(save_dir: str, test_prefix: str, checkpoint: str | None = None, vocab: str | None = None,
+                        batch_size: int = 256, unroll_steps: int = 1, max_batches: int | None = None,
+                        device: str = "auto", backend: str | None = None) -> dict:
+    """bilm-tf's ``run_test.py``: the held-out perplexity of a checkpoint (``Trainer.evaluate``, spec §6.7) on the
+    shards of ``test_prefix``. Returns the evaluation record (with the checkpoint's path)."""
+    from .trainer import DistInfo, Trainer, resolve_device
+
+    if batch_size < 1 or unroll_steps < 1 or (max_batches is not None and max_batches < 1):
+        raise ConfigError(f"--batch-size, --unroll-steps and --max-batches must be positive, got {batch_size}, "
+                          f"{unroll_steps}, {max_batches}")
+    path, ck = _checkpoint_for("evaluate", checkpoint or save_dir, {}, set(), "")
+    shards = resolve_shards(test_prefix, "test corpus")
+    check_corpus(shards, "test corpus")
+    vocab_path = vocab or os.path.join(save_dir, "vocab.txt")
+    check_input_file(vocab_path, "--vocab", DataError)
+    words = load_training_vocab(vocab_path)
+    if len(words) != ck["vocab_size"]:
+        raise ConfigError(f"{vocab_path} has {len(words)} entries but the checkpoint's softmax has "
+                          f"{ck['vocab_size']} rows; give the run's vocabulary as --vocab")
+    cfg = TrainConfig.from_dict({**ck["config"], "device": device, **({"backend": backend} if backend else {})})
+    dev = resolve_device(cfg.device, DistInfo())
+    check_backend(cfg.backend, dev, TRAIN_OPS, error=ConfigError)
+    trainer = Trainer(cfg, words, None, shards, save_dir, device=dev, init=ck)  # no training data: no towers
+    res = trainer.evaluate(shards, batch_size, unroll_steps, max_batches)
+    return {"event": "evaluate", "checkpoint": path, "step": ck["step"], **res}
+
+
+def cmd_evaluate(args) -> int:
+    print(json.dumps(evaluate_checkpoint(args.save_dir, args.test_prefix, args.checkpoint, args.vocab,
+                                         args.batch_size, args.unroll_steps, args.max_batches, args.device,
+                                         args.backend)))
     return 0
 
 

@@ -197,9 +197,10 @@ def _in_mode(method):
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, vocab: Vocabulary, train_shards: list[str], heldout_shards: list[str] | None,
-                 save_dir: str, dinfo: DistInfo | None = None, device: torch.device | None = None,
-                 checkpoint: dict | None = None, log=None, init: dict | None = None):
+    def __init__(self, cfg: TrainConfig, vocab: Vocabulary, train_shards: list[str] | None,
+                 heldout_shards: list[str] | None, save_dir: str, dinfo: DistInfo | None = None,
+                 device: torch.device | None = None, checkpoint: dict | None = None, log=None,
+                 init: dict | None = None):
         self.cfg = cfg.validate()
         self.vocab = vocab
         self.V = len(vocab)
@@ -263,7 +264,7 @@ class Trainer:
             self._broadcast_params()
         self.towers: list[Tower] = []
         L, H, B = cfg.n_layers, cfg.lstm_dim, cfg.batch_size
-        for j in range(cfg.towers):
+        for j in range(cfg.towers if train_shards is not None else 0):  # none: an evaluation-only trainer
             gid = self.dinfo.rank * cfg.towers + j
             stream = BidirectionalStream(tower_shards(train_shards, gid, self.n_towers_total), vocab, B,
                                          cfg.unroll_steps, cfg.max_characters_per_token, test=False,
