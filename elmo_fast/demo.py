@@ -84,9 +84,13 @@ def main(argv=None) -> int:
     from . import Elmo, ElmoBiLM, batch_to_ids
     from .training.cli import dump_weights, prepare
     from .training.configs import check_memory
-    from .training.trainer import DistInfo, Trainer, resolve_device, train_loop
+    from .training.trainer import DistInfo, Trainer, latest_checkpoint, resolve_device, train_loop
 
     save_dir = args.save_dir or tempfile.mkdtemp(prefix="elmo_fast_demo_")
+    if latest_checkpoint(save_dir) is not None:
+        print(f"python -m elmo_fast.demo: --save-dir {save_dir} holds a previous run; choose an empty one",
+              file=sys.stderr)
+        return 2
     os.makedirs(save_dir, exist_ok=True)
     if args.threads is not None:
         torch.set_num_threads(max(1, args.threads))

@@ -21,7 +21,7 @@ from elmo_fast.chars import Vocabulary, word_to_char_ids
 from elmo_fast.training import data as D
 from elmo_fast.training import trainer as trainer_mod
 from elmo_fast.training.cli import dump_weights, main as cli_main
-from elmo_fast.training.configs import ConfigError, check_memory, original, tiny
+from elmo_fast.training.configs import ConfigError, TrainConfig, check_memory, original, tiny
 from elmo_fast.training.trainer import Trainer, latest_checkpoint, load_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -677,14 +677,18 @@ def _train_cmd(save_dir, train_glob, steps, extra=()):
             "--keep-checkpoints", "10", *extra]
 
 
-def test_a_new_run_refuses_a_save_dir_with_checkpoints(tmp_path):
+def test_a_new_run_refuses_a_save_dir_with_checkpoints(tmp_path, capsys):
     """A second run into a save dir that holds a run's checkpoints would mix the two (and a later --resume would pick
-    the older run's latest): refused, naming the ways out."""
+    the older run's latest): refused, naming the ways out, before touching any of the run's files."""
     train_glob, _ = _grammar_corpus(tmp_path, n_train=100, n_held=5)
     run = tmp_path / "run"
     assert cli_main(_train_cmd(run, train_glob, 2)[3:]) == 0
-    assert cli_main(_train_cmd(run, train_glob, 2)[3:]) == 2
-    assert [os.path.basename(p) for p in sorted((run / "checkpoints").iterdir())] == ["ckpt-000000002.pt"]
+    files = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert cli_main(_train_cmd(run, train_glob, 3, ["--seed", "5"])[3:]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == files
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["ckpt-000000002.pt"]
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, monkeypatch, capsys):
@@ -695,16 +699,17 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, monkeyp
     other = tmp_path / "other.txt"
     other.write_text("the cat sees a dog .\na big fish eats the old man today .\n" * 20, encoding="utf-8")
     old = tmp_path / "old"
-    assert cli_main(_train_cmd(old, train_glob, 3)[3:]) == 0
+    assert cli_main(_train_cmd(old, train_glob, 3, ["--sleep-per-step", "0.01", "--queue-size", "2"])[3:]) == 0
     ck = load_checkpoint(latest_checkpoint(str(old)))
     seen = []
     monkeypatch.setattr(trainer_mod, "train_loop", lambda tr, log, progress: seen.append(tr) or {})
-    new = ["train", "--save-dir", str(tmp_path / "new"), "--init-from", str(old), "--corpus", str(other),
-           "--batch-size", "3", "--n-epochs", "2", "--backend", "reference", "--no-progress", "--quiet"]
+    new = ["train", "--save-dir", str(tmp_path / "new"), "--init-from", str(old / "checkpoints"), "--corpus",
+           str(other), "--batch-size", "3", "--n-epochs", "2", "--backend", "reference", "--no-progress", "--quiet"]
     assert cli_main(new) == 0
     tr = seen[0]
     try:
         assert tr.step == 0 and tr.cfg.batch_size == 3 and tr.cfg.n_epochs == 2 and tr.cfg.n_train_tokens == 300
+        assert tr.cfg.sleep_per_step == 0.0 and tr.cfg.queue_size == TrainConfig().queue_size  # not the old machine
         for k, v in tr.model.state_dict().items():
             assert torch.equal(v, ck["model"][k]), k
         assert all(torch.equal(a, b) for a, b in zip(tr.acc_dense, ck["acc_dense"]))
@@ -723,6 +728,14 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights(tmp_path, monkeyp
     assert "has 4 entries but the checkpoint's softmax has" in capsys.readouterr().err
     assert cli_main([*new[:2], str(tmp_path / "new4"), *new[3:], "--resume"]) == 2
     assert "give one of them" in capsys.readouterr().err
+    same_size = tmp_path / "same_size.txt"  # the run's words in another order
+    words = (old / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    same_size.write_text("\n".join(words[:3] + words[3:][::-1]), encoding="utf-8")
+    assert cli_main([*new[:2], str(tmp_path / "new5"), *new[3:], "--vocab", str(same_size)]) == 2
+    assert "is not the vocabulary the checkpoint was trained with" in capsys.readouterr().err
+    no_corpus = [a for i, a in enumerate(new) if a != "--corpus" and (i == 0 or new[i - 1] != "--corpus")]
+    assert cli_main([*no_corpus[:2], str(tmp_path / "new6"), *no_corpus[3:]]) == 2
+    assert "--init-from needs the corpus to train on" in capsys.readouterr().err
 
 
 def test_evaluate_command_gives_the_runs_own_held_out_perplexity(tmp_path, capsys):
@@ -743,6 +756,12 @@ def test_evaluate_command_gives_the_runs_own_held_out_perplexity(tmp_path, capsy
     small_vocab.write_text("<S>\n</S>\n<UNK>\nthe\n", encoding="utf-8")
     assert cli_main(["evaluate", "--save-dir", str(run), "--test-prefix", held, "--vocab", str(small_vocab)]) == 2
     assert "has 4 entries but the checkpoint's softmax has" in capsys.readouterr().err
+    words = (run / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    small_vocab.write_text("\n".join(words[:3] + words[3:][::-1]), encoding="utf-8")  # same size, other order
+    assert cli_main(["evaluate", "--save-dir", str(run), "--test-prefix", held, "--vocab", str(small_vocab)]) == 2
+    assert "is not the vocabulary the checkpoint was trained with" in capsys.readouterr().err
+    assert cli_main(["evaluate", "--save-dir", str(run), "--test-prefix", held, "--batch-size", "100000"]) == 2
+    assert "not one full batch of 100000 rows" in capsys.readouterr().err
 
 
 def _final_tensors(save_dir):

@@ -140,13 +140,15 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", default=None, help="checkpoint file (default: the latest in --save-dir)")
     p.add_argument("--test-prefix", "--heldout", dest="test_prefix", required=True, metavar="GLOB",
                    help="glob of the test shards, one tokenized sentence a line (required)")
-    p.add_argument("--vocab", default=None, help="the run's vocabulary (default: SAVE_DIR/vocab.txt)")
+    p.add_argument("--vocab", default=None, help="the run's vocabulary (default: vocab.txt of the checkpoint's run)")
     p.add_argument("--batch-size", type=int, default=256, help="rows of a batch (default: 256, as bilm-tf)")
     p.add_argument("--unroll-steps", type=int, default=1, help="tokens per row of a batch (default: 1, as bilm-tf)")
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (default: all)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.add_argument("--backend", default=None, choices=BACKENDS,
                    help="kernel backend (default: the checkpoint's configuration's)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast on a GPU (default: fp32, as bilm-tf's "
+                   "test())")
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -196,7 +198,7 @@ def prepare(args, dinfo):
     if args.resume:
         where = save_dir if args.resume == "latest" else args.resume
         path, ckpt = _checkpoint_for("--resume", where, over, RESUMABLE, "differ from the checkpoint's configuration; "
-                                     "only run-control options may change")
+                                     "only run-control options may change", dinfo)
         cfg = TrainConfig.from_dict({**ckpt["config"], **over})
         run_file = os.path.join(save_dir, "run.json")
         if not os.path.isfile(run_file):
@@ -208,11 +210,18 @@ def prepare(args, dinfo):
         if args.config is not None:
             raise ConfigError("--init-from takes the model's configuration from the checkpoint: leave out --config "
                               "and give the fields to change as flags")
+        if args.corpus is None:
+            raise ConfigError("--init-from needs the corpus to train on (--train-prefix), as bilm-tf's restart.py "
+                              "does")
         path, init = _checkpoint_for("--init-from", init_from, over, RESTARTABLE, "would change the model the "
-                                     "checkpoint holds; only the data side and run control may change")
-        # the new corpus's tokens are counted unless given; the old run's step limits do not carry over
+                                     "checkpoint holds; only the data side and run control may change", dinfo)
+        # the new corpus's tokens are counted unless given; the old run's step limits and this machine's settings
+        # do not carry over (bilm-tf's options hold none of them)
+        fresh = TrainConfig()
+        machine = {k: getattr(fresh, k) for k in ("device", "backend", "num_threads", "sleep_per_step", "data_worker",
+                                                  "queue_size", "check_memory")}
         cfg = TrainConfig.from_dict({**init["config"], "n_train_tokens": None, "max_steps": None, "time_budget": None,
-                                     **over})
+                                     **machine, **over})
         corpus, heldout = args.corpus, args.heldout
         vocab_path = args.vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
         if args.vocab is None and not os.path.isfile(vocab_path):
@@ -247,11 +256,10 @@ def prepare(args, dinfo):
     words = None
     if ckpt is not None:
         vocab = load_training_vocab(vocab_path)
+        _check_vocab(vocab, ckpt, vocab_path, "--resume")
     elif init is not None:  # the checkpoint's vocabulary: its order was checked against its own corpus
         vocab = load_training_vocab(vocab_path)
-        if len(vocab) != init["vocab_size"]:
-            raise ConfigError(f"--init-from: {vocab_path} has {len(vocab)} entries but the checkpoint's softmax has "
-                              f"{init['vocab_size']} rows; give the vocabulary it was trained with as --vocab")
+        _check_vocab(vocab, init, vocab_path, "--init-from")
         if cfg.n_train_tokens is None:
             cfg.n_train_tokens = count_tokens(train_files)[2]
     elif vocab_path is None:
@@ -281,9 +289,8 @@ def prepare(args, dinfo):
         elif os.path.abspath(vocab_path) != os.path.abspath(os.path.join(save_dir, "vocab.txt")):
             shutil.copyfile(vocab_path, os.path.join(save_dir, "vocab.txt"))
         with open(os.path.join(save_dir, "run.json"), "w", encoding="utf-8") as fh:
-            json.dump({"corpus": os.path.abspath(corpus) if os.path.exists(corpus) else corpus,
-                       "heldout": heldout, "world_size": dinfo.world_size,
-                       **({"init_from": os.path.abspath(latest_checkpoint(init_from))} if init else {})},
+            json.dump({"corpus": os.path.abspath(corpus), "heldout": heldout and os.path.abspath(heldout),
+                       "world_size": dinfo.world_size, **({"init_from": os.path.abspath(path)} if init else {})},
                       fh, indent=2)
         with open(os.path.join(save_dir, "config.json"), "w", encoding="utf-8") as fh:
             json.dump(cfg.to_dict(), fh, indent=2)
@@ -293,12 +300,22 @@ def prepare(args, dinfo):
     return cfg, vocab, train_files, heldout_files, ckpt, init
 
 
-def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: str) -> tuple[str, dict]:
-    """(path, checkpoint) of ``where`` (a checkpoint file, or a save dir's latest) for ``flag``, refusing flags
-    that set a field outside ``allowed`` to another value than the checkpoint's configuration."""
+def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: str, dinfo=None) -> tuple[str, dict]:
+    """(path, checkpoint) of ``where`` (a checkpoint file, a save dir's latest, or its checkpoints folder's) for
+    ``flag``, refusing flags that set a field outside ``allowed`` to another value than the checkpoint's
+    configuration. Under torchrun rank 0 picks the file for every rank (a run still writing checkpoints must not
+    start the ranks from different steps)."""
     from .trainer import latest_checkpoint
 
+    if os.path.isdir(where) and os.path.basename(os.path.normpath(where)) == "checkpoints":
+        where = os.path.dirname(os.path.normpath(where))
     path = latest_checkpoint(where)
+    if dinfo is not None and dinfo.enabled:
+        import torch.distributed as dist
+
+        box = [path]
+        dist.broadcast_object_list(box, 0)
+        path = box[0]
     if path is None:
         shown = where if os.path.isfile(where) or where.endswith(".pt") else os.path.join(where, "checkpoints")
         raise ConfigError(f"{flag}: no checkpoint in {shown}")
@@ -307,6 +324,19 @@ def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: st
     if bad:
         raise ConfigError(f"{flag}: {sorted(bad)} {refusal} ({sorted(allowed)})")
     return path, ck
+
+
+def _check_vocab(vocab, ck: dict, vocab_path: str, flag: str) -> None:
+    """``vocab`` must be the checkpoint's: as many words (its softmax rows), and the same words in the same order where
+    the checkpoint records them (``vocab_sha256``; older checkpoints hold only the count)."""
+    from .trainer import vocab_digest
+
+    if len(vocab) != ck["vocab_size"]:
+        raise ConfigError(f"{flag}: {vocab_path} has {len(vocab)} entries but the checkpoint's softmax has "
+                          f"{ck['vocab_size']} rows; give the vocabulary it was trained with as --vocab")
+    if ck.get("vocab_sha256") not in (None, vocab_digest(vocab)):
+        raise ConfigError(f"{flag}: {vocab_path} is not the vocabulary the checkpoint was trained with (same size, "
+                          "other words or order: its rows would be read as other words); give that one as --vocab")
 
 
 def _first_lines(files, n):
@@ -362,7 +392,7 @@ def cmd_train(args) -> int:
 # ------------------------------------------------------------------------------------------------- evaluate
 def evaluate_checkpoint(save_dir: str, test_prefix: str, checkpoint: str | None = None, vocab: str | None = None,
                         batch_size: int = 256, unroll_steps: int = 1, max_batches: int | None = None,
-                        device: str = "auto", backend: str | None = None) -> dict:
+                        device: str = "auto", backend: str | None = None, bf16: bool = False) -> dict:
     """bilm-tf's ``run_test.py``: the held-out perplexity of a checkpoint (``Trainer.evaluate``, spec §6.7) on the
     shards of ``test_prefix``. Returns the evaluation record (with the checkpoint's path)."""
     from .trainer import DistInfo, Trainer, resolve_device
@@ -373,24 +403,26 @@ def evaluate_checkpoint(save_dir: str, test_prefix: str, checkpoint: str | None 
     path, ck = _checkpoint_for("evaluate", checkpoint or save_dir, {}, set(), "")
     shards = resolve_shards(test_prefix, "test corpus")
     check_corpus(shards, "test corpus")
-    vocab_path = vocab or os.path.join(save_dir, "vocab.txt")
+    vocab_path = vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
     check_input_file(vocab_path, "--vocab", DataError)
     words = load_training_vocab(vocab_path)
-    if len(words) != ck["vocab_size"]:
-        raise ConfigError(f"{vocab_path} has {len(words)} entries but the checkpoint's softmax has "
-                          f"{ck['vocab_size']} rows; give the run's vocabulary as --vocab")
-    cfg = TrainConfig.from_dict({**ck["config"], "device": device, **({"backend": backend} if backend else {})})
+    _check_vocab(words, ck, vocab_path, "evaluate")
+    cfg = TrainConfig.from_dict({**ck["config"], "device": device, "bf16": bf16,
+                                 **({"backend": backend} if backend else {})})
     dev = resolve_device(cfg.device, DistInfo())
     check_backend(cfg.backend, dev, TRAIN_OPS, error=ConfigError)
     trainer = Trainer(cfg, words, None, shards, save_dir, device=dev, init=ck)  # no training data: no towers
     res = trainer.evaluate(shards, batch_size, unroll_steps, max_batches)
+    if not res["heldout_batches"]:
+        raise DataError(f"test corpus {test_prefix}: not one full batch of {batch_size} rows x {unroll_steps} tokens "
+                        "(the last incomplete batch is dropped, as bilm-tf does); lower --batch-size")
     return {"event": "evaluate", "checkpoint": path, "step": ck["step"], **res}
 
 
 def cmd_evaluate(args) -> int:
     print(json.dumps(evaluate_checkpoint(args.save_dir, args.test_prefix, args.checkpoint, args.vocab,
                                          args.batch_size, args.unroll_steps, args.max_batches, args.device,
-                                         args.backend)))
+                                         args.backend, args.bf16)))
     return 0
 
 

@@ -553,6 +553,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "options": self.options,
             "vocab_size": self.V,
+            "vocab_sha256": vocab_digest(self.vocab),
             "world_size": self.dinfo.world_size,
             "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
             "softmax_W": self.softmax_W.detach().cpu(),
@@ -592,6 +593,14 @@ class Trainer:
     def close(self) -> None:
         for tw in self.towers:
             tw.loader.close()
+
+
+def vocab_digest(vocab: Vocabulary) -> str:
+    """A checkpoint's record of its vocabulary, words in order: a run started from it (--init-from) or evaluating
+    it must read the rows of its softmax and embedding as the same words, not just as many."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(vocab.words).encode("utf-8")).hexdigest()
 
 
 def sum_rows(ids: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
