@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import requires_triton, triton_device
 from elmo_fast.chars import Vocabulary, word_to_char_ids
 from elmo_fast.training import data as D
 from elmo_fast.training import trainer as trainer_mod
@@ -614,6 +615,29 @@ def test_word_input_model_trains_with_row_gradients_and_loads_as_bilm_tf_reads_i
             BidirectionalLanguageModel(*files, backend="reference")
         with pytest.raises(OptionsError, match="word-input biLM, and this AllenNLP-style API takes characters"):
             _ElmoCharacterEncoder(*files, backend="reference")
+    finally:
+        tr.close()
+
+
+@requires_triton
+@pytest.mark.triton
+def test_word_input_forward_only_steps_on_the_triton_backend(tmp_path):
+    """The word-input and forward-only paths of the step on the GPU kernels (under the interpreter in make test, on
+    the GPU in gpu-check): a tied embedding's row gradients through Triton's sampled softmax, the forward stack
+    alone; two finite steps that change the table."""
+    train_glob, _ = _grammar_corpus(tmp_path, n_train=100, n_held=5)
+    files = D.resolve_shards(train_glob)
+    counts, _, n_tok, _ = D.count_tokens(files)
+    cfg = tiny()
+    cfg.backend, cfg.n_train_tokens, cfg.n_negative_samples_batch = "triton", n_tok, 8
+    cfg.batch_size, cfg.unroll_steps = 2, 3
+    cfg.char_inputs, cfg.share_embedding_softmax, cfg.bidirectional = False, True, False
+    tr = Trainer(cfg, Vocabulary(words=D.build_vocab(counts)), files, None, str(tmp_path / "run"),
+                 device=torch.device(triton_device()))
+    try:
+        before = tr.embedding.detach().clone()
+        losses = [float(tr.train_step()) for _ in range(2)]
+        assert all(math.isfinite(x) for x in losses) and not torch.equal(tr.embedding.detach(), before)
     finally:
         tr.close()
 
