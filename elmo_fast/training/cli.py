@@ -121,7 +121,8 @@ def add_dump_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_subcommands(subparsers) -> None:
     tp = subparsers.add_parser("train", help="pretrain a biLM from a corpus (bilm-tf semantics)",
-                               description="Pretrain a character-CNN biLM; one process, or many under torchrun.")
+                               description="Pretrain a biLM (character CNN, or word inputs with --no-char-inputs); "
+                               "one process, or many under torchrun.")
     add_train_arguments(tp)
     tp.set_defaults(func=cmd_train)
     dp = subparsers.add_parser("dump-weights", help="write a trained biLM as options.json + hdf5 (published layout)")
