@@ -394,7 +394,7 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
                     key=functools.partial(lstmp_compile._prekey, name, dtype, B))
     twin = (dataclasses.replace(tuned, fused=not tuned.fused),) if name == "fwd_cell" else ()
     # the twin takes the place of the last candidate: a sweep's launches (and its minutes on a leased GPU) stay the same
-    return (None, *twin, *[t for t in ranked if t != tuned][:top - len(twin)])
+    return (None, *twin, *[t for t in ranked if t != tuned][: max(0, top - len(twin))])
 
 
 def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(torch.bfloat16,), T=20, dims=ELMO,

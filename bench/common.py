@@ -178,9 +178,10 @@ def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
         with open(path, newline="") as fh:
             reader = csv.DictReader(fh)
             header = list(reader.fieldnames or [])
-            if header != fields:
+            extra = [f for f in fields if f not in header]
+            if extra:  # new columns: the old rows are rewritten under the union of both
                 old = list(reader)
-                fields = header + [f for f in fields if f not in header]
+            fields = header + extra
     mode = "w" if old or not path.exists() else "a"
     with open(path, mode, newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")

@@ -532,12 +532,11 @@ def loop_graph_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     buffers, the replay's own launch, the clones of the returned tensors."""
     isz, nt, B = es(dt), size.B * size.T, size.B
     return {
+        # (the fused kernel's interleaved copy of w_rec, refilled in a replay too, is torch_ops' lstmp/fwd entry,
+        # which the sums add in both modes)
         "lstmp/fwd": [TorchOp("loop graph: refill x, bias, weights, states, lengths; replay; clone y, h_n, c_n", 0,
                               2 * ((4 * H * P + H * P + 4 * H) * isz + nt * P * isz + B * (2 * P + H) * 4)
-                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False),
-                      # in inference the fused kernel's interleaved copy replaces the refill of w_rec (nothing else
-                      # reads it); training's backward reads w_rec too
-                      *(_interleave_op(size, dt) if size.train else [])],
+                              + 2 * (nt * P * isz + B * (P + H) * 4), 12, False)],
         "lstmp/bwd": [TorchOp("loop graph: refill dy, dh_n, dc_n, c0; replay; clone dh0, dc0", 0,
                               2 * (nt * P * isz + 2 * B * (P + H) * 4) + 2 * B * (P + H) * 4, 7, False)],
     }

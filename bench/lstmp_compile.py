@@ -270,8 +270,7 @@ def candidates(name: str, B: int, low: bool) -> list[KL.Tile]:
         stage_bytes = (bm * bk + n_acc * bk * bn) * (2 if low else 4)
         stages = min(4, SMEM_BLOCK // stage_bytes)  # memory-bound loops: as deep as shared memory allows
         if stages >= 2:  # the forward cell kernel in its class's design (kernels/lstmp.FUSED_GATES)
-            out.append(KL.Tile(bm, bn, bk, warps, stages, fused=name == "fwd_cell" and KL.FUSED_GATES[
-                "16bit" if low else "fp32"]))
+            out.append(KL.Tile(bm, bn, bk, warps, stages, fused=KL._fused(name, low)))
     return out
 
 

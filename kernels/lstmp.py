@@ -575,7 +575,13 @@ def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
     cls = "16bit" if _low(dtype) else "fp32"
     size = next((b for b in BATCHES if b >= B), BATCHES[-1])
     t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, size)]
-    return replace(t, fused=FUSED_GATES[cls]) if kernel == "fwd_cell" else t
+    return replace(t, fused=_fused(kernel, _low(dtype))) if kernel == "fwd_cell" else t
+
+
+def _fused(kernel: str, low: bool) -> bool:
+    """Whether ``kernel`` runs the gate-interleaved design for this operand class: the forward cell kernel's
+    ``FUSED_GATES`` choice, no other kernel's."""
+    return kernel == "fwd_cell" and FUSED_GATES["16bit" if low else "fp32"]
 
 
 def _splits(K: int, BK: int, tiles: int, sms: int) -> tuple[int, int]:

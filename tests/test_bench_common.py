@@ -209,6 +209,10 @@ def test_appending_rows_with_new_columns_keeps_every_value_under_its_column(benc
         got = [(r["a"], r["b"], r["c"]) for r in csv.DictReader(fh)]
     assert path.read_text().splitlines()[0] == "a,b,c"
     assert got == [("1", "2", ""), ("3", "", "4"), ("5", "6", "7")]
+    # no new column (fewer, or another order): the file is appended to, its old bytes left as they are
+    path.write_text('a,b,c\n1,"2",\n')
+    common.append_rows("t", [{"c": 9, "a": 8}], ["c", "a"], path)
+    assert path.read_text() == 'a,b,c\n1,"2",\n8,,9\n'
 
 
 def test_peak_memory_off_cuda_is_nan_without_a_call():

@@ -99,19 +99,25 @@ class BiLM(nn.Module):
 
     # ---------------------------------------------------------------- forward
     def run_lstms(self, token_embedding: torch.Tensor, lengths: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor,
-                  dropout: float = 0.0, token_embedding_bwd: torch.Tensor | None = None):
+                  dropout: float = 0.0, token_embedding_bwd: torch.Tensor | None = None, bidirectional: bool = True):
         """Both stacks over (B, T, P) inputs. h0 (2, L, B, P), c0 (2, L, B, H). Returns
-        (forward outputs per layer, backward outputs per layer, h_n, c_n) with states stacked like h0/c0.
+        (forward outputs per layer, backward outputs per layer, h_n, c_n) with states stacked like h0/c0. Without
+        ``bidirectional`` (bilm-tf's forward-only LM) the forward stack alone runs: no backward outputs, and the
+        backward rows of h_n/c_n are those of h0/c0.
 
         ``lengths`` (B,) must lie in [0, T]: checked here once (one host sync) unless the caller runs this under
         ``elmo_fast.ops.lstmp.trusted_lengths()`` (lengths made from a mask, as ``forward_embeddings`` does)."""
         check_lengths(lengths, token_embedding.shape[1], "run_lstms")
         with trusted_lengths():
-            return self._run_lstms(token_embedding, lengths, h0, c0, dropout, token_embedding_bwd)
+            return self._run_lstms(token_embedding, lengths, h0, c0, dropout, token_embedding_bwd, bidirectional)
 
-    def _run_lstms(self, token_embedding, lengths, h0, c0, dropout, token_embedding_bwd):
+    def _run_lstms(self, token_embedding, lengths, h0, c0, dropout, token_embedding_bwd, bidirectional=True):
         x_b = token_embedding if token_embedding_bwd is None else token_embedding_bwd
         L = self.options.lstm.n_layers
+        if not bidirectional:
+            fwd, f_fin = self.forward_lstm(token_embedding, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], dropout)
+            bwd, b_fin = [], [(h0[1, i], c0[1, i]) for i in range(L)]
+            return fwd, bwd, *self._stack_states(f_fin, b_fin)
         # ELMO_FAST_BILM_STREAMS=2: on a GPU the backward stack on a side stream forked here, before the forward
         # stack is queued, so that the two run at once
         fork = _graphs.side_stream(token_embedding)
@@ -122,9 +128,14 @@ class BiLM(nn.Module):
             with fork:
                 bwd, b_fin = self.backward_lstm(x_b, lengths, [(h0[1, i], c0[1, i]) for i in range(L)], dropout)
                 fork.hand_over(*bwd, *(t for state in b_fin for t in state))
+        return fwd, bwd, *self._stack_states(f_fin, b_fin)
+
+    @staticmethod
+    def _stack_states(f_fin, b_fin):
+        """(h_n, c_n) stacked like h0/c0 from the two stacks' final (h, c) per layer."""
         h_n = torch.stack([torch.stack([s[0] for s in f_fin]), torch.stack([s[0] for s in b_fin])])
         c_n = torch.stack([torch.stack([s[1] for s in f_fin]), torch.stack([s[1] for s in b_fin])])
-        return fwd, bwd, h_n, c_n
+        return h_n, c_n
 
     def forward_embeddings(self, token_embedding: torch.Tensor, mask: torch.Tensor,
                            mask_token_layer: bool = True) -> dict:
@@ -163,7 +174,8 @@ class BiLM(nn.Module):
         """A word-input biLM's token layer of ``TokenBatcher`` ids (..., T) (vocabulary id + 1; 0: padding, a zero
         vector, as bilm-tf's loader prepends a zero row)."""
         V = self.word_embedding.shape[0]
-        if ids.dtype != torch.long or ids.numel() and (int(ids.min()) < 0 or int(ids.max()) > V):
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() and ids.dtype == torch.long else (0, 0)
+        if ids.dtype != torch.long or not 0 <= lo <= hi <= V:  # one host read for both bounds
             raise ValueError(f"word ids must be int64 TokenBatcher ids in [0, {V}] (vocabulary id + 1, 0 = padding)")
         rows = self.word_embedding[(ids - 1).clamp_min(0)]  # no padded copy of the whole table
         return torch.where((ids > 0).unsqueeze(-1), rows, rows.new_zeros(()))

@@ -192,8 +192,9 @@ def prepare(args, dinfo):
     if args.resume and init_from:
         raise ConfigError("--resume continues the run in --save-dir, --init-from starts a new one from a checkpoint's "
                           "weights: give one of them")
-    if not args.resume and latest_checkpoint(save_dir) is not None:
-        raise ConfigError(f"--save-dir {save_dir} already holds checkpoints (latest: {latest_checkpoint(save_dir)}); "
+    previous = None if args.resume else latest_checkpoint(save_dir)
+    if previous is not None:
+        raise ConfigError(f"--save-dir {save_dir} already holds checkpoints (latest: {previous}); "
                           "continue that run with --resume, start from its weights in another --save-dir with "
                           "--init-from, or choose an empty --save-dir")
     if args.resume:
@@ -224,7 +225,7 @@ def prepare(args, dinfo):
         cfg = TrainConfig.from_dict({**init["config"], "n_train_tokens": None, "max_steps": None, "time_budget": None,
                                      **machine, **over})
         corpus, heldout = args.corpus, args.heldout
-        vocab_path = args.vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
+        vocab_path = args.vocab or _run_vocab(path)
         if args.vocab is None and not os.path.isfile(vocab_path):
             raise ConfigError(f"--init-from: {vocab_path} (the checkpoint's run vocabulary) is missing; give the "
                               "vocabulary the checkpoint was trained with as --vocab")
@@ -327,6 +328,11 @@ def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: st
     return path, ck
 
 
+def _run_vocab(checkpoint_path: str) -> str:
+    """The vocabulary file of the run that wrote ``checkpoint_path`` (SAVE_DIR/checkpoints/ckpt-*.pt)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_path))), "vocab.txt")
+
+
 def _check_vocab(vocab, ck: dict, vocab_path: str, flag: str) -> None:
     """``vocab`` must be the checkpoint's: as many words (its softmax rows), and the same words in the same order where
     the checkpoint records them (``vocab_sha256``; older checkpoints hold only the count)."""
@@ -404,7 +410,7 @@ def evaluate_checkpoint(save_dir: str, test_prefix: str, checkpoint: str | None 
     path, ck = _checkpoint_for("evaluate", checkpoint or save_dir, {}, set(), "")
     shards = resolve_shards(test_prefix, "test corpus")
     check_corpus(shards, "test corpus")
-    vocab_path = vocab or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "vocab.txt")
+    vocab_path = vocab or _run_vocab(path)
     check_input_file(vocab_path, "--vocab", DataError)
     words = load_training_vocab(vocab_path)
     _check_vocab(words, ck, vocab_path, "evaluate")

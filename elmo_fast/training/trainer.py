@@ -321,15 +321,8 @@ class Trainer:
         # The states stay fp32 under autocast (the ops keep the cell state in its own dtype); every row is full,
         # so the lengths need no range check (no host sync).
         with trusted_lengths():
-            if bi:
-                fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0, c0, dropout=p,
-                                                          token_embedding_bwd=eb.flip(1))
-            else:  # the forward LM alone; the backward rows of the state stay as they came
-                L = self.cfg.n_layers
-                fwd, fin = self.model.forward_lstm(ef, lengths, [(h0[0, i], c0[0, i]) for i in range(L)], p)
-                bwd = []
-                h_n = torch.stack([torch.stack([s[0] for s in fin]), h0[1]])
-                c_n = torch.stack([torch.stack([s[1] for s in fin]), c0[1]])
+            fwd, bwd, h_n, c_n = self.model.run_lstms(ef, lengths, h0, c0, dropout=p, bidirectional=bi,
+                                                      token_embedding_bwd=eb.flip(1) if bi else None)
         top_f, top_b = fwd[-1], (bwd[-1].flip(1) if bi else None)
         if training and p > 0:
             top_f = F.dropout(top_f, p, training=True)
