@@ -3,6 +3,7 @@ NaN-poisoned work buffers (LSTMP chain, char CNN, sampled softmax); opt-in bf16 
 selection; the packed-weight cache (updates, pickling, spawned workers)."""
 import copy
 import io
+import math
 import multiprocessing
 import pickle
 
@@ -408,9 +409,11 @@ def _softmax_inputs():
     return targets, ids, q_t, q_s, base
 
 
-def _run_softmax(fn, dt, trainable=(True, True, True), reduction="mean", sparse=False):
-    """The loss and the dense gradients of the trainable ones of (hidden, weight, bias), in dtype ``dt``."""
+def _run_softmax(fn, dt, trainable=(True, True, True), reduction="mean", sparse=False, spread=1.0):
+    """The loss and the dense gradients of the trainable ones of (hidden, weight, bias), in dtype ``dt``; the
+    weight times ``spread``."""
     targets, ids, q_t, q_s, base = _softmax_inputs()
+    base[1] *= spread
     ins = [t.to(dt).requires_grad_(r) for t, r in zip(base, trainable)]
     loss = fn(*ins[:1], targets, *ins[1:], ids, q_t, q_s, reduction=reduction, sparse_grad=sparse)
     up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).add_(1.7)
@@ -432,6 +435,69 @@ def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduct
     assert_close_to_oracle(got, ref64, ref, "loss")
     for what, a, b, c in zip(("dhidden", "dweight", "dbias"), ggot, g64, gref):
         assert_close_to_oracle(a, b, c, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_with_logits_far_apart(nan_poison, dtype):
+    """Weights x 40: logits ~100 apart, most softmax terms below exp(-87) (fp32's denormals, torch exp's slow path).
+    The loss and every gradient still match the reference."""
+    from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
+
+    ref64, g64 = _run_softmax(sampled_softmax_loss_reference, torch.float64, spread=40.0)
+    ref, gref = _run_softmax(sampled_softmax_loss_reference, dtype, spread=40.0)
+    got, ggot = _run_softmax(sampled_softmax_loss_cpu, dtype, spread=40.0)
+    assert_close_to_oracle(got, ref64, ref, "loss")
+    for what, a, b, c in zip(("dhidden", "dweight", "dbias"), ggot, g64, gref):
+        assert_close_to_oracle(a, b, c, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
+    """``_softmax_`` on rows spread 0..-2000 with a masked entry: exp never sees an argument below ceil(log tiny)
+    (-87 in fp32: below it torch's exp takes a ~20x slower path); no probability is denormal (the backward's
+    products would take a microcode assist for each); loss and softmax equal fp64's."""
+    from torch.overrides import TorchFunctionMode
+
+    from elmo_fast.cpu.sampled_softmax import _softmax_
+
+    class ExpArguments(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.exp, torch.Tensor.exp, torch.Tensor.exp_):
+                lowest.append(float(args[0].min()))
+            return func(*args, **(kwargs or {}))
+
+    info, lowest = torch.finfo(dtype), []
+    x64 = -torch.linspace(0, 2000, 4 * 801, dtype=torch.float64).view(4, 801)[:, torch.randperm(801)]
+    x64[1, 5] = info.min  # an accidental hit, masked
+    with ExpArguments():
+        loss, probs = _softmax_(x64.to(dtype, copy=True))  # in place
+    assert lowest and min(lowest) >= math.ceil(math.log(info.tiny))
+    assert not ((probs != 0) & (probs.abs() < info.tiny)).any()
+    assert probs[1, 5] == 0
+    x64 = x64.to(dtype).double()  # the inputs as _softmax_ saw them
+    torch.testing.assert_close(loss.double(), torch.logsumexp(x64, 1) - x64[:, 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(probs.double(), torch.softmax(x64, 1), rtol=1e-5, atol=4 * info.tiny)
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
+def test_denormals_flushed_reaches_the_openmp_team_and_restores():
+    """Inside the block a product that torch splits over 2 threads has every denormal result flushed, not just
+    the calling thread's half; nesting keeps it; after the block denormals are back on every thread."""
+    from elmo_fast.cpu.ext import denormals_flushed
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.full((1 << 20,), 1e-30)  # x · 1e-10 = 1e-40: denormal in fp32
+        assert (x * 1e-10 != 0).all()
+        with denormals_flushed():
+            assert (x * 1e-10 == 0).all()
+            with denormals_flushed():
+                pass
+            assert (x * 1e-10 == 0).all()
+        assert (x * 1e-10 != 0).all()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("sparse", [True, False])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from elmo_fast.chars import Vocabulary
+from elmo_fast.cpu.ext import cpu_ext
 from elmo_fast.probes import SYNC_FUNCS, SYNC_METHODS
 from elmo_fast.training import data as D
 from elmo_fast.training.configs import tiny
@@ -197,3 +198,21 @@ def test_tower_stream_in_a_loader_process_is_pinned_in_this_process(tmp_path, mo
         assert str(process.position) == str(ref.get_state())
     finally:
         process.close()
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
+def test_cpu_steps_run_with_denormals_flushed_and_restore(tmp_path, monkeypatch):
+    """As TensorFlow runs its CPU ops, a training step runs with denormals flushed; the caller's state after."""
+    tr = _trainer(tmp_path)
+    seen, real = [], Trainer._tower_step
+
+    def spy(self, *a):
+        seen.append(cpu_ext().denormals_flushed())
+        return real(self, *a)
+
+    monkeypatch.setattr(Trainer, "_tower_step", spy)
+    try:
+        tr.train_step()
+        assert seen == [True] and not cpu_ext().denormals_flushed()
+    finally:
+        tr.close()

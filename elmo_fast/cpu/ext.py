@@ -5,6 +5,7 @@ backend runs the same math as torch ops.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -44,3 +45,22 @@ def cpu_ext_for(*tensors):
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
             return None
     return cpu_ext()
+
+
+@contextlib.contextmanager
+def denormals_flushed():
+    """Denormal results flushed to zero and denormal operands read as zero (FTZ and DAZ) on this thread and its
+    OpenMP team while the block runs, as TensorFlow runs its CPU ops; then each thread's state as before (this
+    thread's, taken for the team). Floats below 1.2e-38 (fp32) are rare in the biLM but costly: an x86 core takes a
+    microcode assist for each, and a sampled softmax whose probabilities fell there ran its backward 10x slower.
+    Without the extension (or one built before csrc/cpu/fpenv.cpp) nothing changes: torch.set_flush_denormal
+    reaches only this thread."""
+    flush = getattr(cpu_ext(), "flush_denormals", None)
+    if flush is None:
+        yield
+        return
+    before = flush(True)
+    try:
+        yield
+    finally:
+        flush(before)

@@ -9,10 +9,13 @@ parameter needs a gradient. The weight and bias gradients are sparse COO over ``
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.library import custom_op
 
 from ..ops._library import nothing, qualname
+from .ext import denormals_flushed
 from .gemm import gemm
 
 Tensor = torch.Tensor
@@ -27,18 +30,34 @@ def _sampled_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: T
     w_t, w_s = weight.index_select(0, targets), weight.index_select(0, sampled_ids)
     N, S = hidden.shape[0], sampled_ids.shape[0]
     logits = hidden.new_empty(N, 1 + S)
-    gemm(hidden, w_s.t(), bias.index_select(0, sampled_ids) - samp_logq, out=logits[:, 1:])
-    logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
-    if remove_hits:
-        logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0), torch.finfo(hidden.dtype).min)
-    lse = torch.logsumexp(logits, dim=1)
-    loss = lse - logits[:, 0]
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in the logits' buffer
+    with denormals_flushed():
+        gemm(hidden, w_s.t(), bias.index_select(0, sampled_ids) - samp_logq, out=logits[:, 1:])
+        logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
+        if remove_hits:
+            logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0),
+                                       torch.finfo(hidden.dtype).min)
+        loss, probs = _softmax_(logits)
     if reduction == "mean":
         loss = loss.mean()
     elif reduction == "sum":
         loss = loss.sum()
     return loss, w_t, w_s, probs
+
+
+def _softmax_(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(logsumexp − first column, softmax) of each row, the softmax in the logits' buffer: ``exp(x − max) / sum``,
+    where terms below 2·tiny (2^-125 in fp32: x − max < −86.6) count as zero, as the flushed denormals they would be
+    after the division. They would cost more than a flush: torch's exp takes a slow path, ~20x the time, for each
+    argument whose result falls below tiny (x < −87.3 in fp32: logits that spread so far apart, or masked hits), so
+    the arguments are floored at ceil(log tiny) (−87) first, and what the floor touched is zeroed after."""
+    info = torch.finfo(logits.dtype)
+    loss = logits[:, 0].neg()
+    top = logits.amax(1, keepdim=True)
+    probs = logits.sub_(top).clamp_min_(math.ceil(math.log(info.tiny))).exp_()
+    torch.threshold_(probs, 2 * info.tiny, 0.0)  # x ≤ 2·tiny -> 0: the floored terms (exp(−87) = 1.65e-38) and below
+    total = probs.sum(1, keepdim=True)
+    loss += (top + total.log()).squeeze(1)
+    return loss, probs.div_(total)
 
 
 @_sampled_softmax_op.register_fake
@@ -55,6 +74,11 @@ def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Te
     """(dh, rows): the gradient of ``hidden`` and the (N + S, P·need_w + need_b) gradient rows of
     ``cat(targets, sampled_ids)``: the weight's in the first P columns (with ``need_w``), the bias's in the last
     (with ``need_b``); placeholders where nothing is needed."""
+    with denormals_flushed():  # d = probs / N: far-off samples' terms below tiny, flushed (see _softmax_)
+        return _backward_rows(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b)
+
+
+def _backward_rows(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
     N = hidden.shape[0]
     g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
     d = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled

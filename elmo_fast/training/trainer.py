@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .._signals import check_signals
 from ..chars import Vocabulary
-from ..cpu.ext import cpu_ext_for
+from ..cpu.ext import cpu_ext_for, denormals_flushed
 from ..cpu.memory import keep_freed_memory
 from ..cpu.gemm import gemm_timings, restore_gemm_timings
 from ..cpu.packed import pack_timings, restore_pack_timings
@@ -188,10 +188,15 @@ def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
 
 
 def _in_mode(method):
-    """Run a Trainer method in deterministic mode when the configuration asks for it (the previous mode after)."""
+    """Run a Trainer method in deterministic mode when the configuration asks for it, and on the CPU with denormals
+    flushed to zero, as TensorFlow runs its CPU ops (``cpu.ext.denormals_flushed``); the previous modes after."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
-        with deterministic() if self.cfg.deterministic else contextlib.nullcontext():
+        with contextlib.ExitStack() as modes:
+            if self.cfg.deterministic:
+                modes.enter_context(deterministic())
+            if self.device.type == "cpu":
+                modes.enter_context(denormals_flushed())
             return method(self, *args, **kwargs)
     return wrapped
 
