@@ -451,6 +451,60 @@ def test_sampled_softmax_cpu_with_logits_far_apart(nan_poison, dtype):
         assert_close_to_oracle(a, b, c, what)
 
 
+def _run_full(fn, dt, trainable=(True, True, True), reduction="mean", spread=1.0):
+    """The full-softmax loss and the gradients of the trainable ones of (hidden, weight, bias) in dtype ``dt``; the
+    weight times ``spread``. The inputs of ``_softmax_inputs`` (V = 50)."""
+    targets, _, _, _, base = _softmax_inputs()
+    base[1] *= spread
+    ins = [t.to(dt).requires_grad_(r) for t, r in zip(base, trainable)]
+    loss = fn(ins[0], targets, ins[1], ins[2], reduction=reduction)
+    up = torch.randn(loss.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).add_(1.7)
+    return loss, torch.autograd.grad(loss, [t for t in ins if t.requires_grad], up.to(dt))
+
+
+@pytest.mark.parametrize("trainable", [(True, True, True), (True, False, True), (False, True, False)],
+                         ids=["all", "frozen-weight", "weight-only"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("spread", [1.0, 40.0], ids=["logits", "logits-far-apart"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, dtype, spread, reduction, trainable):
+    """The full softmax over the vocabulary in chunks of 16 words (the last one ragged: V = 50): the loss and
+    every gradient asked for, against the reference; forward and backward each compute every chunk's logits once
+    (never N x V)."""
+    from elmo_fast.cpu import sampled_softmax as sm_module
+    from elmo_fast.reference.sampled_softmax import full_softmax_nll_reference
+
+    monkeypatch.setattr(sm_module, "_CHUNK_LOGITS", 13 * 16)  # N = 13 rows
+    monkeypatch.setattr(sm_module, "_CHUNK_MIN_WORDS", 1)
+    widths, real = [], sm_module._chunk_logits
+    monkeypatch.setattr(sm_module, "_chunk_logits", lambda *a: widths.append(a[4] - a[3]) or real(*a))
+    kw = dict(trainable=trainable, reduction=reduction, spread=spread)
+    ref64, g64 = _run_full(full_softmax_nll_reference, torch.float64, **kw)
+    ref, gref = _run_full(full_softmax_nll_reference, dtype, **kw)
+    got, ggot = _run_full(sm_module.full_softmax_nll_cpu, dtype, **kw)
+    assert widths == [16, 16, 16, 2] * 2
+    assert_close_to_oracle(got, ref64, ref, "loss")
+    assert len(ggot) == sum(trainable)
+    for k, (a, b, c) in enumerate(zip(ggot, g64, gref)):
+        assert_close_to_oracle(a, b, c, f"gradient {k}")
+
+
+def test_full_softmax_on_the_cpu_runs_the_cpu_backend(monkeypatch):
+    """``ops.full_softmax_nll`` on CPU tensors: ``auto`` and ``cpu`` run the cpu backend, ``reference`` the oracle."""
+    from elmo_fast.ops import softmax as ops_softmax
+
+    calls = []
+    real = ops_softmax.full_softmax_nll_cpu
+    monkeypatch.setattr(ops_softmax, "full_softmax_nll_cpu", lambda *a: calls.append(1) or real(*a))
+    targets, _, _, _, (h, w, b) = _softmax_inputs()
+    h, w, b = h.float(), w.float(), b.float()
+    want = ops_softmax.full_softmax_nll(h, targets, w, b, backend="reference")
+    assert not calls
+    for backend in ("auto", "cpu"):
+        torch.testing.assert_close(ops_softmax.full_softmax_nll(h, targets, w, b, backend=backend), want)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
     """``_softmax_`` on rows spread 0..-2000 with a masked entry: exp never sees an argument below ceil(log tiny)

@@ -7,7 +7,8 @@ import torch
 
 from conftest import requires_triton, triton_device
 from elmo_fast.cpu.lstmp import _lstmp_cpu_backward, _lstmp_cpu_op
-from elmo_fast.cpu.sampled_softmax import _sampled_softmax_backward, _sampled_softmax_op
+from elmo_fast.cpu.sampled_softmax import (_full_softmax_backward, _full_softmax_op, _sampled_softmax_backward,
+                                         _sampled_softmax_op)
 from elmo_fast.ops.char_cnn import _char_cnn_cpu_op, _char_cnn_reference_op, _highway_reference_op
 from elmo_fast.ops.lstmp import _lstmp_reference_op
 from elmo_fast.ops.softmax import _full_reference_op, _sampled_reference_op
@@ -131,6 +132,16 @@ def test_sampled_softmax_cpu_ops(reduction, sparse):
     loss, w_t, w_s, probs = (o.detach() for o in _sampled_softmax_op(*args))
     torch.library.opcheck(_sampled_softmax_backward, (torch.randn_like(loss), hidden.detach(), w_t, w_s, probs,
                                                       reduction, True, True, True))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_full_softmax_cpu_ops(reduction):
+    hidden, targets, W, b, *_ = _softmax_args()
+    torch.library.opcheck(_full_softmax_op, (hidden, W, b, targets, reduction))
+    loss, lse = (o.detach() for o in _full_softmax_op(hidden, W, b, targets, reduction))
+    for needs in ((True, True, True), (False, True, False)):
+        torch.library.opcheck(_full_softmax_backward, (torch.randn_like(loss), hidden.detach(), W.detach(),
+                                                       b.detach(), targets, lse, reduction, *needs))
 
 
 # ------------------------------------------------------------------------------------------------- Triton

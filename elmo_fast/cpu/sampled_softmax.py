@@ -1,11 +1,19 @@
-"""CPU backend of the sampled softmax loss (``elmo_fast.reference.sampled_softmax`` is the oracle).
+"""CPU backend of the softmax losses, sampled and full (``elmo_fast.reference.sampled_softmax`` is the oracle).
 
-One operator pair instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled block by
-one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in place, and the
-softmax kept for backward in the same buffer; backward is two GEMMs: ``dh``, and the weight and bias gradient rows
-of the samples together (``dᵀ·[hidden | 1]``: one pass over ``d`` sums both), each part computed only when its
-parameter needs a gradient. The weight and bias gradients are sparse COO over ``cat(targets, samples)``
-(uncoalesced, fixed size: no host read; one index tensor for both), or dense.
+Sampled: one operator pair instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled
+block by one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in place,
+and the softmax kept for backward in the same buffer; backward is two GEMMs: ``dh``, and the weight and bias
+gradient rows of the samples together (``dᵀ·[hidden | 1]``: one pass over ``d`` sums both), each part computed
+only when its parameter needs a gradient. The weight and bias gradients are sparse COO over
+``cat(targets, samples)`` (uncoalesced, fixed size: no host read; one index tensor for both), or dense.
+
+Full (held-out perplexity, and training with ``sample_softmax: false``): the vocabulary in chunks of ~4M logits, an
+online log-sum-exp over them; backward recomputes each chunk's logits. Memory O(N·P + chunk) instead of the
+reference's N × V (8 GB at 2,560 rows and the original 793,471 words, twice over with autograd's saved softmax),
+for one product more than the reference's three.
+
+Both run with denormals flushed (``ext.denormals_flushed``) and never give exp an argument below ceil(log tiny)
+(``_exp_floored_``): see ``_softmax_``.
 """
 from __future__ import annotations
 
@@ -50,14 +58,19 @@ def _softmax_(logits: Tensor) -> tuple[Tensor, Tensor]:
     after the division. They would cost more than a flush: torch's exp takes a slow path, ~20x the time, for each
     argument whose result falls below tiny (x < −87.3 in fp32: logits that spread so far apart, or masked hits), so
     the arguments are floored at ceil(log tiny) (−87) first, and what the floor touched is zeroed after."""
-    info = torch.finfo(logits.dtype)
     loss = logits[:, 0].neg()
     top = logits.amax(1, keepdim=True)
-    probs = logits.sub_(top).clamp_min_(math.ceil(math.log(info.tiny))).exp_()
-    torch.threshold_(probs, 2 * info.tiny, 0.0)  # x ≤ 2·tiny -> 0: the floored terms (exp(−87) = 1.65e-38) and below
+    probs = _exp_floored_(logits.sub_(top))
     total = probs.sum(1, keepdim=True)
     loss += (top + total.log()).squeeze(1)
     return loss, probs.div_(total)
+
+
+def _exp_floored_(x: Tensor) -> Tensor:
+    """exp(x) in place for x ≤ 0, with results ≤ 2·tiny set to 0 (see ``_softmax_``)."""
+    info = torch.finfo(x.dtype)
+    x.clamp_min_(math.ceil(math.log(info.tiny))).exp_()
+    return torch.threshold_(x, 2 * info.tiny, 0.0)  # x ≤ 2·tiny -> 0: the floored terms (exp(−87) = 1.65e-38)
 
 
 @_sampled_softmax_op.register_fake
@@ -139,3 +152,111 @@ def sampled_softmax_loss_cpu(hidden, targets, weight, bias, sampled_ids, true_ex
     return _sampled_softmax_op(hidden, weight, bias, targets, sampled_ids, torch.log(true_expected).to(dt),
                                torch.log(sampled_expected).to(dt), bool(remove_accidental_hits), reduction,
                                bool(sparse_grad))[0]
+
+
+# ----------------------------------------------------------------------------- full softmax
+_CHUNK_LOGITS = 1 << 22  # logits computed at a time: 16 MiB of fp32, whatever the rows
+_CHUNK_MIN_WORDS = 256  # a chunk's least width (many rows)
+
+
+def _vocab_chunks(N: int, V: int):
+    """(start, stop) of the vocabulary chunks for N rows: ~_CHUNK_LOGITS logits each, at least _CHUNK_MIN_WORDS."""
+    width = max(_CHUNK_MIN_WORDS, _CHUNK_LOGITS // max(N, 1))
+    return [(v, min(V, v + width)) for v in range(0, V, width)]
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor, v0: int, v1: int, buf: Tensor) -> Tensor:
+    """hidden · weight[v0:v1]ᵀ + bias[v0:v1], written into the front of ``buf`` (contiguous)."""
+    out = buf[: hidden.shape[0] * (v1 - v0)].view(hidden.shape[0], v1 - v0)
+    return gemm(hidden, weight[v0:v1].t(), bias[v0:v1], out=out)
+
+
+@custom_op(qualname("full_softmax_cpu"), mutates_args=())
+def _full_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, reduction: str
+                     ) -> tuple[Tensor, Tensor]:
+    """(loss, lse): the NLL over the whole vocabulary, and each row's log-sum-exp (N,), which backward reads."""
+    N, V = hidden.shape[0], weight.shape[0]
+    chunks = _vocab_chunks(N, V)
+    buf = hidden.new_empty(N * (chunks[0][1] - chunks[0][0]))
+    top = hidden.new_full((N, 1), -math.inf)
+    total = hidden.new_zeros(N, 1)
+    with denormals_flushed():
+        for v0, v1 in chunks:  # online log-sum-exp: the running sum rescaled to each new row maximum
+            x = _chunk_logits(hidden, weight, bias, v0, v1, buf)
+            new_top = torch.maximum(top, x.amax(1, keepdim=True))
+            total.mul_(_exp_floored_(top.sub_(new_top))).add_(_exp_floored_(x.sub_(new_top)).sum(1, keepdim=True))
+            top = new_top
+        lse = top.add_(total.log_()).squeeze(1)
+        loss = lse - (torch.einsum("np,np->n", hidden, weight.index_select(0, targets)) + bias.index_select(0, targets))
+    if reduction == "mean":
+        loss = loss.mean()
+    elif reduction == "sum":
+        loss = loss.sum()
+    return loss, lse
+
+
+@_full_softmax_op.register_fake
+def _(hidden, weight, bias, targets, reduction):
+    N = hidden.shape[0]
+    return (hidden.new_empty(N) if reduction == "none" else hidden.new_empty(())), hidden.new_empty(N)
+
+
+@custom_op(qualname("full_softmax_cpu_backward"), mutates_args=())
+def _full_softmax_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, lse: Tensor,
+                           reduction: str, need_h: bool, need_w: bool, need_b: bool
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, dweight, dbias), dense; placeholders where nothing is needed. d loss / d logits = g·(softmax − onehot),
+    the softmax recomputed chunk by chunk from ``lse``; the one-hot part added at the target rows after."""
+    N, V = hidden.shape[0], weight.shape[0]
+    g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)
+    chunks = _vocab_chunks(N, V)
+    buf = hidden.new_empty(N * (chunks[0][1] - chunks[0][0]))
+    dh = hidden.new_zeros(hidden.shape) if need_h else nothing(hidden)
+    dw = weight.new_empty(weight.shape) if need_w else nothing(weight)
+    db = bias.new_empty(bias.shape) if need_b else nothing(bias)
+    with denormals_flushed():
+        for v0, v1 in chunks:
+            d = _exp_floored_(_chunk_logits(hidden, weight, bias, v0, v1, buf).sub_(lse.unsqueeze(1)))
+            d.mul_(g.unsqueeze(1))
+            if need_h:
+                dh.addmm_(d, weight[v0:v1])
+            if need_w:
+                gemm(d.t(), hidden, out=dw[v0:v1])
+            if need_b:
+                torch.sum(d, 0, out=db[v0:v1])
+        if need_h:
+            dh.sub_(g.unsqueeze(1) * weight.index_select(0, targets))
+        if need_w:
+            dw.index_add_(0, targets, hidden * g.unsqueeze(1), alpha=-1)
+        if need_b:
+            db.index_add_(0, targets, g.to(db.dtype), alpha=-1)
+    return dh, dw, db
+
+
+@_full_softmax_backward.register_fake
+def _(grad, hidden, weight, bias, targets, lse, reduction, need_h, need_w, need_b):
+    return (torch.empty_like(hidden) if need_h else nothing(hidden), torch.empty_like(weight) if need_w
+            else nothing(weight), torch.empty_like(bias) if need_b else nothing(bias))
+
+
+def _full_setup_context(ctx, inputs, output):
+    hidden, weight, bias, targets, reduction = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.reduction = reduction
+    ctx.mark_non_differentiable(output[1])
+
+
+def _full_backward(ctx, grad, _):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dh, dw, db = _full_softmax_backward(grad, hidden, weight, bias, targets, lse, ctx.reduction, *need[:3])
+    return dh if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None
+
+
+_full_softmax_op.register_autograd(_full_backward, setup_context=_full_setup_context)
+
+
+def full_softmax_nll_cpu(hidden, targets, weight, bias, reduction="mean"):
+    """Arguments and result of ``full_softmax_nll_reference``: the operator ``elmo_fast::full_softmax_cpu``, its
+    backward ``elmo_fast::full_softmax_cpu_backward``."""
+    return _full_softmax_op(hidden, weight, bias, targets, reduction)[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._library import CompositeOp, backend_for, tracing
-from ..cpu.sampled_softmax import sampled_softmax_loss_cpu
+from ..cpu.sampled_softmax import full_softmax_nll_cpu, sampled_softmax_loss_cpu
 from . import _precision as prec
 from ..reference.sampled_softmax import (
     expected_count_reference,
@@ -161,6 +161,8 @@ def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.
 
             return full_softmax_nll_triton(hidden, targets, weight, bias, reduction=reduction)
         (bias,) = prec.reference_inputs(hidden.dtype, bias)
+        if be == "cpu":
+            return full_softmax_nll_cpu(hidden, targets, weight, bias, reduction)
         return _full_reference_op(hidden, targets, weight, bias, reduction)
 
 
