@@ -174,20 +174,24 @@ def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor, v0: int, v1: int
 @custom_op(qualname("full_softmax_cpu"), mutates_args=())
 def _full_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, reduction: str
                      ) -> tuple[Tensor, Tensor]:
-    """(loss, lse): the NLL over the whole vocabulary, and each row's log-sum-exp (N,), which backward reads."""
+    """(loss, lse): the NLL over the whole vocabulary, and each row's log-sum-exp (N,), which backward reads. The
+    running maximum, sum and lse are at least fp32 (bf16 inputs under autocast)."""
     N, V = hidden.shape[0], weight.shape[0]
+    acc = _acc_dtype(hidden)
     chunks = _vocab_chunks(N, V)
     buf = hidden.new_empty(N * (chunks[0][1] - chunks[0][0]))
-    top = hidden.new_full((N, 1), -math.inf)
-    total = hidden.new_zeros(N, 1)
+    top = hidden.new_full((N, 1), -math.inf, dtype=acc)
+    total = hidden.new_zeros((N, 1), dtype=acc)
     with denormals_flushed():
         for v0, v1 in chunks:  # online log-sum-exp: the running sum rescaled to each new row maximum
             x = _chunk_logits(hidden, weight, bias, v0, v1, buf)
             new_top = torch.maximum(top, x.amax(1, keepdim=True))
-            total.mul_(_exp_floored_(top.sub_(new_top))).add_(_exp_floored_(x.sub_(new_top)).sum(1, keepdim=True))
+            total.mul_(_exp_floored_(top.sub_(new_top)))
+            total.add_(_exp_floored_(x.sub_(new_top)).sum(1, keepdim=True, dtype=acc))
             top = new_top
         lse = top.add_(total.log_()).squeeze(1)
-        loss = lse - (torch.einsum("np,np->n", hidden, weight.index_select(0, targets)) + bias.index_select(0, targets))
+        true = torch.einsum("np,np->n", hidden, weight.index_select(0, targets)) + bias.index_select(0, targets)
+        loss = (lse - true).to(hidden.dtype)
     if reduction == "mean":
         loss = loss.mean()
     elif reduction == "sum":
@@ -198,7 +202,13 @@ def _full_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tens
 @_full_softmax_op.register_fake
 def _(hidden, weight, bias, targets, reduction):
     N = hidden.shape[0]
-    return (hidden.new_empty(N) if reduction == "none" else hidden.new_empty(())), hidden.new_empty(N)
+    return (hidden.new_empty(N) if reduction == "none" else hidden.new_empty(())), hidden.new_empty(N,
+                                                                                              dtype=_acc_dtype(hidden))
+
+
+def _acc_dtype(hidden: Tensor) -> torch.dtype:
+    """The full softmax's accumulation dtype: fp32 for bf16/fp16 inputs, else the inputs'."""
+    return torch.promote_types(hidden.dtype, torch.float32)
 
 
 @custom_op(qualname("full_softmax_cpu_backward"), mutates_args=())
@@ -211,21 +221,23 @@ def _full_softmax_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: T
     g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)
     chunks = _vocab_chunks(N, V)
     buf = hidden.new_empty(N * (chunks[0][1] - chunks[0][0]))
-    dh = hidden.new_zeros(hidden.shape) if need_h else nothing(hidden)
+    dh = hidden.new_zeros(hidden.shape, dtype=lse.dtype) if need_h else nothing(hidden)  # summed over chunks
     dw = weight.new_empty(weight.shape) if need_w else nothing(weight)
     db = bias.new_empty(bias.shape) if need_b else nothing(bias)
     with denormals_flushed():
         for v0, v1 in chunks:
             d = _exp_floored_(_chunk_logits(hidden, weight, bias, v0, v1, buf).sub_(lse.unsqueeze(1)))
             d.mul_(g.unsqueeze(1))
-            if need_h:
+            if need_h and dh.dtype == d.dtype:
                 dh.addmm_(d, weight[v0:v1])
+            elif need_h:  # bf16 products, summed in fp32
+                dh.add_(d @ weight[v0:v1])
             if need_w:
                 gemm(d.t(), hidden, out=dw[v0:v1])
             if need_b:
                 torch.sum(d, 0, out=db[v0:v1])
         if need_h:
-            dh.sub_(g.unsqueeze(1) * weight.index_select(0, targets))
+            dh = dh.sub_(g.unsqueeze(1) * weight.index_select(0, targets)).to(hidden.dtype)
         if need_w:
             dw.index_add_(0, targets, hidden * g.unsqueeze(1), alpha=-1)
         if need_b:
