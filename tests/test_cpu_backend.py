@@ -29,7 +29,7 @@ def nan_poison(monkeypatch):
     poison_allocations(monkeypatch, ("empty_like", "new_empty"))
 
 
-SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}
+SLACK = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture(params=["onednn", "torch.mm"])
@@ -466,8 +466,8 @@ def _run_full(fn, dt, trainable=(True, True, True), reduction="mean", spread=1.0
                          ids=["all", "frozen-weight", "weight-only"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype, spread", [(torch.float64, 1.0), (torch.float32, 1.0), (torch.bfloat16, 1.0),
-                                           (torch.float64, 40.0), (torch.float32, 40.0)],
-                         ids=["fp64", "fp32", "bf16", "fp64-logits-far-apart", "fp32-logits-far-apart"])
+                                           (torch.float16, 1.0), (torch.float64, 40.0), (torch.float32, 40.0)],
+                         ids=["fp64", "fp32", "bf16", "fp16", "fp64-logits-far-apart", "fp32-logits-far-apart"])
 def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, dtype, spread, reduction, trainable):
     """The full softmax over the vocabulary in chunks of 16 words (the last one ragged: V = 50): the loss and
     every gradient asked for, against the reference; forward and backward each compute every chunk's logits once
@@ -490,6 +490,26 @@ def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, dtype, spre
         assert_close_to_oracle(a, b, c, f"gradient {k}")
 
 
+def test_full_softmax_cpu_with_a_chunk_of_minus_inf_logits(monkeypatch):
+    """Words 0-15 masked with a bias of -inf: the first chunk of 16 is -inf in every row. The running maximum
+    stays finite (no -inf - -inf = NaN); loss and gradients equal the reference's."""
+    from elmo_fast.cpu import sampled_softmax as sm_module
+    from elmo_fast.reference.sampled_softmax import full_softmax_nll_reference
+
+    monkeypatch.setattr(sm_module, "_CHUNK_LOGITS", 13 * 16)
+    monkeypatch.setattr(sm_module, "_CHUNK_MIN_WORDS", 1)
+    targets, _, _, _, base = _softmax_inputs()
+    targets = targets % 34 + 16
+    base[2][:16] = -math.inf
+    out = []
+    for fn in (full_softmax_nll_reference, sm_module.full_softmax_nll_cpu):
+        h, w, b = (t.clone().requires_grad_() for t in base)
+        loss = fn(h, targets, w, b)
+        out.append((loss, *torch.autograd.grad(loss, (h, w, b))))
+    for what, want, got in zip(("loss", "dhidden", "dweight", "dbias"), *out):
+        torch.testing.assert_close(got, want, msg=what)
+
+
 def test_full_softmax_on_the_cpu_runs_the_cpu_backend(monkeypatch):
     """``ops.full_softmax_nll`` on CPU tensors: ``auto`` and ``cpu`` run the cpu backend, ``reference`` the oracle."""
     from elmo_fast.ops import softmax as ops_softmax
@@ -506,11 +526,12 @@ def test_full_softmax_on_the_cpu_runs_the_cpu_backend(monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
     """``_softmax_`` on rows spread 0..-2000 with a masked entry: exp never sees an argument below ceil(log tiny)
-    (-87 in fp32: below it torch's exp takes a ~20x slower path); no probability is denormal (the backward's
-    products would take a microcode assist for each); loss and softmax equal fp64's."""
+    (-87 in fp32, bf16 and fp16, whose exp runs in fp32: below it torch's exp takes a ~20x slower path); no
+    probability is denormal (the backward's products would take a microcode assist for each); loss and softmax
+    equal fp64's on the same inputs."""
     from torch.overrides import TorchFunctionMode
 
     from elmo_fast.cpu.sampled_softmax import _softmax_
@@ -521,17 +542,24 @@ def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
                 lowest.append(float(args[0].min()))
             return func(*args, **(kwargs or {}))
 
-    info, lowest = torch.finfo(dtype), []
+    info, lowest = torch.finfo(torch.promote_types(dtype, torch.float32)), []
     x64 = -torch.linspace(0, 2000, 4 * 801, dtype=torch.float64).view(4, 801)[:, torch.randperm(801)]
-    x64[1, 5] = info.min  # an accidental hit, masked
+    x64[1, 5] = torch.finfo(dtype).min  # an accidental hit, masked
     with ExpArguments():
         loss, probs = _softmax_(x64.to(dtype, copy=True))  # in place
     assert lowest and min(lowest) >= math.ceil(math.log(info.tiny))
     assert not ((probs != 0) & (probs.abs() < info.tiny)).any()
     assert probs[1, 5] == 0
     x64 = x64.to(dtype).double()  # the inputs as _softmax_ saw them
-    torch.testing.assert_close(loss.double(), torch.logsumexp(x64, 1) - x64[:, 0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(probs.double(), torch.softmax(x64, 1), rtol=1e-5, atol=4 * info.tiny)
+    tol = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    rtol = tol if dtype.itemsize == 2 else tol / 10  # a bf16/fp16 loss of ~300 is itself rounded by 2^-8 / 2^-11
+    torch.testing.assert_close(loss.double(), torch.logsumexp(x64, 1) - x64[:, 0], rtol=rtol, atol=tol / 10)
+    low = torch.finfo(dtype)
+    atol = 4 * max(info.tiny, low.tiny * low.eps)  # fp16's subnormal spacing, 6e-8, where its values are subnormal
+    torch.testing.assert_close(probs.double(), torch.softmax(x64, 1), rtol=tol, atol=atol)
+    # one logit at 0, 8,192 at -10: the far terms add up (0.316), though each is below fp16's normal range
+    loss, _ = _softmax_(torch.cat([torch.zeros(1, 1), torch.full((1, 8192), -10.0)], 1).to(dtype))
+    assert abs(float(loss) - math.log1p(8192 * math.exp(-10))) < tol * 10
 
 
 @pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
@@ -551,8 +579,29 @@ def test_denormals_flushed_reaches_the_openmp_team_and_restores():
                 pass
             assert (x * 1e-10 == 0).all()
         assert (x * 1e-10 != 0).all()
+        torch.set_flush_denormal(True)  # this thread alone, before the block: so again after it, not the team
+        with denormals_flushed():
+            assert (x * 1e-10 == 0).all()
+        torch.set_flush_denormal(False)
+        assert (x * 1e-10 != 0).all()
     finally:
+        torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
+def test_softmax_ops_run_with_denormals_flushed(monkeypatch):
+    """Every product of both cpu softmax operators, forward and backward, runs with denormals flushed."""
+    from elmo_fast.cpu import sampled_softmax as sm_module
+
+    flushed, real = [], sm_module.gemm
+    monkeypatch.setattr(sm_module, "gemm", lambda *a, **k: flushed.append(cpu_ext().denormals_flushed())
+                        or real(*a, **k))
+    targets, ids, q_t, q_s, base = _softmax_inputs()
+    h, w, b = (t.float().requires_grad_() for t in base)
+    torch.autograd.grad(sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s), (h, w, b))
+    torch.autograd.grad(sm_module.full_softmax_nll_cpu(h, targets, w, b), (h, w, b))
+    assert flushed == [True] * 5 and not cpu_ext().denormals_flushed()  # 1 + 1 products sampled, 1 + 2 full
 
 
 @pytest.mark.parametrize("sparse", [True, False])

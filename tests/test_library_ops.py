@@ -134,9 +134,12 @@ def test_sampled_softmax_cpu_ops(reduction, sparse):
                                                       reduction, True, True, True))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_full_softmax_cpu_ops(reduction):
+def test_full_softmax_cpu_ops(reduction, layout):
     hidden, targets, W, b, *_ = _softmax_args()
+    if layout == "transposed":  # the fakes' outputs are contiguous, as the real ones
+        hidden, W = hidden.detach().t().contiguous().t().requires_grad_(), W.detach().t().contiguous().t()
     torch.library.opcheck(_full_softmax_op, (hidden, W, b, targets, reduction))
     loss, lse = (o.detach() for o in _full_softmax_op(hidden, W, b, targets, reduction))
     for needs in ((True, True, True), (False, True, False)):

@@ -50,17 +50,16 @@ def cpu_ext_for(*tensors):
 @contextlib.contextmanager
 def denormals_flushed():
     """Denormal results flushed to zero and denormal operands read as zero (FTZ and DAZ) on this thread and its
-    OpenMP team while the block runs, as TensorFlow runs its CPU ops; then each thread's state as before (this
-    thread's, taken for the team). Floats below 1.2e-38 (fp32) are rare in the biLM but costly: an x86 core takes a
-    microcode assist for each, and a sampled softmax whose probabilities fell there ran its backward 10x slower.
-    Without the extension (or one built before csrc/cpu/fpenv.cpp) nothing changes: torch.set_flush_denormal
-    reaches only this thread."""
-    flush = getattr(cpu_ext(), "flush_denormals", None)
-    if flush is None:
+    OpenMP team while the block runs, as TensorFlow runs its CPU ops; then each thread's own state as before.
+    Floats below 1.2e-38 (fp32) are rare in the biLM but costly: an x86 core takes a microcode assist for each, and
+    a sampled softmax whose probabilities fell there ran its backward ~20x slower. Without the extension (or one
+    built before csrc/cpu/fpenv.cpp) nothing changes: torch.set_flush_denormal reaches only this thread."""
+    ext = cpu_ext()
+    if not hasattr(ext, "restore_denormals"):
         yield
         return
-    before = flush(True)
+    before = ext.flush_denormals(True)
     try:
         yield
     finally:
-        flush(before)
+        ext.restore_denormals(before)

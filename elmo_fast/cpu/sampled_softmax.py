@@ -67,8 +67,9 @@ def _softmax_(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _exp_floored_(x: Tensor) -> Tensor:
-    """exp(x) in place for x ≤ 0, with results ≤ 2·tiny set to 0 (see ``_softmax_``)."""
-    info = torch.finfo(x.dtype)
+    """exp(x) in place for x ≤ 0, with results ≤ 2·tiny set to 0 (see ``_softmax_``); tiny of fp32 for bf16 and
+    fp16 (whose exp runs in fp32: fp16's own tiny, 6.1e-5, would floor at −9)."""
+    info = torch.finfo(torch.promote_types(x.dtype, torch.float32))
     x.clamp_min_(math.ceil(math.log(info.tiny))).exp_()
     return torch.threshold_(x, 2 * info.tiny, 0.0)  # x ≤ 2·tiny -> 0: the floored terms (exp(−87) = 1.65e-38)
 
@@ -112,7 +113,7 @@ def _backward_rows(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, nee
 def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
     (N, P), S = hidden.shape, w_s.shape[0]
     rows = hidden.new_empty(N + S, P * int(need_w) + int(need_b)) if need_w or need_b else nothing(hidden)
-    return (torch.empty_like(hidden) if need_h else nothing(hidden)), rows
+    return (hidden.new_empty(hidden.shape) if need_h else nothing(hidden)), rows
 
 
 def _setup_context(ctx, inputs, output):
@@ -180,7 +181,7 @@ def _full_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tens
     acc = _acc_dtype(hidden)
     chunks = _vocab_chunks(N, V)
     buf = hidden.new_empty(N * (chunks[0][1] - chunks[0][0]))
-    top = hidden.new_full((N, 1), -math.inf, dtype=acc)
+    top = hidden.new_full((N, 1), torch.finfo(acc).min, dtype=acc)  # not −inf: a chunk of −inf logits gives no NaN
     total = hidden.new_zeros((N, 1), dtype=acc)
     with denormals_flushed():
         for v0, v1 in chunks:  # online log-sum-exp: the running sum rescaled to each new row maximum
@@ -247,8 +248,9 @@ def _full_softmax_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: T
 
 @_full_softmax_backward.register_fake
 def _(grad, hidden, weight, bias, targets, lse, reduction, need_h, need_w, need_b):
-    return (torch.empty_like(hidden) if need_h else nothing(hidden), torch.empty_like(weight) if need_w
-            else nothing(weight), torch.empty_like(bias) if need_b else nothing(bias))
+    return (hidden.new_empty(hidden.shape) if need_h else nothing(hidden),
+            weight.new_empty(weight.shape) if need_w else nothing(weight),
+            bias.new_empty(bias.shape) if need_b else nothing(bias))
 
 
 def _full_setup_context(ctx, inputs, output):
