@@ -590,6 +590,26 @@ def test_denormals_flushed_reaches_the_openmp_team_and_restores():
 
 
 @pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_lstmp_cpu_runs_with_denormals_flushed(monkeypatch, train):
+    """The LSTMP chain's forward (training and inference) and backward through time run with denormals flushed:
+    an output gate saturated below -87 gives denormal states, which the next products would read."""
+    from elmo_fast.cpu import lstmp as lstmp_module
+
+    flushed = []
+    for name in ("_forward", "_backward_through_time"):
+        real = getattr(lstmp_module, name)
+        monkeypatch.setattr(lstmp_module, name, lambda *a, _real=real, **k: flushed.append(
+            cpu_ext().denormals_flushed()) or _real(*a, **k))
+    args = _chain(3, 4, 5, 6, 4, True, torch.float32, seed=0)
+    with torch.set_grad_enabled(train):
+        y, h, c = lstmp_cpu(*args, torch.tensor([4, 2, 3]), cell_clip=3.0, proj_clip=3.0)
+        if train:
+            torch.autograd.grad((y.sum(), h.sum(), c.sum()), [a for a in args if a is not None])
+    assert flushed == [True] * (1 + train) and not cpu_ext().denormals_flushed()
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu (csrc/cpu/fpenv.cpp)")
 def test_softmax_ops_run_with_denormals_flushed(monkeypatch):
     """Every product of both cpu softmax operators, forward and backward, runs with denormals flushed."""
     from elmo_fast.cpu import sampled_softmax as sm_module
