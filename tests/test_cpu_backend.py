@@ -546,7 +546,9 @@ def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
     x64 = -torch.linspace(0, 2000, 4 * 801, dtype=torch.float64).view(4, 801)[:, torch.randperm(801)]
     x64[1, 5] = torch.finfo(dtype).min  # an accidental hit, masked
     with ExpArguments():
-        loss, probs = _softmax_(x64.to(dtype, copy=True))  # in place
+        x = x64.to(dtype, copy=True)
+        loss, probs, p_true = _softmax_(x[:, 1:], x[:, 0])  # the samples' in place
+        probs = torch.cat([p_true.unsqueeze(1), probs], 1)
     assert lowest and min(lowest) >= math.ceil(math.log(info.tiny))
     assert not ((probs != 0) & (probs.abs() < info.tiny)).any()
     assert probs[1, 5] == 0
@@ -558,7 +560,7 @@ def test_sampled_softmax_cpu_softmax_avoids_slow_and_denormal_floats(dtype):
     atol = 4 * max(info.tiny, low.tiny * low.eps)  # fp16's subnormal spacing, 6e-8, where its values are subnormal
     torch.testing.assert_close(probs.double(), torch.softmax(x64, 1), rtol=tol, atol=atol)
     # one logit at 0, 8,192 at -10: the far terms add up (0.316), though each is below fp16's normal range
-    loss, _ = _softmax_(torch.cat([torch.zeros(1, 1), torch.full((1, 8192), -10.0)], 1).to(dtype))
+    loss, *_ = _softmax_(torch.full((1, 8192), -10.0, dtype=dtype), torch.zeros(1, dtype=dtype))
     assert abs(float(loss) - math.log1p(8192 * math.exp(-10))) < tol * 10
 
 
@@ -630,16 +632,16 @@ def test_softmax_ops_run_with_denormals_flushed(monkeypatch):
                                                                   "frozen-hidden"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan_poison, dtype, trainable, sparse):
-    """A parameter that needs no gradient gets no rows computed (a frozen weight: no dᵀ·hidden product); the
+    """A parameter that needs no gradient gets nothing computed (a frozen weight: no dᵀ·hidden product); the
     gradients that are asked for still equal the reference's."""
     from elmo_fast.cpu import sampled_softmax as sm_module
     from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
 
-    widths, real = [], sm_module._sampled_softmax_backward
+    computed, real = [], sm_module._sampled_softmax_backward
 
     def spy(*a):
         out = real(*a)
-        widths.append(out[1].shape[1] if out[1].dim() == 2 else 0)
+        computed.append(tuple(t.numel() > 0 for t in out))
         return out
 
     monkeypatch.setattr(sm_module, "_sampled_softmax_backward", spy)
@@ -647,26 +649,32 @@ def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan
     _, g64 = _run_softmax(sampled_softmax_loss_reference, torch.float64, **kw)
     _, gref = _run_softmax(sampled_softmax_loss_reference, dtype, **kw)
     _, ggot = _run_softmax(sampled_softmax_loss_cpu, dtype, **kw)
-    assert widths == [7 * trainable[1] + trainable[2]]  # P = 7 weight columns, 1 bias column
+    assert computed == [trainable]  # (dh, weight rows, bias rows)
     assert len(ggot) == len(g64) == sum(trainable)
     for k, (a, b, c) in enumerate(zip(ggot, g64, gref)):
         assert_close_to_oracle(a, b, c, f"gradient {k}")
 
 
-def test_sampled_softmax_cpu_sums_weight_and_bias_rows_in_one_product():
-    """Backward reads the (N, S) logit gradient once for the weight and bias rows together: one product, MKL's
-    aten::mm or oneDNN's (``gemm``), plus dh's addmm; no separate column sum."""
+def test_sampled_softmax_cpu_backward_makes_no_copies_or_fills():
+    """Backward with sparse gradients (the trainer's): one product for the weight's rows, MKL's aten::mm or
+    oneDNN's (``gemm``), plus dh's addmm_ (in place: addmm copies its input first); rows written contiguous, so
+    autograd keeps both sparse gradients without a copy (a column slice of one (N + S, P + 1) product cost a 17 MB
+    clone a call at the original sizes); and no zero gradients made for the operator's other outputs (w_t, w_s,
+    probs: 14 MB of fills)."""
     from torch.profiler import profile
 
     targets, ids, q_t, q_s, base = _softmax_inputs()
     h, w, b = (t.float().requires_grad_() for t in base)
-    loss = sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s)
-    with profile() as prof:
-        torch.autograd.grad(loss, (h, w, b))
+    loss = sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s, sparse_grad=True)
+    with profile(record_shapes=True) as prof:
+        loss.backward()
     counts = {e.key: e.count for e in prof.key_averages()}
     products = counts.get("aten::mm", 0) + counts.get("mkldnn::_linear_pointwise", 0)
-    assert products == 1 and counts.get("aten::addmm") == 1
-    assert "aten::sum" not in counts
+    assert products == 1 and counts.get("aten::addmm_") == 1
+    copies = {(e.key, str(e.input_shapes)) for e in prof.key_averages(group_by_input_shape=True)
+              if e.key in ("aten::zero_", "aten::clone", "aten::copy_") and e.input_shapes[0]}
+    assert not copies  # (scalar copies aside: the upstream gradient)
+    assert w.grad.is_sparse and b.grad.is_sparse
 
 
 def test_pack_pays_weighs_the_pack_against_the_steps_it_speeds_up(monkeypatch):

@@ -1,11 +1,12 @@
 """CPU backend of the softmax losses, sampled and full (``elmo_fast.reference.sampled_softmax`` is the oracle).
 
-Sampled: one operator pair instead of autograd through ~12 ops: the (N, 1+S) logits are written once (the sampled
-block by one GEMM with the corrected biases folded in, the true logit beside it), accidental hits masked in place,
-and the softmax kept for backward in the same buffer; backward is two GEMMs: ``dh``, and the weight and bias
-gradient rows of the samples together (``dᵀ·[hidden | 1]``: one pass over ``d`` sums both), each part computed
-only when its parameter needs a gradient. The weight and bias gradients are sparse COO over
-``cat(targets, samples)`` (uncoalesced, fixed size: no host read; one index tensor for both), or dense.
+Sampled: one operator pair instead of autograd through ~12 ops: the (N, S) sample logits are written once, by one
+GEMM with the corrected biases folded in (the true logits (N,) apart: no copy into a (N, 1+S) block), accidental
+hits masked in place, and the softmax kept for backward in the same buffer. Backward: two GEMMs, ``dh`` and the
+weight's gradient rows (written contiguous, which autograd keeps without the copy a column slice would cost), and
+a column sum for the bias's; each computed only when its parameter needs a gradient. The weight and bias gradients
+are sparse COO over ``cat(targets, samples)`` (uncoalesced, fixed size: no host read; one index tensor for both),
+or dense.
 
 Full (held-out perplexity, and training with ``sample_softmax: false``): the vocabulary in chunks of ~4M logits, an
 online log-sum-exp over them; backward recomputes each chunk's logits. Memory O(N·P + chunk) instead of the
@@ -32,38 +33,37 @@ Tensor = torch.Tensor
 @custom_op(qualname("sampled_softmax_cpu"), mutates_args=())
 def _sampled_softmax_op(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, sampled_ids: Tensor,
                         true_logq: Tensor, samp_logq: Tensor, remove_hits: bool, reduction: str, sparse: bool
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, w_t, w_s, probs): the target and sample rows of ``weight`` and the (N, 1+S) softmax, which backward
-    reads. ``sparse`` is for backward only (the form of the weight and bias gradients)."""
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, w_t, w_s, probs, p_true): the target and sample rows of ``weight``, and the softmax over
+    ``[true, samples]`` as the samples' (N, S) and the true logits' (N,), which backward reads. ``sparse`` is for
+    backward only (the form of the weight and bias gradients)."""
     w_t, w_s = weight.index_select(0, targets), weight.index_select(0, sampled_ids)
-    N, S = hidden.shape[0], sampled_ids.shape[0]
-    logits = hidden.new_empty(N, 1 + S)
     with denormals_flushed():
-        gemm(hidden, w_s.t(), bias.index_select(0, sampled_ids) - samp_logq, out=logits[:, 1:])
-        logits[:, 0] = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
+        logits = gemm(hidden, w_s.t(), bias.index_select(0, sampled_ids) - samp_logq)  # (N, S), the product's own
+        true = torch.einsum("np,np->n", hidden, w_t) + bias.index_select(0, targets) - true_logq
         if remove_hits:
-            logits[:, 1:].masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0),
-                                       torch.finfo(hidden.dtype).min)
-        loss, probs = _softmax_(logits)
+            logits.masked_fill_(targets.unsqueeze(1) == sampled_ids.unsqueeze(0), torch.finfo(hidden.dtype).min)
+        loss, probs, p_true = _softmax_(logits, true)
     if reduction == "mean":
         loss = loss.mean()
     elif reduction == "sum":
         loss = loss.sum()
-    return loss, w_t, w_s, probs
+    return loss, w_t, w_s, probs, p_true
 
 
-def _softmax_(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(logsumexp − first column, softmax) of each row, the softmax in the logits' buffer: ``exp(x − max) / sum``,
-    where terms below 2·tiny (2^-125 in fp32: x − max < −86.6) count as zero, as the flushed denormals they would be
-    after the division. They would cost more than a flush: torch's exp takes a slow path, ~20x the time, for each
-    argument whose result falls below tiny (x < −87.3 in fp32: logits that spread so far apart, or masked hits), so
-    the arguments are floored at ceil(log tiny) (−87) first, and what the floor touched is zeroed after."""
-    loss = logits[:, 0].neg()
-    top = logits.amax(1, keepdim=True)
-    probs = _exp_floored_(logits.sub_(top))
-    total = probs.sum(1, keepdim=True)
-    loss += (top + total.log()).squeeze(1)
-    return loss, probs.div_(total)
+def _softmax_(sampled: Tensor, true: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logsumexp − true, softmax of the samples, softmax of the true logit) of each row ``[true, sampled]``, the
+    samples' softmax in their buffer: ``exp(x − max) / sum``, where terms below 2·tiny (2^-125 in fp32: x − max <
+    −86.6) count as zero, as the flushed denormals they would be after the division. They would cost more than a
+    flush: torch's exp takes a slow path, ~20x the time, for each argument whose result falls below tiny (x < −87.3
+    in fp32: logits that spread so far apart, or masked hits), so the arguments are floored at ceil(log tiny) (−87)
+    first, and what the floor touched is zeroed after."""
+    top = torch.maximum(sampled.amax(1), true)
+    probs = _exp_floored_(sampled.sub_(top.unsqueeze(1)))
+    p_true = _exp_floored_(true - top)
+    total = probs.sum(1) + p_true
+    loss = top + total.log() - true
+    return loss, probs.div_(total.unsqueeze(1)), p_true.div_(total)
 
 
 def _exp_floored_(x: Tensor) -> Tensor:
@@ -79,41 +79,41 @@ def _(hidden, weight, bias, targets, sampled_ids, true_logq, samp_logq, remove_h
     N, S = hidden.shape[0], sampled_ids.shape[0]
     loss = hidden.new_empty(N) if reduction == "none" else hidden.new_empty(())
     return (loss, weight.new_empty(N, weight.shape[1]), weight.new_empty(S, weight.shape[1]),
-            hidden.new_empty(N, 1 + S))
+            hidden.new_empty(N, S), hidden.new_empty(N))
 
 
 @custom_op(qualname("sampled_softmax_cpu_backward"), mutates_args=())
 def _sampled_softmax_backward(grad: Tensor, hidden: Tensor, w_t: Tensor, w_s: Tensor, probs: Tensor,
-                              reduction: str, need_h: bool, need_w: bool, need_b: bool) -> tuple[Tensor, Tensor]:
-    """(dh, rows): the gradient of ``hidden`` and the (N + S, P·need_w + need_b) gradient rows of
-    ``cat(targets, sampled_ids)``: the weight's in the first P columns (with ``need_w``), the bias's in the last
-    (with ``need_b``); placeholders where nothing is needed."""
+                              p_true: Tensor, reduction: str, need_h: bool, need_w: bool, need_b: bool
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dh, rows_w, rows_b): the gradient of ``hidden``, and the gradient rows of ``cat(targets, sampled_ids)`` of
+    the weight (N + S, P) and of the bias (N + S,); placeholders where nothing is needed."""
     with denormals_flushed():  # d = probs / N: far-off samples' terms below tiny, flushed (see _softmax_)
-        return _backward_rows(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b)
+        return _backward_rows(grad, hidden, w_t, w_s, probs, p_true, reduction, need_h, need_w, need_b)
 
 
-def _backward_rows(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
+def _backward_rows(grad, hidden, w_t, w_s, probs, p_true, reduction, need_h, need_w, need_b):
     N = hidden.shape[0]
     g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
-    d = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
-    d[:, 0] -= g
-    d_true, d_samp = d[:, 0], d[:, 1:]
-    dh = torch.addmm(d_true.unsqueeze(1) * w_t, d_samp, w_s) if need_h else nothing(hidden)
-    if not (need_w or need_b):
-        return dh, nothing(hidden)
-    # d loss / d (w_row, b_row) = Σ_n d_n·(hidden_n, 1): the bias column rides along the weight's product
-    h1 = torch.cat([hidden] * need_w + [hidden.new_ones(N, 1)] * need_b, 1)
-    rows = hidden.new_empty(N + d_samp.shape[1], h1.shape[1])  # written in place: no (N + S, P + 1) concatenation
-    torch.mul(d_true.unsqueeze(1), h1, out=rows[:N])
-    gemm(d_samp.t(), h1, out=rows[N:])
-    return dh, rows
+    d_samp = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
+    d_true = p_true * g - g
+    dh = (d_true.unsqueeze(1) * w_t).addmm_(d_samp, w_s) if need_h else nothing(hidden)  # in place: no copy
+    rows_w = rows_b = nothing(hidden)
+    if need_w:  # d loss / d w_row = Σ_n d_n·hidden_n, written in place: contiguous, so autograd keeps it uncopied
+        rows_w = hidden.new_empty(N + d_samp.shape[1], hidden.shape[1])
+        torch.mul(d_true.unsqueeze(1), hidden, out=rows_w[:N])
+        gemm(d_samp.t(), hidden, out=rows_w[N:])
+    if need_b:
+        rows_b = torch.cat([d_true, d_samp.sum(0)])
+    return dh, rows_w, rows_b
 
 
 @_sampled_softmax_backward.register_fake
-def _(grad, hidden, w_t, w_s, probs, reduction, need_h, need_w, need_b):
+def _(grad, hidden, w_t, w_s, probs, p_true, reduction, need_h, need_w, need_b):
     (N, P), S = hidden.shape, w_s.shape[0]
-    rows = hidden.new_empty(N + S, P * int(need_w) + int(need_b)) if need_w or need_b else nothing(hidden)
-    return (hidden.new_empty(hidden.shape) if need_h else nothing(hidden)), rows
+    return (hidden.new_empty(hidden.shape) if need_h else nothing(hidden),
+            hidden.new_empty(N + S, P) if need_w else nothing(hidden),
+            hidden.new_empty(N + S) if need_b else nothing(hidden))
 
 
 def _setup_context(ctx, inputs, output):
@@ -121,16 +121,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, targets, sampled_ids, *output[1:])
     ctx.flags = (reduction, sparse, weight.shape, bias.shape)
     ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero gradients for w_t, w_s, probs, p_true: 14 MB of fills a call
 
 
 def _backward(ctx, grad, *_):
-    hidden, targets, sampled_ids, w_t, w_s, probs = ctx.saved_tensors
+    hidden, targets, sampled_ids, w_t, w_s, probs, p_true = ctx.saved_tensors
     reduction, sparse, w_shape, b_shape = ctx.flags
     need = ctx.needs_input_grad
-    dh, rows = _sampled_softmax_backward(grad, hidden, w_t, w_s, probs, reduction, need[0], need[1], need[2])
+    dh, rows_w, rows_b = _sampled_softmax_backward(grad, hidden, w_t, w_s, probs, p_true, reduction, *need[:3])
     ids = torch.cat([targets, sampled_ids]) if need[1] or need[2] else None
-    dw = _table_grad(ids, rows[:, : w_shape[1]], w_shape, sparse) if need[1] else None
-    db = _table_grad(ids, rows[:, -1], b_shape, sparse) if need[2] else None
+    dw = _table_grad(ids, rows_w, w_shape, sparse) if need[1] else None
+    db = _table_grad(ids, rows_b, b_shape, sparse) if need[2] else None
     return dh if need[0] else None, dw, db, *(None,) * 7
 
 
@@ -258,6 +259,7 @@ def _full_setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, bias, targets, output[1])
     ctx.reduction = reduction
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
 
 
 def _full_backward(ctx, grad, _):
