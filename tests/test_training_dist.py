@@ -52,6 +52,14 @@ def _env():
     return env
 
 
+def _succeeded(run: subprocess.CompletedProcess) -> None:
+    """Fail with the run's whole error output: an assert's message is cut in the middle by pytest, where a
+    torchrun rank's exception sits (one failure under `make test` left only its first and last lines)."""
+    if run.returncode != 0:
+        pytest.fail(f"exit {run.returncode}\n--- stdout\n{run.stdout[-3000:]}\n--- stderr\n{run.stderr[-12000:]}",
+                    pytrace=False)
+
+
 def _losses(save_dir):
     recs = [json.loads(x) for x in open(os.path.join(save_dir, "train_log.jsonl"), encoding="utf-8")]
     return [r["loss"] for r in recs if r["event"] == "train"]
@@ -65,12 +73,12 @@ def test_two_gloo_processes_equal_one_process_with_two_towers(tmp_path, extra):
     one, two = tmp_path / "one", tmp_path / "two"
     r1 = subprocess.run([sys.executable, "-m", "elmo_fast.training.cli", *_args(one, corpus, 2, extra)], env=_env(),
                         capture_output=True, text=True, timeout=300)
-    assert r1.returncode == 0, r1.stderr[-3000:]
+    _succeeded(r1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "elmo_fast.training.cli",
            *_args(two, corpus, 1, extra)]
     r2 = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r2.returncode == 0, (r2.stdout[-2000:], r2.stderr[-4000:])
+    _succeeded(r2)
 
     l1, l2 = _losses(one), _losses(two)
     assert len(l1) == len(l2) == 6
