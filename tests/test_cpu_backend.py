@@ -628,8 +628,8 @@ def test_softmax_ops_run_with_denormals_flushed(monkeypatch):
 
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("trainable", [(True, False, True), (True, True, False), (False, False, True),
-                                       (False, True, True)], ids=["frozen-weight", "frozen-bias", "bias-only",
-                                                                  "frozen-hidden"])
+                                       (False, True, True), (True, False, False)],
+                         ids=["frozen-weight", "frozen-bias", "bias-only", "frozen-hidden", "frozen-table"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan_poison, dtype, trainable, sparse):
     """A parameter that needs no gradient gets nothing computed (a frozen weight: no dᵀ·hidden product); the
@@ -655,13 +655,52 @@ def test_sampled_softmax_cpu_computes_only_the_needed_gradients(monkeypatch, nan
         assert_close_to_oracle(a, b, c, f"gradient {k}")
 
 
-def test_sampled_softmax_cpu_backward_makes_no_copies_or_fills():
+def test_softmax_ops_take_no_gradient_when_none_arrives():
+    """With no zero-filled gradients (materialize_grads off), a loss that reaches the output only through a
+    non-differentiable path gives the backward None: nothing flows to the inputs, no error."""
+    from elmo_fast.cpu.sampled_softmax import full_softmax_nll_cpu
+
+    class Stop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return None
+
+    targets, ids, q_t, q_s, base = _softmax_inputs()
+    h, w, b = (t.float().requires_grad_() for t in base)
+    for loss in (sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s), full_softmax_nll_cpu(h, targets, w, b)):
+        (Stop.apply(loss) + h.sum()).backward()
+    assert torch.equal(h.grad, torch.full_like(h, 2.0)) and w.grad is None and b.grad is None
+
+
+def test_sampled_softmax_cpu_without_samples_matches_reference():
+    """S = 0: the loss is the true logit's alone (0), as the reference gives it; gradients 0."""
+    from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
+
+    targets, _, q_t, _, base = _softmax_inputs()
+    ids, q_s = torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+    out = []
+    for fn in (sampled_softmax_loss_reference, sampled_softmax_loss_cpu):
+        h, w, b = (t.float().requires_grad_() for t in base)
+        loss = fn(h, targets, w, b, ids, q_t, q_s)
+        out.append((loss, *torch.autograd.grad(loss, (h, w, b))))
+    for want, got in zip(*out):
+        torch.testing.assert_close(got, want)
+
+
+def test_sampled_softmax_cpu_backward_makes_no_copies_or_fills(monkeypatch):
     """Backward with sparse gradients (the trainer's): one product for the weight's rows, MKL's aten::mm or
     oneDNN's (``gemm``), plus dh's addmm_ (in place: addmm copies its input first); rows written contiguous, so
     autograd keeps both sparse gradients without a copy (a column slice of one (N + S, P + 1) product cost a 17 MB
     clone a call at the original sizes); and no zero gradients made for the operator's other outputs (w_t, w_s,
-    probs: 14 MB of fills)."""
+    probs: 14 MB of fills). On MKL's products: oneDNN's matmul (``gemm`` picks it where faster) takes its left
+    operand contiguous and returns its own result, two copies that its speed pays for."""
     from torch.profiler import profile
+
+    monkeypatch.setenv("ELMO_FAST_CPU_GEMM", "mkl")
 
     targets, ids, q_t, q_s, base = _softmax_inputs()
     h, w, b = (t.float().requires_grad_() for t in base)

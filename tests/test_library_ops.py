@@ -130,8 +130,9 @@ def test_sampled_softmax_cpu_ops(reduction, sparse):
     args = (hidden, W, b, targets, ids, tq.log(), sq.log(), True, reduction, sparse)
     torch.library.opcheck(_sampled_softmax_op, args)
     loss, w_t, w_s, probs, p_true = (o.detach() for o in _sampled_softmax_op(*args))
-    torch.library.opcheck(_sampled_softmax_backward, (torch.randn_like(loss), hidden.detach(), w_t, w_s, probs,
-                                                      p_true, reduction, True, True, True))
+    for needs in ((True, True, True), (True, False, False), (False, True, False)):
+        torch.library.opcheck(_sampled_softmax_backward, (torch.randn_like(loss), hidden.detach(), w_t, w_s, probs,
+                                                          p_true, reduction, *needs))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])

@@ -280,9 +280,10 @@ def _lstmp_cpu_op(x: Tensor, w_in: Tensor | None, w_rec: Tensor | None, w_stack:
     slice gradients to expand and add. ``cache_id``: the ``PackedWeightCache`` (by its id) that keeps packed
     weights across inference calls, -1 for none; ``bf16``: inference with bf16 products.
 
-    Forward and backward run with denormals flushed, as TF runs them: a saturated gate (pre-activation below -87)
-    gives denormal states, and each product reading one takes microcode assists (bench/results/cpu_train.md: B=32,
-    T=20, 4096/512, an output gate bias of -100: on 1% of the units 119 against 101 ms, on all 7.5 s against 0.10 s)."""
+    Forward and backward run with denormals flushed (with ``elmo_fast._cpu``: ``ext.denormals_flushed``), as TF
+    runs them: a saturated gate (pre-activation below -87) gives denormal states, and each product reading one takes
+    microcode assists (bench/results/cpu_train.md: B=32, T=20, 4096/512, an output gate bias of -100: on 1% of the
+    units 119 against 101 ms, on all 7.5 s against 0.10 s)."""
     if w_stack is not None:
         w_in, w_rec = w_stack[: x.shape[2]], w_stack[x.shape[2] :]
     plan = _Plan.build(lengths.cpu(), x.shape[1], reverse)

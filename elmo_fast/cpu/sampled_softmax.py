@@ -58,7 +58,7 @@ def _softmax_(sampled: Tensor, true: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     flush: torch's exp takes a slow path, ~20x the time, for each argument whose result falls below tiny (x < −87.3
     in fp32: logits that spread so far apart, or masked hits), so the arguments are floored at ceil(log tiny) (−87)
     first, and what the floor touched is zeroed after."""
-    top = torch.maximum(sampled.amax(1), true)
+    top = torch.maximum(sampled.amax(1), true) if sampled.shape[1] else true.clone()
     probs = _exp_floored_(sampled.sub_(top.unsqueeze(1)))
     p_true = _exp_floored_(true - top)
     total = probs.sum(1) + p_true
@@ -98,7 +98,7 @@ def _backward_rows(grad, hidden, w_t, w_s, probs, p_true, reduction, need_h, nee
     d_samp = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
     d_true = p_true * g - g
     dh = (d_true.unsqueeze(1) * w_t).addmm_(d_samp, w_s) if need_h else nothing(hidden)  # in place: no copy
-    rows_w = rows_b = nothing(hidden)
+    rows_w, rows_b = nothing(hidden), nothing(hidden)  # two tensors: an operator's outputs may not alias
     if need_w:  # d loss / d w_row = Σ_n d_n·hidden_n, written in place: contiguous, so autograd keeps it uncopied
         rows_w = hidden.new_empty(N + d_samp.shape[1], hidden.shape[1])
         torch.mul(d_true.unsqueeze(1), hidden, out=rows_w[:N])
@@ -125,6 +125,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad, *_):
+    if grad is None:  # the loss reached the output through nothing differentiable (no zero-filled gradients here)
+        return (None,) * 10
     hidden, targets, sampled_ids, w_t, w_s, probs, p_true = ctx.saved_tensors
     reduction, sparse, w_shape, b_shape = ctx.flags
     need = ctx.needs_input_grad
@@ -263,6 +265,8 @@ def _full_setup_context(ctx, inputs, output):
 
 
 def _full_backward(ctx, grad, _):
+    if grad is None:  # as in _backward
+        return (None,) * 5
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     need = ctx.needs_input_grad
     dh, dw, db = _full_softmax_backward(grad, hidden, weight, bias, targets, lse, ctx.reduction, *need[:3])
