@@ -696,7 +696,7 @@ def test_sampled_softmax_cpu_backward_makes_no_copies_or_fills(monkeypatch):
     oneDNN's (``gemm``), plus dh's addmm_ (in place: addmm copies its input first); rows written contiguous, so
     autograd keeps both sparse gradients without a copy (a column slice of one (N + S, P + 1) product cost a 17 MB
     clone a call at the original sizes); and no zero gradients made for the operator's other outputs (w_t, w_s,
-    probs: 14 MB of fills). On MKL's products: oneDNN's matmul (``gemm`` picks it where faster) takes its left
+    probs: 28 MB of fills). On MKL's products: oneDNN's matmul (``gemm`` picks it where faster) takes its left
     operand contiguous and returns its own result, two copies that its speed pays for."""
     from torch.profiler import profile
 

@@ -1,10 +1,15 @@
-// elmo_fast._cpu: what the extension's sources share: argument checks whose errors name the argument, and the
-// CPU's instruction set (detected once, in lstmp_cell.cpp).
+// elmo_fast._cpu: what the extension's sources share: argument checks whose errors name the argument, the x86
+// test (ELMO_X86: the intrinsics' header is there), and the CPU's instruction set (detected once, in lstmp_cell.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define ELMO_X86 1
+#endif
 
 namespace elmo_cpu {
 

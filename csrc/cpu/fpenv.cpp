@@ -8,15 +8,12 @@
 // less than 1.2e-38.
 #include <torch/csrc/utils/pybind.h>
 
+#include "common.h"
+
 #include <omp.h>
 
 #include <cstdint>
 #include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define ELMO_X86 1
-#endif
 
 namespace {
 

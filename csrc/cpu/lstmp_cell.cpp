@@ -24,10 +24,6 @@
 #include <limits>
 #include <string>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#define ELMO_X86 1
-#endif
-
 namespace {
 
 struct FwdArgs {

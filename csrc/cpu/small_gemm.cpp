@@ -29,11 +29,6 @@
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define ELMO_X86 1
-#endif
-
 namespace {
 
 using elmo_cpu::check_f32;

@@ -23,11 +23,6 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define ELMO_X86 1
-#endif
-
 #pragma GCC optimize("fp-contract=off")  // a*b + c stays two roundings, as in the torch ops
 
 namespace {
