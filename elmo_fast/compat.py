@@ -139,8 +139,10 @@ class BidirectionalLanguageModel(nn.Module):
             if self._embedding is None:
                 emb = self._bilm.embed_words(ids)
             else:
-                if int(ids.max()) >= self._embedding.shape[0] or int(ids.min()) < 0:
-                    raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}]")
+                lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read
+                if hi >= self._embedding.shape[0] or lo < 0:
+                    raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}], got ids from {lo} "
+                                     f"to {hi}")
                 emb = self._embedding[ids]
             out = self._bilm.forward_embeddings(emb, mask, mask_token_layer=False)
         lengths = mask.long().sum(1)

@@ -45,6 +45,11 @@ def test_bilm_tf_char_and_token_inputs_agree(tiny_model, tmp_path):
         torch.testing.assert_close(a["lm_embeddings"], b["lm_embeddings"], atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="max_batch_size=4"):
         char_model(elmo_fast.Batcher().batch_sentences(SENTS * 2))
+    ids = elmo_fast.TokenBatcher(str(vocab)).batch_sentences(SENTS)
+    ids[1, 1] = len(words) + 3  # one past the dumped rows (padding, <S>, </S>, the words)
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {len(words) + 2}\], got ids from 0 to "
+                                         rf"{len(words) + 3}"):
+        tok_model(ids)
 
 
 def test_dump_bilm_embeddings_one_sentence_per_batch(tiny_model, tmp_path):

@@ -490,6 +490,20 @@ def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, dtype, spre
         assert_close_to_oracle(a, b, c, f"gradient {k}")
 
 
+@pytest.mark.parametrize("which", ["sampled", "full"])
+def test_cpu_softmax_refuses_an_unknown_reduction(which):
+    """A misspelt reduction is refused with the reference's message, not answered with the rows' losses."""
+    from elmo_fast.cpu import sampled_softmax as sm_module
+
+    targets, ids, q_t, q_s, (h, w, b) = _softmax_inputs()
+    h, w, b = h.float(), w.float(), b.float()
+    with pytest.raises(ValueError, match="reduction must be 'mean', 'sum' or 'none', got 'avg'"):
+        if which == "sampled":
+            sm_module.sampled_softmax_loss_cpu(h, targets, w, b, ids, q_t, q_s, reduction="avg")
+        else:
+            sm_module.full_softmax_nll_cpu(h, targets, w, b, reduction="avg")
+
+
 def test_full_softmax_cpu_with_a_chunk_of_minus_inf_logits(monkeypatch):
     """Words 0-15 masked with a bias of -inf: the first chunk of 16 is -inf in every row. The running maximum
     stays finite (no -inf - -inf = NaN); loss and gradients equal the reference's."""

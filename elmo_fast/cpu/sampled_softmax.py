@@ -148,10 +148,18 @@ def _table_grad(ids: Tensor, rows: Tensor, shape, sparse: bool) -> Tensor:
 _sampled_softmax_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_reduction(reduction: str) -> None:
+    """The operators reduce for "mean" and "sum" and return the rows' losses otherwise: refuse any other name here,
+    as the reference does, rather than return (N,) for a misspelt one."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
 def sampled_softmax_loss_cpu(hidden, targets, weight, bias, sampled_ids, true_expected, sampled_expected, *,
                              remove_accidental_hits=True, reduction="mean", sparse_grad=False):
     """Arguments and result of ``sampled_softmax_loss_reference`` (expected counts in float64, as there): the
     operator ``elmo_fast::sampled_softmax_cpu``, its backward ``elmo_fast::sampled_softmax_cpu_backward``."""
+    _check_reduction(reduction)
     dt = hidden.dtype
     return _sampled_softmax_op(hidden, weight, bias, targets, sampled_ids, torch.log(true_expected).to(dt),
                                torch.log(sampled_expected).to(dt), bool(remove_accidental_hits), reduction,
@@ -279,4 +287,5 @@ _full_softmax_op.register_autograd(_full_backward, setup_context=_full_setup_con
 def full_softmax_nll_cpu(hidden, targets, weight, bias, reduction="mean"):
     """Arguments and result of ``full_softmax_nll_reference``: the operator ``elmo_fast::full_softmax_cpu``, its
     backward ``elmo_fast::full_softmax_cpu_backward``."""
+    _check_reduction(reduction)
     return _full_softmax_op(hidden, weight, bias, targets, reduction)[0]

@@ -302,11 +302,12 @@ def prepare(args, dinfo):
     return cfg, vocab, train_files, heldout_files, ckpt, init
 
 
-def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: str, dinfo=None) -> tuple[str, dict]:
+def _checkpoint_for(flag: str, where: str, over: dict | None = None, allowed: set = frozenset(), refusal: str = "",
+                    dinfo=None) -> tuple[str, dict]:
     """(path, checkpoint) of ``where`` (a checkpoint file, a save dir's latest, or its checkpoints folder's) for
-    ``flag``, refusing flags that set a field outside ``allowed`` to another value than the checkpoint's
-    configuration. Under torchrun rank 0 picks the file for every rank (a run still writing checkpoints must not
-    start the ranks from different steps)."""
+    ``flag``, refusing flags (``over``: field -> value, none by default) that set a field outside ``allowed`` to
+    another value than the checkpoint's configuration, with ``refusal`` saying why. Under torchrun rank 0 picks the
+    file for every rank (a run still writing checkpoints must not start the ranks from different steps)."""
     from .trainer import latest_checkpoint
 
     if os.path.isdir(where) and os.path.basename(os.path.normpath(where)) == "checkpoints":
@@ -322,7 +323,7 @@ def _checkpoint_for(flag: str, where: str, over: dict, allowed: set, refusal: st
         shown = where if os.path.isfile(where) or where.endswith(".pt") else os.path.join(where, "checkpoints")
         raise ConfigError(f"{flag}: no checkpoint in {shown}")
     ck = read_checkpoint(path)
-    bad = {k: v for k, v in over.items() if k not in allowed and ck["config"].get(k) != v}
+    bad = {k: v for k, v in (over or {}).items() if k not in allowed and ck["config"].get(k) != v}
     if bad:
         raise ConfigError(f"{flag}: {sorted(bad)} {refusal} ({sorted(allowed)})")
     return path, ck
@@ -407,7 +408,7 @@ def evaluate_checkpoint(save_dir: str, test_prefix: str, checkpoint: str | None 
     if batch_size < 1 or unroll_steps < 1 or (max_batches is not None and max_batches < 1):
         raise ConfigError(f"--batch-size, --unroll-steps and --max-batches must be positive, got {batch_size}, "
                           f"{unroll_steps}, {max_batches}")
-    path, ck = _checkpoint_for("evaluate", checkpoint or save_dir, {}, set(), "")
+    path, ck = _checkpoint_for("evaluate", checkpoint or save_dir)
     shards = resolve_shards(test_prefix, "test corpus")
     check_corpus(shards, "test corpus")
     vocab_path = vocab or _run_vocab(path)
