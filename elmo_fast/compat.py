@@ -150,7 +150,11 @@ class BidirectionalLanguageModel(nn.Module):
         T2 = layers.shape[2]
         pos = torch.arange(max(T2 - 2, 0), device=ids.device)
         new_mask = pos.unsqueeze(0) < (lengths - 2).clamp(min=0).unsqueeze(1)
-        lm = layers[:, :, 1 : T2 - 1] * new_mask[:, None, :, None].to(layers.dtype)
+        # bilm-tf's _build_ops drops the boundaries with reverse_sequence(len − 1), a slice and reverse_sequence(len
+        # − 2), and masks nothing: valid position q holds layer[q + 1], padded position q layer[q + 2], which is 0
+        # in the LSTM layers and, in layer 0, the char CNN's output for the padding ids (spec §4)
+        src = torch.where(new_mask, pos + 1, pos + 2)
+        lm = layers.gather(2, src[:, None, :, None].expand(-1, layers.shape[1], -1, layers.shape[3]))
         return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
                 "token_embeddings": out["token_embedding"]}
 

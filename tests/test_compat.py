@@ -42,7 +42,11 @@ def test_bilm_tf_char_and_token_inputs_agree(tiny_model, tmp_path):
         a = char_model(elmo_fast.Batcher(str(vocab)).batch_sentences(SENTS))
         b = tok_model(elmo_fast.TokenBatcher(str(vocab)).batch_sentences(SENTS))
         assert a["lengths"].tolist() == [4, 2, 1]
-        torch.testing.assert_close(a["lm_embeddings"], b["lm_embeddings"], atol=1e-6, rtol=1e-5)
+        valid = a["mask"][:, None, :, None].expand_as(a["lm_embeddings"])
+        torch.testing.assert_close(a["lm_embeddings"][valid], b["lm_embeddings"][valid], atol=1e-6, rtol=1e-5)
+        # padded positions, as in bilm-tf: the char CNN's output for the padding ids in the char model's layer 0,
+        # the zero row of id 0 in the token model's
+        assert a["lm_embeddings"][~valid].abs().max() > 0 and not b["lm_embeddings"][~valid].any()
     with pytest.raises(ValueError, match="max_batch_size=4"):
         char_model(elmo_fast.Batcher().batch_sentences(SENTS * 2))
     ids = elmo_fast.TokenBatcher(str(vocab)).batch_sentences(SENTS)
@@ -82,3 +86,57 @@ def test_weight_layers_trains_and_names_bad_inputs():
     assert set(elmo_fast.WeightLayers(3, use_top_only=True, name="t").tf_variables()) == {"t_ELMo_gamma"}
     with pytest.raises(ValueError, match=r"lm_embeddings \(B, 3, T, D\) and mask \(B, T\), got \(2, 4, 4, 6\)"):
         m({"lm_embeddings": torch.randn(2, 4, 4, 6), "mask": ops["mask"]})
+
+
+def _reverse_sequence(x: np.ndarray, lengths) -> np.ndarray:
+    """tf.reverse_sequence(x, lengths, seq_axis=1, batch_axis=0): each row's first ``lengths[b]`` steps reversed."""
+    y = x.copy()
+    for b, n in enumerate(lengths):
+        y[b, :n] = x[b, :n][::-1]
+    return y
+
+
+@pytest.mark.parametrize("do_layer_norm", [False, True])
+def test_bilm_tf_padded_positions_are_bilm_tf_s(tiny_model, do_layer_norm):
+    """bilm-tf's _build_ops removes <S>/</S> with reverse_sequence(len - 1), a slice, reverse_sequence(len - 2),
+    and masks nothing. Emulated here in numpy on the unmasked layers of a fresh copy of the model: lm_embeddings
+    equal it at every position, padded ones included (layer 0 there: the char CNN of the padding ids, not 0), and
+    so does weight_layers, whose layer norm takes its statistics over the valid positions only."""
+    o, w = tiny_model
+    ids = elmo_fast.Batcher().batch_sentences(SENTS)  # lengths 6, 4, 3 with the boundaries
+    model = compat.BidirectionalLanguageModel(o, w, max_batch_size=4, backend="reference")
+    fresh = compat.BidirectionalLanguageModel(o, w, max_batch_size=4, backend="reference")
+    with torch.no_grad():
+        got = model(ids)
+        mask2 = (ids > 0).any(-1)
+        raw = fresh._bilm.forward_embeddings(fresh._bilm.token_encoder(ids), mask2, mask_token_layer=False)
+        weighted = compat.weight_layers("x", got, do_layer_norm=do_layer_norm)
+        m = weighted["module"]
+        m.W.copy_(torch.tensor([0.3, -0.2, 0.5]))
+        m.gamma.fill_(1.3)
+        weighted = m(got)["weighted_op"].numpy()
+    n = mask2.sum(1).numpy()
+    expected = []
+    for layer in raw["activations"]:
+        x = _reverse_sequence(layer.numpy()[:, 1:], n - 1)[:, 1:]
+        expected.append(_reverse_sequence(x, n - 2))
+    expected = np.stack(expected, 1)
+    lm, mask = got["lm_embeddings"].numpy(), got["mask"].numpy()
+    assert mask.tolist() == [[True] * 4, [True, True, False, False], [True, False, False, False]]
+    np.testing.assert_array_equal(lm, expected)
+    assert np.abs(lm[:, 0][~mask]).min() > 0  # the padding ids' CNN output, as bilm-tf leaves it
+    assert not lm[:, 1:][np.broadcast_to(~mask[:, None], lm[:, 1:].shape[:3])].any()  # LSTM layers: 0
+    # bilm-tf's weight_layers (bilm/elmo.py) on those lm_embeddings: softmax(W + 1/3), _do_ln, gamma
+    s = np.exp(np.array([0.3, -0.2, 0.5]) + 1 / 3)
+    s /= s.sum()
+    fm = mask[..., None].astype(np.float64)
+    total = 0.0
+    for j in range(3):
+        x = expected[:, j].astype(np.float64)
+        if do_layer_norm:
+            count = fm.sum() * x.shape[-1]
+            mean = (x * fm).sum() / count
+            var = (((x * fm - mean) * fm) ** 2).sum() / count
+            x = (x - mean) / np.sqrt(var + 1e-12)
+        total = total + s[j] * x
+    np.testing.assert_allclose(weighted, 1.3 * total, rtol=1e-5, atol=1e-6)
