@@ -65,8 +65,8 @@ def _check_batch(batch) -> None:
         for tok in sent:
             if not isinstance(tok, str):
                 raise TypeError(f"sentence {k}: token {tok!r} is a {type(tok).__name__}, expected str")
-            if tok == "":
-                raise ValueError(f"sentence {k}: empty-string token; a token needs at least one character")
+            # an empty-string token is a token, as in AllenNLP and bilm-tf (e.g. "a  b".split(" ")): its ids are
+            # the begin and end of word marks and padding
 
 
 def batch_to_ids(batch: list[list[str]]) -> torch.Tensor:

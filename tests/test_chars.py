@@ -48,11 +48,21 @@ def test_batch_to_ids_padding_and_no_boundaries():
 
 @pytest.mark.parametrize("bad, err", [
     ([], ValueError), ("a sentence", TypeError), (["a", "b"], TypeError), ([["a", 3]], TypeError),
-    ([["a", ""]], ValueError),
 ])
 def test_batch_to_ids_bad_input(bad, err):
     with pytest.raises(err):
         elmo_fast.batch_to_ids(bad)
+
+
+def test_empty_string_token_is_a_token(tmp_path):
+    """AllenNLP's batch_to_ids and bilm-tf's batchers take "" (e.g. from "a  b".split(" ")): the begin and end of
+    word marks, then padding; the token batcher looks it up like any word (<UNK> here)."""
+    ids = elmo_fast.batch_to_ids([["a", "", "b"]])
+    assert ids.shape == (1, 3, 50) and ids[0, 1].tolist() == [259, 260] + [261] * 48
+    assert Batcher().batch_sentences([[""]])[0, 1].tolist() == [259, 260] + [261] * 48
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("<S>\n</S>\n<UNK>\na\n")
+    assert TokenBatcher(str(vocab)).batch_sentences([["a", ""]]).tolist() == [[1, 4, 3, 2]]
 
 
 def test_batcher_adds_boundaries(tmp_path):
