@@ -4,8 +4,41 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
+
+
+def _configuration_error_class(base: type) -> type:
+    """(base, ValueError) as ``elmo_fast.util.ConfigurationError``, the name pickle finds it by."""
+    cls = globals().get("ConfigurationError")
+    if cls is None or cls.__bases__[0] is not base:
+        cls = type("ConfigurationError", (base, ValueError), {"__module__": __name__})
+        globals()["ConfigurationError"] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    # an unpickled error: the class made on first use (allennlp was loaded where it was raised)
+    if name == "ConfigurationError":
+        from allennlp.common.checks import ConfigurationError as base
+
+        return _configuration_error_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def configuration_error(message: str) -> ValueError:
+    """The error for a wrong argument where AllenNLP raises its ``ConfigurationError``: a ``ValueError``, and also
+    an ``allennlp.common.checks.ConfigurationError`` once allennlp is loaded, so that ``except ConfigurationError``
+    in code ported from AllenNLP still catches it (allennlp is never imported here for it)."""
+    base = getattr(sys.modules.get("allennlp.common.checks"), "ConfigurationError", None)
+    if not (isinstance(base, type) and issubclass(base, Exception)):
+        return ValueError(message)
+    try:
+        err = _configuration_error_class(base)(message)  # AllenNLP's keeps it in .message, and str() gives it
+    except TypeError:
+        return ValueError(message)
+    return err if str(err) == message else ValueError(message)
 
 
 def read_utf8(path, what: str = "input file", error: type[Exception] = ValueError) -> str:

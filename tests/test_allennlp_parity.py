@@ -228,6 +228,32 @@ def test_elmo_scalar_mix_parameters(params, model_files):
     _compare_elmo(f"Elmo[tiny] scalar_mix_parameters={params}", ref, ours, _stateful_batches())
 
 
+def test_wrong_arguments_raise_allennlp_s_configuration_error(model_files):
+    """Where AllenNLP raises ConfigurationError (ScalarMix's counts, Elmo given a module and files), ported
+    ``except ConfigurationError`` code catches elmo_fast's error too; it is still a ValueError, and pickles (a
+    worker process's error) as one."""
+    import pickle
+
+    from allennlp.common.checks import ConfigurationError
+    from allennlp.modules import ScalarMix as AllenNLPScalarMix
+
+    from elmo_fast import ScalarMix
+
+    opt, wts = model_files["tiny"]
+    cases = [(lambda M: M(3)([torch.zeros(2)] * 5), "ScalarMix has 3 weights but got 5 tensors"),
+             (lambda M: M(3, initial_scalar_parameters=[0.0]), "initial_scalar_parameters has 1 values, expected 3"),
+             (lambda M: Elmo(opt, wts, 1, module=ElmoBiLM(opt, wts), backend="reference"),
+              "pass either module or options_file/weight_file, not both")]
+    for make, message in cases:
+        with pytest.raises(ConfigurationError):
+            make(AllenNLPScalarMix)  # AllenNLP's own (the Elmo case does not use it)
+        with pytest.raises(ConfigurationError) as caught:
+            make(ScalarMix)
+        assert isinstance(caught.value, ValueError) and str(caught.value) == message
+        again = pickle.loads(pickle.dumps(caught.value))
+        assert isinstance(again, ConfigurationError) and isinstance(again, ValueError) and str(again) == message
+
+
 def test_elmo_4d_input(model_files):
     opt, wts = model_files["tiny"]
     ref, ours = _pair(opt, wts, num_output_representations=1)

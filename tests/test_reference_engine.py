@@ -1,6 +1,7 @@
 """The reference engine against hand-computed cases and an independent NumPy oracle."""
 import copy
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -165,6 +166,30 @@ def test_scalar_mix_values():
     mix = elmo_fast.ScalarMix(2, initial_scalar_parameters=[0.1, 0.5], trainable=False)
     assert not mix.gamma.requires_grad and mix.gamma.item() == 1.0
     torch.testing.assert_close(mix([t1, t2]), s[0] * t1 + s[1] * t2)
+
+
+def test_scalar_mix_errors_are_allennlp_s_configuration_error_when_it_is_loaded(monkeypatch):
+    """Without allennlp a plain ValueError; with a module ``allennlp.common.checks`` loaded (a stand-in here: the
+    parity suite checks the real one), also its ConfigurationError, with the message."""
+    import types
+
+    monkeypatch.delitem(sys.modules, "allennlp.common.checks", raising=False)
+    with pytest.raises(ValueError, match="ScalarMix has 3 weights but got 2 tensors") as caught:
+        elmo_fast.ScalarMix(3)([torch.zeros(1)] * 2)
+    assert type(caught.value) is ValueError
+
+    class StandIn(Exception):
+        def __init__(self, message):
+            super().__init__()
+            self.message = message
+
+        def __str__(self):
+            return self.message
+
+    monkeypatch.setitem(sys.modules, "allennlp.common.checks", types.SimpleNamespace(ConfigurationError=StandIn))
+    with pytest.raises(StandIn, match=r"initial_scalar_parameters has 2 values, expected 3") as caught:
+        elmo_fast.ScalarMix(3, initial_scalar_parameters=[0.0, 1.0])
+    assert isinstance(caught.value, ValueError)
 
 
 @pytest.mark.parametrize("skip", [True, False])

@@ -11,7 +11,7 @@ from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
 from ..modules.scalar_mix import ScalarMix
 from ..options import OptionsError
 from ..ops import _precision as prec
-from ..util import add_sentence_boundary_token_ids, remove_sentence_boundaries
+from ..util import add_sentence_boundary_token_ids, configuration_error, remove_sentence_boundaries
 from ._graphs import GraphCache
 from .bilm import BiLM
 
@@ -239,7 +239,7 @@ class Elmo(nn.Module):
         super().__init__()
         if module is not None:
             if options_file is not None or weight_file is not None:
-                raise ValueError("pass either module or options_file/weight_file, not both")
+                raise configuration_error("pass either module or options_file/weight_file, not both")
             self._elmo_lstm = module
         else:
             self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 from ..reference.scalar_mix import scalar_mix_reference
+from ..util import configuration_error
 
 
 class ScalarMix(nn.Module):
@@ -21,7 +22,7 @@ class ScalarMix(nn.Module):
         if initial_scalar_parameters is None:
             initial_scalar_parameters = [0.0] * mixture_size
         if len(initial_scalar_parameters) != mixture_size:
-            raise ValueError(
+            raise configuration_error(
                 f"initial_scalar_parameters has {len(initial_scalar_parameters)} values, expected {mixture_size}"
             )
         self.mixture_size = mixture_size
@@ -34,7 +35,7 @@ class ScalarMix(nn.Module):
 
     def forward(self, tensors: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
         if len(tensors) != self.mixture_size:
-            raise ValueError(f"ScalarMix has {self.mixture_size} weights but got {len(tensors)} tensors")
+            raise configuration_error(f"ScalarMix has {self.mixture_size} weights but got {len(tensors)} tensors")
         w = torch.cat(list(self.scalar_parameters)).to(tensors[0].dtype)
         eps = self.eps
         if eps is None:
