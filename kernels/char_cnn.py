@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from elmo_fast.determinism import is_deterministic
-from elmo_fast.kernels._common import Launch, Target, acc_dtype, dot_flags, target_of, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import (Launch, Target, acc_dtype, dot_flags, tanh, target_of, tl_acc_dtype,
+                                      triton_operator)
 from elmo_fast.kernels._common import dot as _dot
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.char_cnn import _activation
@@ -62,12 +63,6 @@ from elmo_fast.reference.char_cnn import _activation
 PAD_CHAR_ID = 261  # inference id of the in-word padding character (see elmo_fast.reference.char_cnn)
 
 _ACTIVATIONS = {"relu": 0, "tanh": 1}
-
-
-@triton.jit
-def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1); saturates correctly at both ends in fp32.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -176,7 +171,7 @@ def _char_cnn_fwd_kernel(
     if ACT == 0:
         y = tl.maximum(y, 0.0)
     else:
-        y = _tanh(y)
+        y = tanh(y)
     omask = tmask[:, None] & fmask[None, :]
     offs = row[:, None] * F + rf[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=omask)

@@ -101,7 +101,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast.kernels import lstmp_graphs as graphs
-from elmo_fast.kernels._common import H100, Target, acc_dtype, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, tl_acc_dtype, triton_operator
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -113,14 +113,6 @@ __all__ = ["lstmp_triton", "lstmp_fwd", "lstmp_bwd", "launch_plan", "Launch", "T
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _tanh(x):
-    # exp of a non-positive argument never overflows; absolute error ~1 ulp of 1.
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x >= 0, t, -t)
 
 
 @triton.jit
@@ -255,7 +247,7 @@ def _fwd_cell_kernel(
         c_prev = tl.where(s > 0, cp, tl.load(cptr, mask=vm & (s == 0), other=0.0))
     else:
         c_prev = tl.load(cptr, mask=vm, other=0.0)
-    c_new = _sigmoid(zf) * c_prev + _sigmoid(zi) * _tanh(zj)
+    c_new = _sigmoid(zf) * c_prev + _sigmoid(zi) * tanh(zj)
     cc = c_new
     if HAS_CELL_CLIP:
         cc = _clamp(c_new, cell_clip)
@@ -264,7 +256,7 @@ def _fwd_cell_kernel(
         tl.store(cptr, cc, mask=last[:, None] & hmask[None, :])
     else:
         tl.store(cptr, cc, mask=vm)
-    m = _sigmoid(zo) * _tanh(cc)
+    m = _sigmoid(zo) * tanh(cc)
     # m is zero at inactive rows: that fills the padded positions of the m buffer.
     am = rmask[:, None] & hmask[None, :]
     tl.store(m_ptr + tok[:, None] * H + rh[None, :], tl.where(vm, m, 0.0).to(m_ptr.dtype.element_ty), mask=am)
@@ -385,7 +377,7 @@ def _bwd_cell_kernel(
 
     zp = z_ptr + tok[:, None] * G + rh[None, :]
     gi = _sigmoid(tl.load(zp, mask=vm, other=0.0).to(ACC))
-    gj = _tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
+    gj = tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
     gf = _sigmoid(tl.load(zp + 2 * H, mask=vm, other=0.0).to(ACC))
     go = _sigmoid(tl.load(zp + 3 * H, mask=vm, other=0.0).to(ACC))
     cpre = tl.load(cpre_ptr + tok[:, None] * H + rh[None, :], mask=vm, other=0.0)
@@ -398,7 +390,7 @@ def _bwd_cell_kernel(
     c0 = tl.load(c0_ptr + rb[:, None] * H + rh[None, :], mask=vm & (s == 0), other=0.0).to(ACC)
     c_prev = tl.where(s > 0, cp, c0)
 
-    tc = _tanh(cc)
+    tc = tanh(cc)
     dcptr = dc_ptr + rb[:, None] * H + rh[None, :]
     dc = tl.load(dcptr, mask=vm, other=0.0) + dm * go * (1.0 - tc * tc)
     if HAS_CELL_CLIP:

@@ -199,6 +199,31 @@ def test_lstmp_cpu_zero_fills_only_where_positions_are_padded(nan_poison, dtype,
         torch.testing.assert_close(g, r.to(dtype), atol=1e-5, rtol=1e-5)
 
 
+def _ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in units of the fp32 spacing at |exact| (the smallest normal's below it)."""
+    e = exact.abs().float().clamp(min=torch.finfo(torch.float32).tiny)
+    return (got.double() - exact).abs() / (torch.nextafter(e, torch.tensor(math.inf)) - e).double()
+
+
+def test_gate_nonlinearities_are_accurate_to_a_few_ulp(gate_path):
+    """σ and tanh of the fused gate math against fp64, in ulp of the result, over tiny to saturating arguments of
+    both signs: tanh as 1 - 2/(exp(2x) + 1) was right only to ~1e-7 absolute (tanh(1e-6) 5% off)."""
+    from elmo_fast.cpu.lstmp import _cell_forward
+
+    mag = torch.logspace(-30, 1.3, 20000, dtype=torch.float64)
+    x = torch.cat([mag, -mag, torch.linspace(-10, 10, 20001, dtype=torch.float64)]).float()
+    n, H = 64, 1024
+    x = torch.cat([x, x.new_zeros(n * H - x.numel())]).view(n, H)
+    z = torch.cat([x, x, x, x.flip(0)], 1)  # i | j | f | o
+    g = torch.full((n, 4 * H), math.nan)
+    _cell_forward(z, torch.zeros(n, H), None, g, *(torch.empty(n, H) for _ in range(3)))
+    x64 = x.double()
+    for what, got, exact in (("sigmoid", g[:, :H], torch.sigmoid(x64)), ("tanh", g[:, H : 2 * H], torch.tanh(x64)),
+                             ("sigmoid (o)", g[:, 3 * H :], torch.sigmoid(x64.flip(0)))):
+        worst = _ulps(got, exact).max().item()
+        assert worst <= 3.0, f"{what}: {worst:.2f} ulp"
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lstmp_cpu_stacked_weight_gets_one_gradient(gemm_path, gate_path, dtype):
     """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
