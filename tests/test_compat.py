@@ -140,3 +140,17 @@ def test_bilm_tf_padded_positions_are_bilm_tf_s(tiny_model, do_layer_norm):
             x = (x - mean) / np.sqrt(var + 1e-12)
         total = total + s[j] * x
     np.testing.assert_allclose(weighted, 1.3 * total, rtol=1e-5, atol=1e-6)
+
+
+def test_bilm_tf_model_takes_numpy_ids_and_names_wrong_ones(tiny_model):
+    """bilm-tf's graph is fed numpy arrays (int32 from its batchers): the same numbers as a tensor; float ids are
+    refused by name."""
+    o, w = tiny_model
+    ids = elmo_fast.Batcher().batch_sentences(SENTS)
+    a = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.numpy().astype(np.int32))
+    b = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids)
+    torch.testing.assert_close(a["lm_embeddings"], b["lm_embeddings"], rtol=0, atol=0)
+    with pytest.raises(TypeError, match="ids must be an integer tensor or numpy array .* got Tensor torch.float32"):
+        compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.float())
+    with pytest.raises(TypeError, match="got list"):
+        compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.tolist())

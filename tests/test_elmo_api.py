@@ -94,6 +94,16 @@ def test_statefulness_rules(tiny_model):
     assert not torch.allclose(out[1], ref[1])
     bilm.reset_states()
     torch.testing.assert_close(bilm(big)["activations"][2], ref)
+    # AllenNLP users' idiom, reaching into its _ElmoBiLm: elmo._elmo_lstm._elmo_lstm.reset_states(mask)
+    elmo = elmo_fast.Elmo(o, w, 1, dropout=0.0)
+    first = elmo(big)["elmo_representations"][0]
+    elmo(big)
+    elmo._elmo_lstm._elmo_lstm.reset_states(torch.tensor([False, True, False, False]))
+    again = elmo(big)["elmo_representations"][0]
+    torch.testing.assert_close(again[1], first[1])
+    assert not torch.allclose(again[0], first[0])
+    elmo._elmo_lstm._elmo_lstm.reset_states()
+    torch.testing.assert_close(elmo(big)["elmo_representations"][0], first)
 
 
 def test_zero_length_row_keeps_state(tiny_model):

@@ -94,6 +94,16 @@ class ElmoCharacterEncoder(nn.Module):
         return {"mask": mask, "token_embedding": self.encoder(ids)}
 
 
+class _StatesHandle:
+    """What ``ElmoBiLM._elmo_lstm`` gives: ``reset_states(mask=None)``, as AllenNLP's ``ElmoLstm`` has."""
+
+    def __init__(self, owner: "ElmoBiLM"):
+        self._owner = owner
+
+    def reset_states(self, mask: torch.Tensor | None = None) -> None:
+        self._owner.reset_states(mask)
+
+
 class ElmoBiLM(nn.Module):
     """AllenNLP's ``_ElmoBiLm``: char ids (B, T, 50) *without* boundaries (from ``batch_to_ids``) ->
     ``{"activations": [(B, T+2, 2P)] * 3, "mask": (B, T+2) bool}``. Stateful across calls; ``reset_states()``.
@@ -139,6 +149,12 @@ class ElmoBiLM(nn.Module):
 
     def reset_states(self, mask: torch.Tensor | None = None) -> None:
         self._bilm.reset_states(mask)
+
+    @property
+    def _elmo_lstm(self) -> "_StatesHandle":
+        """AllenNLP's ``_ElmoBiLm._elmo_lstm`` as far as user code reaches into it: the idiom
+        ``elmo._elmo_lstm._elmo_lstm.reset_states()`` resets this model's states."""
+        return _StatesHandle(self)
 
     @property
     def token_encoder(self):
