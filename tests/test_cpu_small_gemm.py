@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(ext is None or not ext.small_mm_available(),
                                 reason="elmo_fast._cpu's small_mm needs the extension built and an AVX-512 CPU")
 
 
-def _check(M, K, N, seed, add=True, x_t=False, w_t=False, out_pad=0, width=16):
+def _check(M, K, N, seed, add=True, x_t=False, w_t=False, out_pad=0, width=16, x_pad=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(K, M, generator=g).t() if x_t else torch.randn(M, K, generator=g)
+    x = torch.randn(K, M, generator=g).t() if x_t else torch.randn(M, K + x_pad, generator=g)[:, x_pad:]
     w = torch.randn(N, K, generator=g).t() if w_t else torch.randn(K, N, generator=g)
     a = torch.randn(M, N + 3, generator=g)[:, 1 : N + 1] if add else None  # a row stride of N + 3
     buf = torch.full((M, N + out_pad), float("nan"))
@@ -59,7 +59,11 @@ def test_pack_panels_layout(layout, N, width):
 
 
 def test_strided_operands_and_no_add():
+    """x column-major (the scalar transpose), x's rows wider than K (the blocked transpose reads row by row, masked
+    past K), w transposed, no add."""
     _check(20, 130, 70, seed=1, add=False, x_t=True, w_t=True)
+    _check(37, 45, 20, seed=4, x_pad=5, out_pad=2)
+    _check(16, 4096, 16, seed=5, x_pad=3)
     _check(9, 513, 33, seed=2, x_t=True, out_pad=3)
     _check(30, 513, 45, seed=3, x_t=True, w_t=True, out_pad=3, width=32)
 
