@@ -7,10 +7,11 @@
 // each k reads one line of it. A panel's product keeps a block of rows in AVX-512 accumulators (16 rows x 16
 // columns, or 14 rows x 32 columns: 28 accumulators, so that two vector loads of the panel feed 28 fused
 // multiply-adds per k, each row's x value broadcast from memory). k is summed in blocks of 256 (partial sums in
-// out), and every row block runs on a panel's k block before the next one: the first row block streams it from
-// memory (prefetched ahead), the others find it in L1 and prefetch the next panel into L2, so that a long panel
-// (K = 16384: dz·W_recᵀ) is read from memory once. Panels are split over torch's intra-op threads. The pack is a
-// gather of 16 lanes for a column-major weight (a transposed view) and a copy of row runs for a row-major one.
+// out). Panels are split over torch's intra-op threads, and a thread runs its panels k block by k block: the
+// block's 256 lines of xt stay in L1 while every panel's slice of that block streams past (each slice is read from
+// memory once: its first row block streams it, prefetching ahead and into the next slice; the other row blocks
+// find it in L1). The pack is a gather of 16 lanes for a column-major weight (a transposed view) and a copy of row
+// runs for a row-major one.
 //
 // Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py; A/Bs in
 // bench/results/cpu_train.md): faster at 16 rows (width 16) at every inner dimension of the chain, and at 32 rows
@@ -123,97 +124,6 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
 constexpr int64_t kBlock = 256;   // k per accumulation block: partial sums of 256 products, then summed
 constexpr int64_t kAhead = 64;    // prefetch distance in k (4 KiB of panel): the weight streams from memory
 
-// What a panel's product prefetches while it runs, the line at pf + k·W for each k: its own lines kAhead ahead
-// into L1 (the first row block, streaming the panel from memory) or the next panel's into L2 (the other row
-// blocks, running on the cached panel).
-enum Prefetch { kL1, kL2 };
-
-// rows r0..r0+R-1 of one panel of W = 16·V columns, k from kb to ke: out[r][n0 + j] (+)= sum_k xt[k][r] ·
-// panel[k][j] (+ add[r][n0 + j] after the last k), j < the panel's width in N. The sum over k runs in blocks of
-// kBlock, each block's sum in registers and added to the previous blocks' in out (error growing with K/kBlock +
-// kBlock rather than with K, as blocked GEMMs do); kb is a multiple of kBlock, the blocks before kb have their sum
-// in out.
-template <int R, int V, Prefetch PF>
-ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, const float* pf, int64_t kb,
-                            int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda, int64_t r0,
-                            int64_t n0, const __mmask16* mask) {
-  __m512 acc[R][V];
-  for (int64_t k0 = kb; k0 == kb || k0 < ke; k0 += kBlock) {
-    const int64_t k1 = std::min(ke, k0 + kBlock);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; ++k) {
-      constexpr int64_t W = 16 * V;
-      __m512 b[V];
-      for (int v = 0; v < V; ++v) {
-        b[v] = _mm512_loadu_ps(panel + k * W + 16 * v);
-        if (PF == kL1) _mm_prefetch(reinterpret_cast<const char*>(pf + k * W + 16 * v), _MM_HINT_T0);
-        if (PF == kL2) _mm_prefetch(reinterpret_cast<const char*>(pf + k * W + 16 * v), _MM_HINT_T1);
-      }
-      const float* xk = xt + k * M + r0;
-      for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(xk[r]);
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
-      }
-    }
-    const bool first = k0 == 0, last = k1 >= K;
-    for (int r = 0; r < R; ++r) {
-      for (int v = 0; v < V; ++v) {
-        float* o = out + (r0 + r) * ldo + n0 + 16 * v;
-        __m512 sum = acc[r][v];
-        if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], o), sum);
-        if (last && add != nullptr)
-          sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], add + (r0 + r) * lda + n0 + 16 * v));
-        _mm512_mask_storeu_ps(o, mask[v], sum);
-      }
-    }
-  }
-}
-
-// All M rows of one panel over k in [kb, ke): row blocks of RMax (16 rows x 16 columns, or 14 x 32: 28
-// accumulators, two panel vectors and a broadcast in the 32 AVX-512 registers), then 8, 4, 2, 1. The first block
-// prefetches the panel's own lines kAhead ahead, the others the next panel's (`next`).
-template <int V, int RMax>
-ELMO_AVX512 void panel_all_rows(const float* xt, int64_t M, const float* panel, const float* next, int64_t kb,
-                                int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda,
-                                int64_t n0, const __mmask16* mask) {
-  int64_t r0 = 0;
-#define ELMO_ROWS(R)                                                                                               \
-  do {                                                                                                             \
-    if (r0 == 0)                                                                                                   \
-      panel_rows<R, V, kL1>(xt, M, panel, panel + kAhead * 16 * V, kb, ke, K, out, ldo, add, lda, r0, n0, mask);   \
-    else                                                                                                           \
-      panel_rows<R, V, kL2>(xt, M, panel, next, kb, ke, K, out, ldo, add, lda, r0, n0, mask);                      \
-    r0 += R;                                                                                                       \
-  } while (0)
-  while (r0 + RMax <= M) ELMO_ROWS(RMax);
-  if (r0 + 8 <= M) ELMO_ROWS(8);
-  if (r0 + 4 <= M) ELMO_ROWS(4);
-  if (r0 + 2 <= M) ELMO_ROWS(2);
-  if (r0 < M) ELMO_ROWS(1);
-#undef ELMO_ROWS
-}
-
-// Packed panels (pack_panels, zero-padded): panel by panel, each one contiguous stream; its first row block streams
-// it from memory (prefetching kAhead rows ahead), the others find it in cache and prefetch the next panel into L2.
-template <int V, int RMax>
-ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, float* out,
-                                 int64_t ldo, const float* add, int64_t lda) {
-  constexpr int64_t W = 16 * V;
-  at::parallel_for(0, (N + W - 1) / W, 16 / V, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = panels + p * K * W;
-      __mmask16 mask[V];
-      panel_masks<V>(N - p * W, mask);
-      // k block by k block, every row block on the block before the next: a long panel is read from memory once
-      // (past the last panel, the prefetches read nothing of use, and never fault)
-      for (int64_t kb = 0; kb == 0 || kb < K; kb += kBlock)
-        panel_all_rows<V, RMax>(xt, M, panel, panel + K * W, kb, std::min(K, kb + kBlock), K, out, ldo, add, lda,
-                                p * W, mask);
-    }
-  });
-}
-
 // xt (K x M) = the rows m0..m0+15 (fewer: `rows`) of x, unit k stride, row stride sm, for k in [k0, k1), k0 a multiple
 // of 16: blocks of 16 k x 16 rows transposed in registers (unpacks at 32 and 64 bits, then 128-bit block shuffles),
 // ~8x faster than the scalar strided copy (133 us for K = 16384, M = 16, the step's dz·W_recᵀ).
@@ -255,6 +165,98 @@ ELMO_AVX512 void transpose_rows(const float* x, int64_t sm, int64_t rows, int64_
   }
 }
 #pragma GCC diagnostic pop
+
+// What a panel slice's product prefetches while it runs: the first row block streams the slice from memory and
+// prefetches into L1 kAhead k ahead, running on into the next slice's first lines near its end; the other row
+// blocks find the slice in L1 and prefetch the next slice into L2.
+enum Prefetch { kL1, kL2 };
+
+// rows r0..r0+R-1 of one panel of W = 16·V columns, over one k block [kb, ke) (kb a multiple of kBlock, ke - kb <=
+// kBlock): out[r][n0 + j] (+)= sum_k xt[k][r] · panel[k][j] (+ add[r][n0 + j] after the last k), j < the panel's
+// width in N. Each block's sum is made in registers and added to the previous blocks' in out (error growing with
+// K/kBlock + kBlock rather than with K, as blocked GEMMs do). `next`: where the next slice to run starts (its
+// line for k = kb).
+template <int R, int V, Prefetch PF>
+ELMO_AVX512 void panel_rows(const float* xt, int64_t M, const float* panel, const float* next, int64_t kb,
+                            int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda, int64_t r0,
+                            int64_t n0, const __mmask16* mask) {
+  constexpr int64_t W = 16 * V;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = kb; k < ke; ++k) {
+    const float* pf = PF == kL2 ? next + (k - kb) * W
+                                : (k + kAhead < ke ? panel + (k + kAhead) * W : next + (k + kAhead - ke) * W);
+    __m512 b[V];
+    for (int v = 0; v < V; ++v) {
+      b[v] = _mm512_loadu_ps(panel + k * W + 16 * v);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + 16 * v), PF == kL1 ? _MM_HINT_T0 : _MM_HINT_T1);
+    }
+    const float* xk = xt + k * M + r0;
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(xk[r]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  const bool first = kb == 0, last = ke >= K;
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      float* o = out + (r0 + r) * ldo + n0 + 16 * v;
+      __m512 sum = acc[r][v];
+      if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], o), sum);
+      if (last && add != nullptr)
+        sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[v], add + (r0 + r) * lda + n0 + 16 * v));
+      _mm512_mask_storeu_ps(o, mask[v], sum);
+    }
+  }
+}
+
+// All M rows of one panel slice [kb, ke): row blocks of RMax (16 rows x 16 columns, or 14 x 32: 28 accumulators,
+// two panel vectors and a broadcast in the 32 AVX-512 registers), then 8, 4, 2, 1.
+template <int V, int RMax>
+ELMO_AVX512 void panel_all_rows(const float* xt, int64_t M, const float* panel, const float* next, int64_t kb,
+                                int64_t ke, int64_t K, float* out, int64_t ldo, const float* add, int64_t lda,
+                                int64_t n0, const __mmask16* mask) {
+  int64_t r0 = 0;
+#define ELMO_ROWS(R)                                                                                               \
+  do {                                                                                                             \
+    if (r0 == 0)                                                                                                   \
+      panel_rows<R, V, kL1>(xt, M, panel, next, kb, ke, K, out, ldo, add, lda, r0, n0, mask);                      \
+    else                                                                                                           \
+      panel_rows<R, V, kL2>(xt, M, panel, next, kb, ke, K, out, ldo, add, lda, r0, n0, mask);                      \
+    r0 += R;                                                                                                       \
+  } while (0)
+  while (r0 + RMax <= M) ELMO_ROWS(RMax);
+  if (r0 + 8 <= M) ELMO_ROWS(8);
+  if (r0 + 4 <= M) ELMO_ROWS(4);
+  if (r0 + 2 <= M) ELMO_ROWS(2);
+  if (r0 < M) ELMO_ROWS(1);
+#undef ELMO_ROWS
+}
+
+// Packed panels (pack_panels, zero-padded), a thread's panels k block by k block: every panel's slice of one block
+// before the next block, so that the block's lines of xt (16 KiB at 16 rows) stay in L1 while the panel slices
+// stream past them (panel by panel, the whole of a long xt, 1 MiB at K = 16384, went through L1 once per panel:
+// dz·W_recᵀ at 16 rows 1.27-1.31 -> 1.09-1.12 ms, h·W_rec 1.15-1.24 -> 0.95-1.02 ms, 2 threads, same process).
+// The sums are the same, in the same order.
+template <int V, int RMax>
+ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, float* out,
+                                 int64_t ldo, const float* add, int64_t lda) {
+  constexpr int64_t W = 16 * V;
+  at::parallel_for(0, (N + W - 1) / W, 16 / V, [&](int64_t begin, int64_t end) {
+    for (int64_t kb = 0; kb == 0 || kb < K; kb += kBlock) {
+      const int64_t ke = std::min(K, kb + kBlock);
+      for (int64_t p = begin; p < end; ++p) {
+        // the next slice: the next panel's in this block, after the last panel the first one's next block (past
+        // the last block, the prefetches read nothing of use, and never fault)
+        const float* next = p + 1 < end ? panels + (p + 1) * K * W + kb * W : panels + begin * K * W + ke * W;
+        __mmask16 mask[V];
+        panel_masks<V>(N - p * W, mask);
+        panel_all_rows<V, RMax>(xt, M, panels + p * K * W, next, kb, ke, K, out, ldo, add, lda, p * W, mask);
+      }
+    }
+  });
+}
 
 #endif  // ELMO_X86
 
