@@ -131,6 +131,7 @@ def _setup(tmp: str, batch: int, n_tokens: int):
     # all 50,000 words in frequency (= Zipf rank) order, seen in this sample or not
     vocab = Vocabulary(words=build_vocab(counts)[:3] + [f"w{i}" for i in range(N_WORDS)])
     cfg = configs.original()
+    cfg.towers = 1  # one tower of `batch` rows a step (the preset is bilm-tf's 3)
     cfg.batch_size, cfg.n_train_tokens, cfg.device, cfg.backend = batch, n_tok, "cpu", "auto"
     return cfg, vocab, files
 

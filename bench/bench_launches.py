@@ -111,6 +111,7 @@ def _trainer(device: torch.device, deterministic: bool, steps: int = STEPS):
 
     opts = small_original_options()
     cfg = configs.original()
+    cfg.towers = 1  # one tower a step (the preset is bilm-tf's 3)
     cfg.char_embed_dim = opts["char_cnn"]["embedding"]["dim"]
     cfg.filters = opts["char_cnn"]["filters"]
     cfg.lstm_dim, cfg.projection_dim = opts["lstm"]["dim"], opts["lstm"]["projection_dim"]

@@ -182,7 +182,7 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
     under torch.profiler (``common.device_profile``: kernels by device time, host ops, how busy the GPU was)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cfg = cfg or configs.original()
-    cfg.batch_size = batch
+    cfg.batch_size, cfg.towers = batch, 1  # one tower of `batch` rows a step (the original preset has bilm-tf's 3)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_corpus(tmp, vocab_size, n_tokens)

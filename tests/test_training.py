@@ -314,6 +314,53 @@ def test_token_width_any_from_3_that_holds_the_widest_filter():
         cfg.validate()
 
 
+def test_original_preset_is_bilm_tf_s_three_gpus_of_128_rows():
+    """bin/train_elmo.py: 3 GPUs x 128 rows x 20 steps over 768,648,884 tokens, 10 epochs = 1,000,840 steps; as 3
+    towers in one process, or spread over torchrun's processes (1 and 3 share them; 2 cannot, and says so). The
+    towers run one after the other, so the memory estimate holds one tower's activations."""
+    from elmo_fast.training.configs import estimate_memory, original_towers
+    from elmo_fast.training.trainer import total_steps
+
+    cfg = original()
+    assert (cfg.towers, cfg.batch_size, cfg.unroll_steps) == (3, 128, 20)
+    assert total_steps(cfg, cfg.towers) == 1_000_840
+    assert original_towers(1) == (3, None) and original_towers(3) == (1, None)
+    towers, warning = original_towers(2)
+    assert towers == 1 and "cannot share them, so this run trains 2 towers (256 rows a step" in warning
+    one = estimate_memory(TrainConfig.from_dict({**cfg.to_dict(), "towers": 1}), 793471, cuda=False)
+    assert estimate_memory(cfg, 793471, cuda=False)["activations"] == one["activations"]
+
+
+@pytest.mark.parametrize("world_size, towers", [(1, 3), (3, 1), (2, 1), (4, 1)])
+def test_original_preset_spreads_its_towers_over_torchrun_processes(tmp_path, monkeypatch, world_size, towers):
+    """The CLI's prepare on rank 0 of `world_size` processes (no process group: the barriers are stubbed): 3 towers
+    in one process, one each in 3; a world size that 3 does not divide trains one each and warns; --towers wins."""
+    import argparse
+    import warnings
+
+    from elmo_fast.training import cli
+    from elmo_fast.training.trainer import DistInfo
+
+    monkeypatch.setattr(cli, "_barrier", lambda dinfo: None)
+    corpus = _write(tmp_path / "c.txt", "a b c\nb c a\n")
+    vocab = _write(tmp_path / "v.txt", "<S>\n</S>\n<UNK>\na\nb\nc\n")
+
+    def prepared(*extra):
+        p = argparse.ArgumentParser()
+        cli.add_train_arguments(p)
+        args = p.parse_args(["--save-dir", str(tmp_path / f"run{len(list(tmp_path.iterdir()))}"), "--config",
+                             "original", "--corpus", corpus, "--vocab", vocab, "--device", "cpu", *extra])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cfg = cli.prepare(args, DistInfo(rank=0, world_size=world_size))[0]
+        return cfg, [str(w.message) for w in caught if "towers of 128 rows" in str(w.message)]
+
+    cfg, said = prepared()
+    assert cfg.towers == towers
+    assert bool(said) == (3 % world_size != 0), said
+    assert prepared("--towers", "2")[0].towers == 2
+
+
 def test_memory_estimate_rejects_what_does_not_fit():
     cfg = original()
     with pytest.raises(ConfigError, match="needs about .* GiB"):

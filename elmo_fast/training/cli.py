@@ -13,10 +13,11 @@ import os
 import shutil
 import sys
 import typing
+import warnings
 
 from .._backend import BACKENDS
 from ..util import check_backend, check_input_file, check_output_dir, check_output_file
-from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config, small
+from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config, original_towers, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
 
 # the ops a training step runs (each must be available on the device for the chosen backend)
@@ -231,6 +232,11 @@ def prepare(args, dinfo):
                               "vocabulary the checkpoint was trained with as --vocab")
     else:
         cfg = load_config(args.config or "small")
+        if args.config == "original" and "towers" not in over and dinfo.world_size > 1:
+            towers, warning = original_towers(dinfo.world_size)
+            over = {**over, "towers": towers}
+            if warning and dinfo.is_main:
+                warnings.warn(warning, stacklevel=1)
         cfg = TrainConfig.from_dict({**cfg.to_dict(), **over})
         corpus, heldout, vocab_path = args.corpus, args.heldout, args.vocab
     cfg.validate()

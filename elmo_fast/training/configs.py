@@ -177,9 +177,24 @@ def _is_a(value, t) -> bool:
     return isinstance(value, t) or (t is float and isinstance(value, int))
 
 
+ORIGINAL_TOWERS = 3
+
+
 def original() -> TrainConfig:
-    """bilm-tf ``bin/train_elmo.py`` (spec §6.1): 2x4096_512_2048cnn_2xhighway; 3 GPUs x 128 rows."""
-    return TrainConfig(n_train_tokens=768648884)
+    """bilm-tf ``bin/train_elmo.py`` (spec §6.1): 2x4096_512_2048cnn_2xhighway; 3 GPUs x 128 rows, so 3 towers of
+    128 rows (384 rows a step, 1,000,840 steps). In one process the towers run one after the other; under torchrun
+    the CLI spreads the 3 over the processes (``original_towers``)."""
+    return TrainConfig(n_train_tokens=768648884, towers=ORIGINAL_TOWERS)
+
+
+def original_towers(world_size: int) -> tuple[int, str | None]:
+    """(towers per process, a warning or None) for bilm-tf's 3 towers over ``world_size`` processes: 3, 1 per
+    process at 3, and where 3 does not divide, one per process with a warning that the step is not bilm-tf's."""
+    if ORIGINAL_TOWERS % world_size == 0:
+        return ORIGINAL_TOWERS // world_size, None
+    return 1, (f"--config original is bilm-tf's {ORIGINAL_TOWERS} towers of 128 rows (384 rows a step); {world_size} "
+               f"processes cannot share them, so this run trains {world_size} towers ({world_size * 128} rows a "
+               "step, a different number of steps). Run 1 or 3 processes for bilm-tf's recipe, or set --towers")
 
 
 def small() -> TrainConfig:
@@ -243,7 +258,8 @@ def estimate_memory(cfg: TrainConfig, vocab_size: int, cuda: bool) -> dict[str, 
     dense = p["cnn"] + p["lstm"]
     params = 4 * (p["total"] * 2 + dense)  # weights + accumulators (fp32) + dense grads
     act_bytes = 2 if (cuda and cfg.bf16) else 4
-    B, T, P, H, L = cfg.batch_size * cfg.towers, cfg.unroll_steps, cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
+    # the towers of a process run one after the other, each freeing its activations: one tower's rows at a time
+    B, T, P, H, L = cfg.batch_size, cfg.unroll_steps, cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
     F_ = sum(f[1] for f in cfg.filters)
     n_tok = 2 * B * T  # both directions
     per_tok_lstm = L * (4 * H * 3 + H * 3 + P * 4)  # gates, c, tanh(c), m, h, dropout masks, residual
@@ -281,7 +297,7 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.
         raise ConfigError(
             f"the configuration needs about {est['total'] / gib:.1f} GiB on {device} (parameters+optimizer "
             f"{est['parameters'] / gib:.1f} GiB, activations {est['activations'] / gib:.1f} GiB for "
-            f"{cfg.batch_size}x{cfg.towers} rows x {cfg.unroll_steps} steps, vocabulary {vocab_size}) but only "
+            f"{cfg.batch_size} rows x {cfg.unroll_steps} steps a tower, vocabulary {vocab_size}) but only "
             f"{avail / gib:.1f} GiB is available; lower --batch-size/--unroll-steps/--n-negative-samples-batch, "
             "shrink the model or vocabulary (--vocab-max-size), or pass --no-check-memory")
     return est
