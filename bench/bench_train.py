@@ -181,8 +181,10 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
     """Every provider of ``providers`` timed (``_timed``); ``profile`` > 0: then that many more steps of elmo_fast
     under torch.profiler (``common.device_profile``: kernels by device time, host ops, how busy the GPU was)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cfg = cfg or configs.original()
-    cfg.batch_size, cfg.towers = batch, 1  # one tower of `batch` rows a step (the original preset has bilm-tf's 3)
+    if cfg is None:
+        cfg = configs.original()
+        cfg.towers = 1  # one tower of `batch` rows a step (the preset has bilm-tf's 3)
+    cfg.batch_size = batch
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         synthetic_corpus(tmp, vocab_size, n_tokens)
@@ -281,7 +283,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
         return 0
-    _report(run(a.steps, a.vocab, a.batch, configs.load_config(a.config), warmup=a.warmup, rounds=a.rounds,
+    cfg = configs.load_config(a.config)
+    if a.config == "original":
+        cfg.towers = 1  # one tower of --batch rows a step (the preset has bilm-tf's 3)
+    _report(run(a.steps, a.vocab, a.batch, cfg, warmup=a.warmup, rounds=a.rounds,
                     providers=a.providers.split(","), profile=a.profile))
     return 0
 

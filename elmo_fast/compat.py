@@ -123,12 +123,15 @@ class BidirectionalLanguageModel(nn.Module):
         self._bilm.reset_states(mask)
 
     def forward(self, ids: torch.Tensor) -> dict:
-        if isinstance(ids, np.ndarray):  # what bilm-tf's batchers return and its graph is fed
-            ids = torch.from_numpy(ids)
+        if isinstance(ids, np.ndarray):  # what bilm-tf's batchers return and its graph is fed (int32)
+            ids = torch.from_numpy(np.ascontiguousarray(ids))
+            ids = ids.to(next(self._bilm.parameters()).device)  # the model's device: a numpy array has none
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or \
                 ids.dtype == torch.bool:
             got = type(ids).__name__ + (f" {ids.dtype}" if isinstance(ids, torch.Tensor) else "")
             raise TypeError(f"ids must be an integer tensor or numpy array (Batcher or TokenBatcher output), got {got}")
+        if ids.dtype not in (torch.int32, torch.int64):  # uint8 would index as a mask, int16 not at all
+            ids = ids.long()
         B = ids.shape[0]
         if B > self.max_batch_size:
             raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}")

@@ -21,8 +21,10 @@ def _configuration_error_class(base: type) -> type:
 def __getattr__(name: str):
     # an unpickled error: the class made on first use (allennlp was loaded where it was raised)
     if name == "ConfigurationError":
-        from allennlp.common.checks import ConfigurationError as base
-
+        try:
+            from allennlp.common.checks import ConfigurationError as base
+        except ImportError:  # no allennlp: no such attribute (hasattr and getattr(..., default) must not raise)
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r} (allennlp is not installed)") from None
         return _configuration_error_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

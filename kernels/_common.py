@@ -54,9 +54,10 @@ def dot_acc(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def tanh(x):
-    # tanh(|x|) = (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (never overflows), the sign put back. In fp32 (and
-    # narrower), below |x| = 0.4, where 1 - e cancels (tanh(1e-6) came out 1.3% off), the odd Taylor series to x^13
-    # (the next term is under 0.1 ulp there): a few ulp of the result everywhere. fp64 keeps the quotient.
+    # tanh(|x|) = (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (never overflows), the sign put back. In fp32, below
+    # |x| = 0.4, where 1 - e cancels (tanh(1e-6) came out 1.3% off), the odd Taylor series to x^13 (the next term is
+    # under 0.1 ulp there): a few ulp of the result everywhere, and -0.0 stays -0.0. fp64 (the fp64 tests' accumulator)
+    # keeps the quotient, right to ~1e-16 absolute. (tl.exp takes fp32 and fp64 only: callers pass their accumulator.)
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     t = tl.where(x >= 0, t, -t)
@@ -67,7 +68,7 @@ def tanh(x):
         p = p * x2 - 5.3968253968253971e-2  # -17/315
         p = p * x2 + 1.3333333333333333e-1  # 2/15
         p = p * x2 - 3.3333333333333333e-1  # -1/3
-        t = tl.where(tl.abs(x) < 0.4, x + x * (x2 * p), t)
+        t = tl.where(tl.abs(x) < 0.4, tl.where(x == 0.0, x, x + x * (x2 * p)), t)
     return t
 
 

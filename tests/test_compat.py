@@ -150,6 +150,10 @@ def test_bilm_tf_model_takes_numpy_ids_and_names_wrong_ones(tiny_model):
     a = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.numpy().astype(np.int32))
     b = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids)
     torch.testing.assert_close(a["lm_embeddings"], b["lm_embeddings"], rtol=0, atol=0)
+    flipped = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.numpy()[::-1])  # a negative stride
+    torch.testing.assert_close(flipped["lm_embeddings"], b["lm_embeddings"].flip(0), rtol=1e-6, atol=1e-6)
+    small = compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.to(torch.int16))  # any integer dtype
+    torch.testing.assert_close(small["lm_embeddings"], b["lm_embeddings"], rtol=0, atol=0)
     with pytest.raises(TypeError, match="ids must be an integer tensor or numpy array .* got Tensor torch.float32"):
         compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.float())
     with pytest.raises(TypeError, match="got list"):

@@ -222,6 +222,10 @@ def test_gate_nonlinearities_are_accurate_to_a_few_ulp(gate_path):
                              ("sigmoid (o)", g[:, 3 * H :], torch.sigmoid(x64.flip(0)))):
         worst = _ulps(got, exact).max().item()
         assert worst <= 3.0, f"{what}: {worst:.2f} ulp"
+    z = torch.zeros(1, 4 * H)
+    z[0, H] = -0.0
+    _cell_forward(z, torch.zeros(1, H), None, g[:1], *(torch.empty(1, H) for _ in range(3)))
+    assert torch.signbit(g[0, H]), "tanh(-0.0) must be -0.0"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

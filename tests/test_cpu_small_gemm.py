@@ -68,6 +68,18 @@ def test_strided_operands_and_no_add():
     _check(30, 513, 45, seed=3, x_t=True, w_t=True, out_pad=3, width=32)
 
 
+def test_the_transpose_split_over_threads():
+    """At 16 rows the transpose of x splits k over the threads from 4,112 on (257 blocks of 16): K = 16384 (the
+    step's dz·W_recᵀ) and a tail (16,390), on 2 threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(16, 16384, 32, seed=6, x_pad=3)
+        _check(16, 16390, 20, seed=7)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_sum_runs_in_k_blocks():
     """Blocked accumulation keeps the error near a blocked GEMM's: at K = 16384 within 4x of torch.mm's worst."""
     g = torch.Generator().manual_seed(3)

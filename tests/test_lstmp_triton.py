@@ -415,10 +415,11 @@ def test_kernels_tanh_is_accurate_to_a_few_ulp():
     result, from tiny to saturating arguments of both signs: (1 - e) / (1 + e) alone was right only to ~1e-7
     absolute (tanh(1e-6) 1.3% off)."""
     mag = torch.logspace(-30, 1.3, 4000, dtype=torch.float64)
-    x = torch.cat([mag, -mag, torch.linspace(-10, 10, 4001, dtype=torch.float64)]).float().to(DEV)
+    x = torch.cat([mag, -mag, torch.linspace(-10, 10, 4001, dtype=torch.float64), torch.tensor([-0.0])]).float().to(DEV)
     y = torch.full_like(x, math.nan)
     _tanh_of[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
     exact = torch.tanh(x.double().cpu())
     e = exact.abs().float().clamp(min=torch.finfo(torch.float32).tiny)
     ulps = (y.cpu().double() - exact).abs() / (torch.nextafter(e, torch.tensor(math.inf)) - e).double()
     assert ulps.max().item() <= 4.0, f"{ulps.max().item():.2f} ulp at x = {x[ulps.argmax()].item()}"
+    assert torch.signbit(y[-1].cpu()), "tanh(-0.0) must be -0.0"

@@ -173,10 +173,17 @@ def test_scalar_mix_errors_are_allennlp_s_configuration_error_when_it_is_loaded(
     parity suite checks the real one), also its ConfigurationError, with the message."""
     import types
 
+    import importlib.util
+
+    import elmo_fast.util
+
     monkeypatch.delitem(sys.modules, "allennlp.common.checks", raising=False)
     with pytest.raises(ValueError, match="ScalarMix has 3 weights but got 2 tensors") as caught:
         elmo_fast.ScalarMix(3)([torch.zeros(1)] * 2)
     assert type(caught.value) is ValueError
+    if importlib.util.find_spec("allennlp") is None:  # probing the attribute must not raise ImportError
+        monkeypatch.delitem(vars(elmo_fast.util), "ConfigurationError", raising=False)
+        assert not hasattr(elmo_fast.util, "ConfigurationError")
 
     class StandIn(Exception):
         def __init__(self, message):

@@ -108,7 +108,7 @@ inline __attribute__((always_inline)) V tanh_v(V x) {
   p = p * x2 - 5.3968253968253971e-2f;                           // -17/315
   p = p * x2 + 1.3333333333333333e-1f;                           // 2/15
   p = p * x2 - 3.3333333333333333e-1f;                           // -1/3
-  const V small = x + x * (x2 * p);
+  const V small = x == 0.0f ? x : x + x * (x2 * p);  // -0.0 stays -0.0
   return a < 0.4f ? small : (x < 0.0f ? V{} - big : big);
 }
 

@@ -126,7 +126,8 @@ constexpr int64_t kAhead = 64;    // prefetch distance in k (4 KiB of panel): th
 
 // xt (K x M) = the rows m0..m0+15 (fewer: `rows`) of x, unit k stride, row stride sm, for k in [k0, k1), k0 a multiple
 // of 16: blocks of 16 k x 16 rows transposed in registers (unpacks at 32 and 64 bits, then 128-bit block shuffles),
-// ~8x faster than the scalar strided copy (133 us for K = 16384, M = 16, the step's dz·W_recᵀ).
+// 1.7-4.5x faster than the scalar strided copy it replaces (K = 16384, M = 16, the step's dz·W_recᵀ: 133 -> 77 us
+// on 1 thread, 104 -> 37 us on 2).
 // (GCC 12 warns that the unpack intrinsics' own _mm512_undefined operand "may be used uninitialized": a false
 // positive of the header's self-initialisation idiom)
 #pragma GCC diagnostic push
@@ -237,7 +238,8 @@ ELMO_AVX512 void panel_all_rows(const float* xt, int64_t M, const float* panel, 
 // Packed panels (pack_panels, zero-padded), a thread's panels k block by k block: every panel's slice of one block
 // before the next block, so that the block's lines of xt (16 KiB at 16 rows) stay in L1 while the panel slices
 // stream past them (panel by panel, the whole of a long xt, 1 MiB at K = 16384, went through L1 once per panel:
-// dz·W_recᵀ at 16 rows 1.27-1.31 -> 1.09-1.12 ms, h·W_rec 1.15-1.24 -> 0.95-1.02 ms, 2 threads, same process).
+// 2 threads, the two builds in alternating processes, medians of two runs: dz·W_recᵀ at 16 rows 1.365/1.478 ->
+// 1.168/1.350 ms, h·W_rec 1.168/1.271 -> 0.991/0.963 ms; bench/results/cpu_train.md).
 // The sums are the same, in the same order.
 template <int V, int RMax>
 ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels, int64_t K, int64_t N, float* out,
