@@ -33,8 +33,26 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run here; the message says why and how to get it."""
 
 
+_TRITON_TRUE = ("1", "true", "on", "yes", "y")  # what Triton's own getenv_bool takes as on (any case), else off
+
+
 def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _TRITON_TRUE
+
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment switch of elmo_fast's (ELMO_FAST_CPU_EXT, ..._CPU_ONEDNN, ..._CPU_BF16): 1/true/yes/on
+    or 0/false/no/off in any case, unset or empty for ``default``; any other value is refused by name rather than
+    read as one or the other."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1 or 0 (also true/false, yes/no, on/off)")
 
 
 @functools.lru_cache(maxsize=None)

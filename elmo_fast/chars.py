@@ -179,6 +179,10 @@ class TokenBatcher:
 
     def __init__(self, lm_vocab_file: str):
         self.vocab = Vocabulary(lm_vocab_file)
+        missing = [t for t, i in ((BOS_TOKEN, self.vocab.bos), (EOS_TOKEN, self.vocab.eos)) if i < 0]
+        if missing:  # bilm-tf would give every boundary the padding id 0
+            raise ValueError(f"vocabulary {lm_vocab_file} lacks {missing}; TokenBatcher puts <S> and </S> around every "
+                             "sentence (a model's vocabulary file has them)")
 
     def batch_sentences(self, sentences: list[list[str]]) -> torch.Tensor:
         _check_batch(sentences)
@@ -186,6 +190,11 @@ class TokenBatcher:
         out = torch.zeros(len(sentences), max_len, dtype=torch.long)
         v = self.vocab
         for k, sent in enumerate(sentences):
+            if v.unk < 0:
+                unknown = [w for w in sent if w not in v._word_to_id]
+                if unknown:  # bilm-tf would give them the padding id 0
+                    raise ValueError(f"sentence {k}: {unknown[:5]} are not in the vocabulary, which has no <UNK> to "
+                                     "map them to")
             ids = v.encode(sent, split=False)
             out[k, : len(ids)] = torch.from_numpy(ids.astype(np.int64)) + 1
         return out

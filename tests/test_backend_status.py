@@ -82,3 +82,32 @@ def test_cuda_extension_build_is_opt_in(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     if torch.version.cuda is None:  # a CPU torch: the forced build says why it cannot be done
         assert "ELMO_FAST_BUILD_CUDA=1 but the CUDA extension cannot be built here" in out.stderr
+
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), ("on", True), (" yes ", True), ("0", False),
+                                             ("false", False), ("Off", False), ("no", False), ("", "default")])
+def test_on_off_switches_read_the_usual_spellings(monkeypatch, value, expected):
+    monkeypatch.setenv("ELMO_FAST_CPU_EXT", value)
+    for default in (True, False):
+        assert _backend.env_flag("ELMO_FAST_CPU_EXT", default) is (default if expected == "default" else expected)
+
+
+def test_on_off_switches_refuse_other_values_by_name(monkeypatch):
+    """ELMO_FAST_CPU_EXT=false used to leave the extension on (only "0" counted), and any other value was read as
+    the default: now every spelling of on/off works and anything else is refused, naming the variable."""
+    from elmo_fast.cpu.ext import cpu_ext
+
+    monkeypatch.setenv("ELMO_FAST_CPU_EXT", "false")
+    assert cpu_ext() is None
+    monkeypatch.setenv("ELMO_FAST_CPU_EXT", "bogus")
+    with pytest.raises(ValueError, match=r"ELMO_FAST_CPU_EXT='bogus': expected 1 or 0 \(also true/false"):
+        cpu_ext()
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("Yes", True), ("y", True), ("true", True), ("0", False),
+                                       ("false", False), ("off", False), ("bogus", False), ("", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
+    """Triton's getenv_bool takes 1/true/on/yes/y (any case) as on and anything else as off; elmo_fast read any
+    value but "" and "0" as on, so TRITON_INTERPRET=false picked the interpreter that Triton then did not run."""
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _backend.triton_interpret() is on

@@ -76,3 +76,16 @@ def test_batcher_adds_boundaries(tmp_path):
     assert v.words == ["<S>", "</S>", "<UNK>", "the", "cat"]
     tb = TokenBatcher(str(vocab)).batch_sentences([["the", "dog"], ["cat"]])
     assert tb.tolist() == [[1, 4, 3, 2], [1, 5, 2, 0]]
+
+
+def test_token_batcher_needs_the_boundaries_and_unk_for_unknown_words(tmp_path):
+    """bilm-tf's TokenBatcher gives missing <S>/</S>/<UNK> the padding id 0, silently: refused here, by name."""
+    vocab = tmp_path / "v.txt"
+    vocab.write_text("the\ncat\n")
+    with pytest.raises(ValueError, match=r"lacks \['<S>', '</S>'\]; TokenBatcher puts <S> and </S>"):
+        TokenBatcher(str(vocab))
+    vocab.write_text("<S>\n</S>\nthe\ncat\n")
+    tb = TokenBatcher(str(vocab))
+    assert tb.batch_sentences([["the", "cat"]]).tolist() == [[1, 3, 4, 2]]
+    with pytest.raises(ValueError, match=r"sentence 1: \['dog'\] are not in the vocabulary, which has no <UNK>"):
+        tb.batch_sentences([["cat"], ["the", "dog"]])

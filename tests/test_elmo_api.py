@@ -261,3 +261,39 @@ def test_forward_keyword_names(tiny_model):
     torch.testing.assert_close(e1, e2)
     with pytest.raises(TypeError, match="not both"):
         elmo_fast.ElmoBiLM(o, w)(ids, inputs=ids)
+
+
+def test_rows_must_be_right_padded(tiny_model):
+    """A padding position (all ids 0) before a token would end the sentence there and run the padding through the
+    LSTMs as a token: refused, for Elmo and ElmoBiLM, 3-d and 4-d; empty rows anywhere in the batch are fine."""
+    o, w = tiny_model
+    elmo, bilm = elmo_fast.Elmo(o, w, 1, dropout=0.0), elmo_fast.ElmoBiLM(o, w)
+    good = elmo_fast.batch_to_ids([["The", "cat", "sat"], [], ["a"]])
+    assert elmo(good)["mask"].tolist() == [[True] * 3, [False] * 3, [True, False, False]]
+    hole, left = good.clone(), good.clone()
+    hole[0, 1] = 0
+    left[2] = torch.roll(left[2], 2, 0)  # left-padded: the token at the end
+    for bad in (hole, left, hole.view(1, 3, 3, 50)):
+        for model in (elmo, bilm):
+            if bad.dim() == 4 and model is bilm:
+                continue
+            with pytest.raises(ValueError, match="char ids must be right-padded: a row has a token after a padding"):
+                model(bad)
+
+
+def test_reset_states_takes_a_bool_mask_of_the_batch_rows(tiny_model):
+    """reset_states(mask): a 1-d bool tensor (or list), at most the stored rows. Row indices [0, 2] were read as
+    bools (row 1 reset), and other shapes were cut or padded: refused by name."""
+    o, w = tiny_model
+    bilm = elmo_fast.ElmoBiLM(o, w)
+    ids = elmo_fast.batch_to_ids(SENTS)
+    bilm(ids)
+    for bad in (torch.tensor([0, 2]), torch.ones(3), torch.ones(3, 1, dtype=torch.bool),
+                torch.ones(len(SENTS) + 1, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"reset_states: mask must be a 1-d bool tensor of at most 3 rows"):
+            bilm.reset_states(bad)
+    bilm.reset_states([True, False])  # a list, shorter than the stored rows: row 2 keeps its state
+    fresh = elmo_fast.ElmoBiLM(o, w)(ids)["activations"][2]
+    again = bilm(ids)["activations"][2]
+    torch.testing.assert_close(again[0], fresh[0])
+    assert not torch.allclose(again[2], fresh[2])

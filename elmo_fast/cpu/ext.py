@@ -8,12 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import warnings
 
 import torch
 
-from .._backend import torch_build_mismatch
+from .._backend import env_flag, torch_build_mismatch
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +32,7 @@ def _load():
 
 def cpu_ext():
     """The ``elmo_fast._cpu`` module, or None (not built, or turned off with ELMO_FAST_CPU_EXT=0)."""
-    if os.environ.get("ELMO_FAST_CPU_EXT", "1").strip() == "0":
+    if not env_flag("ELMO_FAST_CPU_EXT", True):
         return None
     return _load()
 

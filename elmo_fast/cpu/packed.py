@@ -38,9 +38,10 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._backend import env_flag
 from .._stamp import stamp, unchanged
 
-_ONEDNN_OK = os.environ.get("ELMO_FAST_CPU_ONEDNN", "1").strip() != "0"
+_ONEDNN_OK = env_flag("ELMO_FAST_CPU_ONEDNN", True)
 
 
 class PackedLinear:

@@ -67,10 +67,13 @@ class BiLM(nn.Module):
         if mask is None:
             self._states = None
             return
-        mask = torch.as_tensor(mask, dtype=torch.bool, device=self._states[0].device).reshape(-1)
+        mask = mask if isinstance(mask, torch.Tensor) else torch.as_tensor(mask)
         rows = self._states[0].shape[2]
-        if mask.numel() > rows:
-            mask = mask[:rows]
+        if mask.dtype != torch.bool or mask.dim() != 1 or mask.numel() > rows:
+            raise ValueError(f"reset_states: mask must be a 1-d bool tensor of at most {rows} rows (True: reset that "
+                             f"batch row; rows past it keep their state), got {mask.dtype} of shape "
+                             f"{tuple(mask.shape)}")
+        mask = mask.to(self._states[0].device)
         keep = (~torch.nn.functional.pad(mask, (0, rows - mask.numel()))).to(self._states[0].dtype)
         self._states = [s * keep.view(1, 1, -1, 1) for s in self._states]
 

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .._backend import env_flag
 from ..cpu.packed import PackedWeightCache
 from ..options import LSTMOptions
 
@@ -35,7 +35,7 @@ class LSTMPStack(nn.Module):
                       if with_projection else None)
         # cpu backend: packed weights kept across calls (dropped on pickling, rebuilt lazily); bf16 inference opt-in
         self._cpu_weight_cache = PackedWeightCache()
-        self.cpu_bf16 = os.environ.get("ELMO_FAST_CPU_BF16", "0").strip() == "1"
+        self.cpu_bf16 = env_flag("ELMO_FAST_CPU_BF16", False)
         self.reset_parameters()
 
     def _apply(self, fn, *args, **kwargs):
