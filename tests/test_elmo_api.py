@@ -297,3 +297,21 @@ def test_reset_states_takes_a_bool_mask_of_the_batch_rows(tiny_model):
     again = bilm(ids)["activations"][2]
     torch.testing.assert_close(again[0], fresh[0])
     assert not torch.allclose(again[2], fresh[2])
+
+
+def test_elmo_arguments_are_checked_by_name(tiny_model):
+    """num_output_representations an integer >= 1 (a numpy integer too), module an ElmoBiLM, word inputs an integer
+    tensor: each wrong one is named (they failed deep inside with raw TypeError/AttributeError/IndexError)."""
+    import numpy as np
+
+    o, w = tiny_model
+    assert len(elmo_fast.Elmo(o, w, np.int64(2))._scalar_mixes) == 2
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(ValueError, match=f"num_output_representations must be an integer >= 1, got {bad!r}"):
+            elmo_fast.Elmo(o, w, bad)
+    with pytest.raises(TypeError, match="module must be the biLM of another Elmo .* got Linear"):
+        elmo_fast.Elmo(None, None, 1, module=torch.nn.Linear(2, 2))
+    cached = elmo_fast.ElmoBiLM(o, w, vocab_to_cache=["The", "first"])
+    ids = elmo_fast.batch_to_ids([["The", "first"]])
+    with pytest.raises(TypeError, match="word_inputs must be an integer tensor of shape .* got Tensor torch.bool"):
+        cached(ids, torch.ones(1, 2, dtype=torch.bool))

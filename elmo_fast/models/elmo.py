@@ -1,6 +1,7 @@
 """AllenNLP-compatible ``ElmoBiLM`` (``_ElmoBiLm``) and ``Elmo``: same arguments, same outputs."""
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -202,8 +203,11 @@ class ElmoBiLM(nn.Module):
                           "(as AllenNLP does)", stacklevel=2)
             word_inputs = None
         if word_inputs is not None:
-            if not isinstance(word_inputs, torch.Tensor) or word_inputs.dtype.is_floating_point:
-                raise TypeError("word_inputs must be an integer tensor of shape (batch, tokens)")
+            if not isinstance(word_inputs, torch.Tensor) or word_inputs.dtype.is_floating_point or \
+                    word_inputs.dtype in (torch.bool, torch.complex64, torch.complex128):
+                got = type(word_inputs).__name__ + (f" {word_inputs.dtype}" if isinstance(word_inputs, torch.Tensor)
+                                                    else "")
+                raise TypeError(f"word_inputs must be an integer tensor of shape (batch, tokens), got {got}")
             if tuple(word_inputs.shape) != tuple(inputs.shape[:2]):
                 raise ValueError(f"word_inputs shape {tuple(word_inputs.shape)} does not match the char ids' "
                                  f"(batch, tokens) = {tuple(inputs.shape[:2])}")
@@ -267,12 +271,21 @@ class Elmo(nn.Module):
         if module is not None:
             if options_file is not None or weight_file is not None:
                 raise configuration_error("pass either module or options_file/weight_file, not both")
+            if not (isinstance(module, nn.Module) and hasattr(module, "num_layers")
+                    and hasattr(module, "get_output_dim")):
+                raise TypeError(f"module must be the biLM of another Elmo (an ElmoBiLM: num_layers, get_output_dim), "
+                                f"got {type(module).__name__}")
             self._elmo_lstm = module
         else:
             self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,
                                        vocab_to_cache=vocab_to_cache, backend=backend, cuda_graph=cuda_graph)
-        if num_output_representations < 1:
-            raise ValueError(f"num_output_representations must be >= 1, got {num_output_representations}")
+        try:  # an int or anything int-like (a numpy integer), not a float, str or bool
+            count = operator.index(num_output_representations)
+        except TypeError:
+            count = None
+        if count is None or isinstance(num_output_representations, bool) or count < 1:
+            raise ValueError(f"num_output_representations must be an integer >= 1, got {num_output_representations!r}")
+        num_output_representations = count
         self._has_cached_vocab = vocab_to_cache is not None
         self._keep_sentence_boundaries = keep_sentence_boundaries
         self._dropout = nn.Dropout(p=dropout)
