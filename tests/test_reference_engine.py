@@ -251,3 +251,22 @@ def test_lstmp_op_validates_inputs(change, err, msg):
     args.update(change)
     with pytest.raises(err, match=msg):
         lstmp(**args, backend="reference")
+
+
+def test_scalar_mix_names_wrong_inputs():
+    """Tensors of different shapes, a non-tensor, a layer-norm mask of another shape (a (1, T) or (B, 1) mask
+    broadcast and gave wrong statistics), a mixture size below 1."""
+    layers = [torch.randn(2, 3, 4) for _ in range(2)]
+    mix = elmo_fast.ScalarMix(2, do_layer_norm=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert mix(layers, mask).shape == (2, 3, 4)
+    for bad in ([layers[0], torch.randn(2, 3, 5)], [layers[0], 1.0]):
+        with pytest.raises(ValueError, match="ScalarMix mixes tensors of one shape, got"):
+            mix(bad, mask)
+    for bad_mask in (mask[:1], mask[:, :1]):
+        with pytest.raises(ValueError, match=r"the mask must have the layers' shape without the feature axis, "
+                                             r"\(2, 3\)"):
+            mix(layers, bad_mask)
+    for size in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="ScalarMix needs a mixture_size >= 1"):
+            elmo_fast.ScalarMix(size)

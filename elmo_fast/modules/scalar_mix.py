@@ -19,6 +19,9 @@ class ScalarMix(nn.Module):
                  initial_scalar_parameters: list[float] | None = None, trainable: bool = True,
                  eps: float | None = None):
         super().__init__()
+        if isinstance(mixture_size, bool) or not isinstance(mixture_size, int) or mixture_size < 1:
+            raise configuration_error(f"ScalarMix needs a mixture_size >= 1 (the number of layers), got "
+                                      f"{mixture_size!r}")
         if initial_scalar_parameters is None:
             initial_scalar_parameters = [0.0] * mixture_size
         if len(initial_scalar_parameters) != mixture_size:
@@ -36,6 +39,13 @@ class ScalarMix(nn.Module):
     def forward(self, tensors: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
         if len(tensors) != self.mixture_size:
             raise configuration_error(f"ScalarMix has {self.mixture_size} weights but got {len(tensors)} tensors")
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in tensors]
+        if any(shape != shapes[0] or not isinstance(shape, tuple) for shape in shapes):
+            raise ValueError(f"ScalarMix mixes tensors of one shape, got {shapes}")
+        if self.do_layer_norm and mask is not None and tuple(mask.shape) != shapes[0][:-1]:
+            raise ValueError(f"ScalarMix: the mask must have the layers' shape without the feature axis, "
+                             f"{shapes[0][:-1]}, got {tuple(mask.shape)} (a broadcast mask would give the layer norm "
+                             "wrong statistics)")
         w = torch.cat(list(self.scalar_parameters)).to(tensors[0].dtype)
         eps = self.eps
         if eps is None:
