@@ -89,3 +89,9 @@ def test_token_batcher_needs_the_boundaries_and_unk_for_unknown_words(tmp_path):
     assert tb.batch_sentences([["the", "cat"]]).tolist() == [[1, 3, 4, 2]]
     with pytest.raises(ValueError, match=r"sentence 1: \['dog'\] are not in the vocabulary, which has no <UNK>"):
         tb.batch_sentences([["cat"], ["the", "dog"]])
+
+
+@pytest.mark.parametrize("width", [2, 0, "50", 50.0])
+def test_batcher_names_a_bad_token_width(width):
+    with pytest.raises(ValueError, match=f"max_token_length must be an integer >= 3 .*, got {width!r}"):
+        Batcher(max_token_length=width)
