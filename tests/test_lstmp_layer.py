@@ -192,6 +192,9 @@ def test_extras_match_the_tf_chain():
     (lambda: elmo_fast.LSTMP(4, 6, dropout=1.5), "dropout must be a probability"),
     (lambda: elmo_fast.LSTMP(4, 6, proj_clip=1.0), "proj_clip clips the projection"),
     (lambda: elmo_fast.LSTMP(4, 6, backend="gpu"), "is not a backend"),
+    (lambda: elmo_fast.LSTMP(4, 6, cell_clip=float("nan")), "cell_clip must be None or a number >= 0, got nan"),
+    (lambda: elmo_fast.LSTMP(4, 6, proj_size=3, proj_clip=float("nan")), "proj_clip must be None or a number >= 0"),
+    (lambda: elmo_fast.LSTMP(4, 6, forget_bias=float("nan")), "forget_bias must be a finite number, got nan"),
 ])
 def test_constructor_errors(make, match):
     with pytest.raises(ValueError, match=match):
@@ -206,6 +209,8 @@ def test_forward_errors():
         model(torch.randn(3))
     with pytest.raises(ValueError, match=r"h0 must have shape \(2, 2, 6\), got a tensor of shape \(1, 2, 6\)"):
         model(torch.randn(3, 2, 4), (torch.zeros(1, 2, 6), torch.zeros(2, 2, 6)))
+    with pytest.raises(TypeError, match="input must be a floating-point tensor .* got torch.int64"):
+        model(torch.ones(3, 2, 4, dtype=torch.long))
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])

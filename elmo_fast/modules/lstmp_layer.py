@@ -140,8 +140,10 @@ class LSTMP(nn.Module):
         if proj_clip is not None and proj_size == 0:
             raise ValueError("LSTMP: proj_clip clips the projection, which needs proj_size > 0")
         for name, v in (("cell_clip", cell_clip), ("proj_clip", proj_clip)):
-            if v is not None and (not isinstance(v, numbers.Real) or v < 0):
+            if v is not None and (not isinstance(v, numbers.Real) or not v >= 0):  # NaN too: all-NaN outputs
                 raise ValueError(f"LSTMP: {name} must be None or a number >= 0, got {v!r}")
+        if not isinstance(forget_bias, numbers.Real) or not math.isfinite(forget_bias):
+            raise ValueError(f"LSTMP: forget_bias must be a finite number, got {forget_bias!r}")
         if dropout > 0 and num_layers == 1:
             warnings.warn(f"LSTMP: dropout acts between layers, so dropout={dropout} does nothing with "
                           "num_layers=1 (as nn.LSTM)", stacklevel=2)
@@ -249,6 +251,8 @@ class LSTMP(nn.Module):
             lengths = None
         if x.shape[-1] != self.input_size:
             raise ValueError(f"LSTMP: input.size(-1) must be input_size={self.input_size}, got {x.shape[-1]}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"LSTMP: input must be a floating-point tensor (the weights' dtype), got {x.dtype}")
         B, T = x.shape[0], x.shape[1]
         lengths = (torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None
                    else lengths.to(x.device))
