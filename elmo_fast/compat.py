@@ -295,7 +295,8 @@ class LMDataset:
                         self._reverse, self._test, self._shuffle, self._seed)
 
     def iter_batches(self, batch_size: int, num_steps: int):
-        yield from _bilm_batches(self._stream(batch_size, num_steps), self.max_word_length is not None)
+        # not a generator itself: the stream (which refuses a non-positive size) is made, and checked, at the call
+        return _bilm_batches(self._stream(batch_size, num_steps), self.max_word_length is not None)
 
 
 class BidirectionalLMDataset(LMDataset):

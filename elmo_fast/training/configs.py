@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import typing
 from dataclasses import dataclass, field
@@ -94,20 +96,70 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
 
+        def integer(name, low, nullable=False, note=""):
+            v = getattr(self, name)
+            if nullable and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"{name} must be an integer >= {low}{' or null' if nullable else ''}{note}, "
+                                  f"got {v!r}")
+
+        def number(name, low, strict, nullable=False, note=""):
+            """A finite real number above ``low`` (``strict``) or at least ``low``: NaN and infinities fail every
+            comparison that matters here (a NaN learning rate trains NaNs), so they are refused by name."""
+            v = getattr(self, name)
+            if nullable and v is None:
+                return
+            ok = (not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
+                  and (v > low if strict else v >= low))
+            if not ok:
+                raise ConfigError(f"{name} must be a finite number {'>' if strict else '>='} {low}"
+                                  f"{' or null' if nullable else ''}{note}, got {v!r}")
+
         for n in ("char_embed_dim", "lstm_dim", "projection_dim", "n_layers", "batch_size", "unroll_steps",
                   "n_negative_samples_batch", "n_epochs", "towers", "checkpoint_every", "keep_checkpoints",
                   "eval_batch_size", "eval_unroll_steps", "log_every", "queue_size", "max_characters_per_token"):
             pos(n)
+        for n in ("char_inputs", "bidirectional", "share_embedding_softmax", "use_skip_connections", "sample_softmax",
+                  "bf16", "deterministic", "check_vocab_order", "check_memory"):
+            if not isinstance(getattr(self, n), bool):
+                raise ConfigError(f"{n} must be true or false, got {getattr(self, n)!r}")
+        integer("n_highway", 0)
+        integer("max_steps", 1, nullable=True, note=" (null: from n_epochs)")
+        integer("n_train_tokens", 0, nullable=True)
+        if self.n_train_tokens == 0 and self.max_steps is None:
+            raise ConfigError("n_train_tokens is 0, so the steps cannot be counted from it; pass --n-train-tokens "
+                              "or --max-steps")
+        integer("eval_every", 0, nullable=True, note=" (0 or null: only at the end)")
+        integer("eval_max_batches", 1, nullable=True, note=" (null: all)")
+        integer("num_threads", 0, nullable=True, note=" (0 or null: torch's default)")
+        integer("vocab_min_count", 1, note=" (every word of the corpus occurs at least once: 1 keeps them all)")
+        integer("vocab_max_size", 3, nullable=True, note=" (the vocabulary always holds <S>, </S> and <UNK>)")
+        integer("vocab_check_lines", 1)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(1 << 63) <= self.seed < 1 << 64:
+            raise ConfigError(f"seed must be an integer in [-2**63, 2**64) (torch's seed range), got {self.seed!r}")
+        number("learning_rate", 0, strict=True)
+        number("initial_accumulator_value", 0, strict=True)
+        number("all_clip_norm_val", 0, strict=True)
+        for n in ("cell_clip", "proj_clip"):
+            number(n, 0, strict=False, nullable=True, note=" (null: no clip)")
+        number("time_budget", 0, strict=True, nullable=True, note=" (null: no limit)")
+        number("sleep_per_step", 0, strict=False)
         if self.data_worker not in ("auto", "thread", "process"):
             raise ConfigError(f"data_worker must be auto, thread or process, got {self.data_worker!r}")
         if self.activation not in ("relu", "tanh"):
             raise ConfigError(f"activation must be relu or tanh, got {self.activation!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0.0 <= d < 1.0:  # NaN fails the range too
+            raise ConfigError(f"dropout must be in [0, 1), got {d!r}")
         if self.projection_dim > self.lstm_dim:
             raise ConfigError(f"projection_dim ({self.projection_dim}) exceeds lstm_dim ({self.lstm_dim})")
-        if not self.filters or any(len(f) != 2 or f[0] < 1 or f[1] < 1 for f in self.filters):
-            raise ConfigError(f"filters must be a non-empty list of [width, count], got {self.filters!r}")
+        if (not isinstance(self.filters, (list, tuple)) or not self.filters
+                or any(not isinstance(f, (list, tuple)) or len(f) != 2
+                       or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in f)
+                       for f in self.filters)):
+            raise ConfigError(f"filters must be a non-empty list of [width, count] (positive integers), got "
+                              f"{self.filters!r}")
         if max(f[0] for f in self.filters) > self.max_characters_per_token:
             raise ConfigError("a filter is wider than max_characters_per_token")
         if self.share_embedding_softmax and self.char_inputs:
@@ -116,8 +168,6 @@ class TrainConfig:
         if self.max_characters_per_token < 3:
             raise ConfigError(f"max_characters_per_token must be at least 3 (begin-of-word, a character, end-of-word), "
                               f"got {self.max_characters_per_token}")
-        if self.learning_rate <= 0 or self.initial_accumulator_value <= 0:
-            raise ConfigError("learning_rate and initial_accumulator_value must be > 0")
         from .._backend import BACKENDS
 
         if self.backend not in BACKENDS:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob as _glob
 import multiprocessing
+import numbers
 import os
 import pickle
 import queue
@@ -286,6 +287,11 @@ class LMStream:
     def __init__(self, shards: list[str], vocab: Vocabulary, batch_size: int, unroll_steps: int, max_chars: int,
                  reverse: bool = False, test: bool = False, shuffle_on_load: bool | None = None,
                  seed: str | int = 0, token_cache: TokenCache | None = None):
+        # every packer passes here (the trainer's, its evaluation's, compat's iter_batches): 0 rows or 0 steps would
+        # make empty batches forever (test data never runs out), a negative number a raw numpy error
+        for name, v in (("batch_size", batch_size), ("unroll_steps (bilm-tf's num_steps)", unroll_steps)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.source = SentenceSource(shards, reverse, test, (not test) if shuffle_on_load is None else shuffle_on_load,
                                      seed)
         self.B, self.T = batch_size, unroll_steps
