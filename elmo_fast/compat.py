@@ -96,6 +96,8 @@ class BidirectionalLanguageModel(nn.Module):
     def __init__(self, options_file, weight_file, use_character_inputs: bool = True,
                  embedding_weight_file: str | None = None, max_batch_size: int = 128, backend: str | None = "auto"):
         super().__init__()
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend)
         self._bilm.requires_grad_(False)
         self.max_batch_size = max_batch_size
@@ -111,7 +113,13 @@ class BidirectionalLanguageModel(nn.Module):
         else:
             if embedding_weight_file is None:
                 raise ValueError("use_character_inputs=False needs embedding_weight_file (from dump_token_embeddings)")
+            from .util import check_input_file
+
+            check_input_file(embedding_weight_file, "embedding_weight_file")
             with h5py.File(embedding_weight_file, "r") as fh:
+                if not isinstance(fh.get("embedding"), h5py.Dataset) or fh["embedding"].dtype.kind != "f":
+                    raise ValueError(f"{embedding_weight_file}: no float dataset 'embedding' (dump_token_embeddings "
+                                     f"writes one); found {sorted(fh.keys())}")
                 emb = torch.from_numpy(fh["embedding"][...].astype(np.float32))
             P = self._bilm.options.projection_dim
             if emb.dim() != 2 or emb.shape[1] != P:
@@ -135,24 +143,21 @@ class BidirectionalLanguageModel(nn.Module):
         B = ids.shape[0]
         if B > self.max_batch_size:
             raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}")
+        dev = next(self._bilm.parameters()).device
+        if ids.device != dev:
+            raise ValueError(f"ids are on {ids.device} but the model is on {dev}; move one of them")
         if self.use_character_inputs:
-            if ids.dim() != 3:
-                L = self._bilm.options.char_cnn.max_characters_per_token
+            L = self._bilm.options.char_cnn.max_characters_per_token
+            if ids.dim() != 3 or ids.shape[-1] != L:
                 raise ValueError(f"character inputs must be (batch, tokens + 2, {L}), got {tuple(ids.shape)}")
-            mask = (ids > 0).any(-1)
+            mask = _checked_mask(ids, (ids > 0).any(-1), 261, "char ids (Batcher output: raw ids + 1, 0 = padding)")
             out = self._bilm.forward_embeddings(self._bilm.token_encoder(ids), mask, mask_token_layer=False)
         else:
             if ids.dim() != 2:
                 raise ValueError(f"token inputs must be (batch, tokens + 2), got {tuple(ids.shape)}")
-            mask = ids > 0
-            if self._embedding is None:
-                emb = self._bilm.embed_words(ids)
-            else:
-                lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read
-                if hi >= self._embedding.shape[0] or lo < 0:
-                    raise ValueError(f"token ids must lie in [0, {self._embedding.shape[0] - 1}], got ids from {lo} "
-                                     f"to {hi}")
-                emb = self._embedding[ids]
+            rows = self._bilm.word_embedding.shape[0] if self._embedding is None else self._embedding.shape[0] - 1
+            mask = _checked_mask(ids, ids > 0, rows, "token ids (TokenBatcher output: vocabulary id + 1, 0 = padding)")
+            emb = self._bilm.embed_words(ids.long()) if self._embedding is None else self._embedding[ids]
             out = self._bilm.forward_embeddings(emb, mask, mask_token_layer=False)
         lengths = mask.long().sum(1)
         layers = torch.stack(out["activations"], 1)  # (B, L+1, T+2, 2P)
@@ -166,6 +171,19 @@ class BidirectionalLanguageModel(nn.Module):
         lm = layers.gather(2, src[:, None, :, None].expand(-1, layers.shape[1], -1, layers.shape[3]))
         return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
                 "token_embeddings": out["token_embedding"]}
+
+
+def _checked_mask(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str) -> torch.Tensor:
+    """``mask`` (B, T) of the positions holding a token, once ``ids`` are known to lie in [0, hi_max] and every row
+    to be right-padded (no token after a padding position, which bilm-tf would run as a token): one host read."""
+    holes = (mask[:, 1:] & ~mask[:, :-1]).any()
+    if ids.numel():
+        lo, hi, hole = torch.stack([*torch.aminmax(ids.long()), holes.long()]).tolist()
+        if lo < 0 or hi > hi_max:
+            raise ValueError(f"{what} must lie in [0, {hi_max}], got ids from {lo} to {hi}")
+        if hole:
+            raise ValueError(f"{what}: rows must be right-padded, and a row has a token after a padding position")
+    return mask
 
 
 class WeightLayers(nn.Module):

@@ -51,8 +51,8 @@ def test_bilm_tf_char_and_token_inputs_agree(tiny_model, tmp_path):
         char_model(elmo_fast.Batcher().batch_sentences(SENTS * 2))
     ids = elmo_fast.TokenBatcher(str(vocab)).batch_sentences(SENTS)
     ids[1, 1] = len(words) + 3  # one past the dumped rows (padding, <S>, </S>, the words)
-    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {len(words) + 2}\], got ids from 0 to "
-                                         rf"{len(words) + 3}"):
+    with pytest.raises(ValueError, match=rf"token ids \(TokenBatcher output: .*\) must lie in "
+                                         rf"\[0, {len(words) + 2}\], got ids from 0 to {len(words) + 3}"):
         tok_model(ids)
 
 
@@ -158,3 +158,30 @@ def test_bilm_tf_model_takes_numpy_ids_and_names_wrong_ones(tiny_model):
         compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.float())
     with pytest.raises(TypeError, match="got list"):
         compat.BidirectionalLanguageModel(o, w, backend="reference")(ids.tolist())
+
+
+def test_bilm_tf_model_names_bad_ids_and_files(tiny_model, tmp_path):
+    """Out-of-range ids, rows not right-padded, another token width, ids on another device, max_batch_size < 1 and
+    a missing or empty embedding file: named, where they were raw IndexErrors / KeyErrors or silent (a hole ran the
+    padding through the LSTMs as a token)."""
+    o, w = tiny_model
+    model = compat.BidirectionalLanguageModel(o, w, backend="reference")
+    ids = elmo_fast.Batcher().batch_sentences(SENTS)
+    for bad, match in ((ids.clone().fill_(262), r"char ids \(Batcher output.*\) must lie in \[0, 261\], got ids "
+                                                r"from 262"),
+                       (ids[:, :, :49], r"character inputs must be \(batch, tokens \+ 2, 50\), got \(3, 6, 49\)"),
+                       (ids.to("meta"), "ids are on meta but the model is on cpu")):
+        with pytest.raises(ValueError, match=match):
+            model(bad)
+    hole = ids.clone()
+    hole[1, 1] = 0
+    with pytest.raises(ValueError, match="rows must be right-padded, and a row has a token after a padding position"):
+        model(hole)
+    with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):
+        compat.BidirectionalLanguageModel(o, w, max_batch_size=0)
+    with pytest.raises(ValueError, match="embedding_weight_file .* does not exist|embedding_weight_file"):
+        compat.BidirectionalLanguageModel(o, w, use_character_inputs=False, embedding_weight_file=tmp_path / "no.h5")
+    empty = tmp_path / "empty.hdf5"
+    h5py.File(empty, "w").close()
+    with pytest.raises(ValueError, match="no float dataset 'embedding'"):
+        compat.BidirectionalLanguageModel(o, w, use_character_inputs=False, embedding_weight_file=empty)
