@@ -58,8 +58,10 @@ class ElmoOptions:
     def from_dict(cls, d: dict[str, Any], source: str = "options") -> "ElmoOptions":
         if not isinstance(d, dict):
             raise OptionsError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        if "lstm" not in d or not isinstance(d["lstm"], dict):
+        if "lstm" not in d:
             raise OptionsError(f"{source}: missing the 'lstm' section")
+        if not isinstance(d["lstm"], dict):
+            raise OptionsError(f"{source}: lstm must be a JSON object, got {type(d['lstm']).__name__} {d['lstm']!r}")
         lo = d["lstm"]
         for key in ("dim", "projection_dim"):
             if key not in lo:
@@ -74,27 +76,37 @@ class ElmoOptions:
             v = lo.get(key)
             if v is None:
                 return None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            # ``not v >= 0`` refuses NaN too (Python's json reads NaN), which would make every output NaN;
+            # Infinity is a clip that never clips
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise OptionsError(f"{source}: lstm.{key} must be a non-negative number or null, got {v!r}")
             return float(v)
 
-        if "use_skip_connections" not in lo:
-            warnings.warn(f"{source}: lstm.use_skip_connections is missing, so the model is taken to have no residual "
+        skip = lo.get("use_skip_connections")
+        if skip is None:
+            said = "is missing" if "use_skip_connections" not in lo else "is null"
+            warnings.warn(f"{source}: lstm.use_skip_connections {said}, so the model is taken to have no residual "
                           "connections (bilm-tf's reading); a weight file cannot tell (both kinds have the same "
                           "shapes) and the published models have them: add the key to say which", stacklevel=3)
+            skip = False
+        elif not isinstance(skip, bool):
+            raise OptionsError(f"{source}: lstm.use_skip_connections must be true or false (a JSON boolean), "
+                               f"got {skip!r}")
         lstm = LSTMOptions(
             dim=_int("lstm", "dim", lo["dim"]),
             projection_dim=_int("lstm", "projection_dim", lo["projection_dim"]),
             n_layers=_int("lstm", "n_layers", lo.get("n_layers", 1)),
             cell_clip=_clip("cell_clip"),
             proj_clip=_clip("proj_clip"),
-            use_skip_connections=bool(lo.get("use_skip_connections", False)),
+            use_skip_connections=skip,
         )
         if lstm.projection_dim > lstm.dim:
             raise OptionsError(f"{source}: lstm.projection_dim ({lstm.projection_dim}) exceeds lstm.dim ({lstm.dim})")
         cc = None
         if d.get("char_cnn") is not None:
             c = d["char_cnn"]
+            if not isinstance(c, dict):
+                raise OptionsError(f"{source}: char_cnn must be a JSON object or null, got {type(c).__name__} {c!r}")
             for key in ("filters", "embedding", "activation"):
                 if key not in c:
                     raise OptionsError(f"{source}: char_cnn.{key} is missing")
@@ -104,6 +116,9 @@ class ElmoOptions:
             emb = c["embedding"]
             if not isinstance(emb, dict) or "dim" not in emb:
                 raise OptionsError(f"{source}: char_cnn.embedding must be an object with 'dim'")
+            if not isinstance(c["filters"], (list, tuple)):
+                raise OptionsError(f"{source}: char_cnn.filters must be a list of [width, count] pairs, got "
+                                   f"{type(c['filters']).__name__} {c['filters']!r}")
             filters = []
             for f in c["filters"]:
                 if not (isinstance(f, (list, tuple)) and len(f) == 2):
@@ -133,7 +148,13 @@ class ElmoOptions:
                 d = json.load(fh)
         except FileNotFoundError:
             raise FileNotFoundError(f"options file not found: {path}") from None
-        except json.JSONDecodeError as exc:
+        except IsADirectoryError:
+            raise OptionsError(f"options file {path} is a directory, expected an options.json file") from None
+        except UnicodeDecodeError as exc:
+            raise OptionsError(f"options file {path} is not UTF-8 JSON text (byte {exc.start}: "
+                               f"{exc.object[exc.start:exc.start + 1]!r}); is it the weight file or another binary "
+                               "file?") from None
+        except ValueError as exc:  # json.JSONDecodeError, and the int-digits limit of int()
             raise OptionsError(f"options file {path} is not valid JSON: {exc}") from None
         return cls.from_dict(d, source=str(path))
 

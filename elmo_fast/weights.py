@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 
 import h5py
 import numpy as np
@@ -56,6 +57,79 @@ def _optional(opts: ElmoOptions, name: str) -> bool:
     return False
 
 
+_CNN = re.compile(r"CNN/[Wb]_cnn_(\d+)")
+_HIGHWAY = re.compile(r"CNN_high_(\d+)/")
+_CELL = re.compile(r"RNN_(\d+)/RNN/MultiRNNCell/Cell(\d+)/")
+
+
+def _upto(prefix: str, n: int) -> str:
+    return f"{prefix}0 only" if n == 1 else f"{prefix}0 .. {prefix}{n - 1}"
+
+
+def _unaccounted_reason(opts: ElmoOptions, name: str) -> str | None:
+    """Why dataset ``name`` of a weight file is a part of the model that ``opts`` leaves out, or None.
+
+    Only the families of the published layout count (the CNN filters and highway layers, the CNN projection of a
+    word-input model and the LSTM layers and directions); other datasets (bilm-tf's ``softmax/W``, a word-input
+    model's ``embedding``, ...) are left alone, as the loaders do."""
+    c = opts.char_cnn
+    if c is None:
+        if name == "char_embed" or name.startswith(("CNN/", "CNN_proj/")) or _HIGHWAY.match(name):
+            return "the options have no char_cnn (a word-input biLM), so no character CNN"
+    else:
+        m = _CNN.fullmatch(name)
+        if m and int(m[1]) >= len(c.filters):
+            n = len(c.filters)
+            return (f"char_cnn.filters has {n} entr{'y' if n == 1 else 'ies'}: {_upto('CNN/W_cnn_', n)} and "
+                    f"{_upto('CNN/b_cnn_', n)}")
+        m = _HIGHWAY.match(name)
+        if m and int(m[1]) >= c.n_highway:
+            n = c.n_highway
+            return f"char_cnn.n_highway is {n}: " + ("no highway layers" if n == 0 else _upto("CNN_high_", n))
+    m = _CELL.match(name)
+    if m and int(m[1]) >= 2:
+        return "a biLM has two directions: RNN_0 and RNN_1 only"
+    if m and int(m[2]) >= opts.lstm.n_layers:
+        return f"lstm.n_layers is {opts.lstm.n_layers}: MultiRNNCell/{_upto('Cell', opts.lstm.n_layers)}"
+    return None
+
+
+def _residual_flag(path, value) -> bool:
+    """The root attribute ``RESIDUAL_ATTR`` as a bool: h5py reads a written bool as numpy.bool_; 0/1 is accepted."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise WeightFileError(f"{path}: the root attribute '{RESIDUAL_ATTR}' is {value!r} ({type(value).__name__}), "
+                          "expected a boolean (true/false, or 0/1) saying whether the model has residual connections")
+
+
+def _check_float(path, name: str, ds: h5py.Dataset) -> None:
+    """Weights are floating point (float32; float16/float64 are converted): refuse integers, booleans, strings..."""
+    if ds.dtype.kind != "f":
+        found = f"{ds.dtype} (strings)" if h5py.check_string_dtype(ds.dtype) is not None else str(ds.dtype)
+        raise WeightFileError(f"{path}: dataset '{name}' has dtype {found}, expected floating point (float32)")
+
+
+def _check_accounted(path, fh: h5py.File, opts: ElmoOptions) -> None:
+    """Refuse datasets of the layout's families that the options leave out (more filters, highway layers or LSTM
+    layers than the options say): reading only what the options name would run a smaller model silently."""
+    names: list[str] = []
+    fh.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    extra: dict[str, list[str]] = {}
+    for name in sorted(names):
+        reason = _unaccounted_reason(opts, name)
+        if reason is not None:
+            extra.setdefault(reason, []).append(name)
+    if extra:
+        parts = []
+        for reason, found in extra.items():
+            shown = ", ".join(f"'{n}'" for n in found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+            parts.append(f"{shown} ({reason})")
+        raise WeightFileError(f"{path} holds datasets the options do not account for: {'; '.join(parts)}; use the "
+                              "options file written with these weights")
+
+
 def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.ndarray]:
     """Read every dataset ``opts`` needs, as float32 arrays in file layout; raise naming any mismatch."""
     if not os.path.exists(path):
@@ -67,11 +141,14 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
         raise WeightFileError(f"{path} is not a readable hdf5 file: {exc}") from None
     with fh:
         residual = fh.attrs.get(RESIDUAL_ATTR)
-        if residual is not None and bool(residual) != opts.lstm.use_skip_connections:
+        if residual is not None:
+            residual = _residual_flag(path, residual)
+        if residual is not None and residual != opts.lstm.use_skip_connections:
             raise WeightFileError(
                 f"{path} holds a model {'with' if residual else 'without'} residual connections but the options say "
                 f"lstm.use_skip_connections={str(opts.lstm.use_skip_connections).lower()}; use the options file "
                 "written with these weights")
+        _check_accounted(path, fh, opts)
         if opts.char_cnn is None:  # a word-input biLM: its (vocabulary, P) token table
             ds = fh.get("embedding")
             if not isinstance(ds, h5py.Dataset) or ds.ndim != 2 or ds.shape[1] != opts.lstm.projection_dim:
@@ -79,6 +156,7 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
                 raise WeightFileError(f"{path}: the options have no char_cnn (a word-input biLM), so the file needs "
                                       f"an 'embedding' dataset of shape (vocabulary, {opts.lstm.projection_dim}); "
                                       f"it {found}")
+            _check_float(path, "embedding", ds)
             out["embedding"] = ds[...].astype(np.float32)
         for name, shape in expected_shapes(opts).items():
             if name not in fh:
@@ -92,6 +170,7 @@ def read_weights(path: str | os.PathLike, opts: ElmoOptions) -> dict[str, np.nda
                 raise WeightFileError(
                     f"{path}: dataset '{name}' has shape {tuple(ds.shape)}, expected {shape} from the options"
                 )
+            _check_float(path, name, ds)
             arr = ds[...]
             if arr.dtype != np.float32:
                 arr = arr.astype(np.float32)

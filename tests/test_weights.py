@@ -1,6 +1,7 @@
 """The published hdf5 layout: bit-exact round trip and clear errors for bad files."""
 import copy
 import json
+import re
 
 import h5py
 import numpy as np
@@ -242,3 +243,144 @@ def test_word_input_weights_round_trip_and_name_a_missing_table(tmp_path):
         del fh["embedding"]
     with pytest.raises(WeightFileError, match=r"an 'embedding' dataset of shape \(vocabulary, 16\); it is missing"):
         BiLM.from_files(o, w)
+
+
+# ------------------------------------------------------------------------------------- what the reader refuses
+def _options_file(tmp_path, mutate, name="o.json"):
+    d = copy.deepcopy(TINY_OPTIONS)
+    mutate(d)
+    p = tmp_path / name
+    p.write_text(json.dumps(d))
+    return p
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda d: d["char_cnn"].__setitem__("n_highway", 1),
+     r"'CNN_high_1/W_carry', 'CNN_high_1/W_transform', 'CNN_high_1/b_carry', 'CNN_high_1/b_transform' "
+     r"\(char_cnn.n_highway is 1: CNN_high_0 only\)"),
+    (lambda d: d["char_cnn"].__setitem__("n_highway", 0),
+     r"'CNN_high_0/W_carry'.*and 2 more \(char_cnn.n_highway is 0: no highway layers\)"),
+    (lambda d: d["lstm"].__setitem__("n_layers", 1),
+     r"'RNN_0/RNN/MultiRNNCell/Cell1/LSTMCell/B'.*'RNN_1/RNN/MultiRNNCell/Cell1/LSTMCell/W_P_0' "
+     r"\(lstm.n_layers is 1: MultiRNNCell/Cell0 only\)"),
+    (lambda d: d["char_cnn"].__setitem__("filters", [[1, 4], [2, 8], [3, 16], [4, 32]]),
+     r"'CNN/W_cnn_4', 'CNN/b_cnn_4' \(char_cnn.filters has 4 entries: CNN/W_cnn_0 .. CNN/W_cnn_3 and "),
+    (lambda d: d.pop("char_cnn"), r"'CNN/W_cnn_0'.*\(the options have no char_cnn \(a word-input biLM\)"),
+], ids=["n_highway 1", "n_highway 0", "n_layers 1", "4 filters", "no char_cnn"])
+def test_options_describing_less_than_the_file_are_refused(tmp_path, mutate, msg):
+    """Reading only the datasets the options name would run a smaller model silently: the file's datasets of the
+    layout's families that the options leave out are named, with the option. Other datasets (bilm-tf's softmax, an
+    'embedding' table) are left alone."""
+    o, w = write_random_model(tmp_path / "m")
+    with h5py.File(w, "a") as fh:  # what bilm-tf's dump_weights also writes; a word-input model's table
+        fh.create_dataset("softmax/W", data=np.zeros((9, 16), np.float32))
+        fh.create_dataset("softmax/b", data=np.zeros(9, np.float32))
+        fh.create_dataset("embedding", data=np.zeros((9, 16), np.float32))
+    elmo_fast.BiLM.from_files(o, w, backend="reference")
+    with pytest.raises(WeightFileError, match=rf"{re.escape(w)} holds datasets the options do not account for: {msg}"):
+        elmo_fast.BiLM.from_files(_options_file(tmp_path, mutate), w, backend="reference")
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", "complex64", "strings"])
+def test_non_float_datasets_are_refused(tmp_path, dtype):
+    from elmo_fast.options import ElmoOptions
+    from elmo_fast.weights import read_weights
+
+    o, w = write_random_model(tmp_path)
+    opts = ElmoOptions.load(o)
+    name = "CNN_high_0/b_carry"
+    for ok in (np.float16, np.float64):  # converted to float32
+        _corrupt(w, tmp_path / "ok.hdf5", name, np.full(124, 0.5, ok))
+        assert read_weights(tmp_path / "ok.hdf5", opts)[name].dtype == np.float32
+    new = (np.array(["1.0"] * 124, dtype=h5py.string_dtype()) if dtype == "strings"
+           else np.ones(124, dtype=np.dtype(dtype)))
+    bad = tmp_path / "bad.hdf5"
+    _corrupt(w, bad, name, new)
+    found = r"object \(strings\)" if dtype == "strings" else dtype
+    msg = rf"{re.escape(str(bad))}: dataset '{name}' has dtype {found}, expected floating point"
+    with pytest.raises(WeightFileError, match=msg):
+        read_weights(bad, opts)
+
+
+def test_a_non_float_word_embedding_is_refused(tmp_path):
+    from elmo_fast import BiLM, ElmoOptions
+
+    opts = {k: v for k, v in TINY_OPTIONS.items() if k != "char_cnn"}
+    w, o = tmp_path / "w.hdf5", tmp_path / "o.json"
+    BiLM(ElmoOptions.from_dict(opts), backend="reference", n_tokens_vocab=9).save_weights(w, o)
+    with h5py.File(w, "a") as fh:
+        del fh["embedding"]
+        fh.create_dataset("embedding", data=np.ones((9, 16), np.int64))
+    with pytest.raises(WeightFileError, match=r"dataset 'embedding' has dtype int64, expected floating point"):
+        BiLM.from_files(o, w)
+
+
+@pytest.mark.parametrize("value", ["false", b"false", "true", 2, 1.0], ids=repr)
+def test_a_residual_flag_that_is_not_a_boolean_is_refused(tmp_path, value):
+    from elmo_fast.options import ElmoOptions
+    from elmo_fast.weights import RESIDUAL_ATTR, read_weights
+
+    o, w = write_random_model(tmp_path)  # options: use_skip_connections true
+    opts = ElmoOptions.load(o)
+    for ok in (True, np.bool_(True), 1, np.int64(1)):
+        with h5py.File(w, "a") as fh:
+            fh.attrs[RESIDUAL_ATTR] = ok
+        read_weights(w, opts)
+    with h5py.File(w, "a") as fh:
+        fh.attrs[RESIDUAL_ATTR] = value
+    msg = rf"{re.escape(w)}: the root attribute '{re.escape(RESIDUAL_ATTR)}' is .*expected a boolean"
+    with pytest.raises(WeightFileError, match=msg):
+        read_weights(w, opts)
+
+
+@pytest.mark.parametrize("mutate, msg", [
+    (lambda d: d["lstm"].__setitem__("use_skip_connections", "false"),
+     r"lstm.use_skip_connections must be true or false \(a JSON boolean\), got 'false'"),
+    (lambda d: d["lstm"].__setitem__("use_skip_connections", 0), r"lstm.use_skip_connections must be .*got 0"),
+    (lambda d: d["lstm"].__setitem__("cell_clip", float("nan")), r"lstm.cell_clip must be a non-negative .*got nan"),
+    (lambda d: d["lstm"].__setitem__("proj_clip", float("nan")), r"lstm.proj_clip must be a non-negative .*got nan"),
+    (lambda d: d.__setitem__("lstm", [64, 16]), r"lstm must be a JSON object, got list"),
+    (lambda d: d.__setitem__("char_cnn", "filters embedding activation"), r"char_cnn must be a JSON object"),
+    (lambda d: d.__setitem__("char_cnn", 3), r"char_cnn must be a JSON object or null, got int 3"),
+    (lambda d: d["char_cnn"].__setitem__("filters", {"1": 4}), r"char_cnn.filters must be a list .*got dict"),
+    (lambda d: d["char_cnn"].__setitem__("filters", 4), r"char_cnn.filters must be a list .*got int 4"),
+], ids=["skip 'false'", "skip 0", "cell_clip NaN", "proj_clip NaN", "lstm list", "char_cnn str", "char_cnn int",
+        "filters dict", "filters int"])
+def test_bad_option_types(tmp_path, mutate, msg):
+    o, w = write_random_model(tmp_path)
+    p = _options_file(tmp_path, mutate, "bad.json")
+    with pytest.raises(elmo_fast.OptionsError, match=rf"{re.escape(str(p))}: {msg}"):
+        elmo_fast.BiLM.from_files(p, w)
+
+
+def test_infinite_clips_and_a_null_residual_key(tmp_path):
+    """Infinity is a clip that never clips (as null); a null use_skip_connections is read as a missing one: false,
+    with the warning."""
+    from elmo_fast.options import ElmoOptions
+
+    o, w = write_random_model(tmp_path)
+    ids = elmo_fast.Batcher().batch_sentences([["no", "clip"]])
+    outs = []
+    for clip in (None, float("inf")):
+        p = _options_file(tmp_path, lambda d: d["lstm"].update(cell_clip=clip, proj_clip=clip))
+        outs.append(elmo_fast.BiLM.from_files(p, w, backend="reference")(ids)["activations"][2])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="use_skip_connections is null, so the model is taken to have no residual"):
+        opts = ElmoOptions.from_dict({**TINY_OPTIONS, "lstm": {**TINY_OPTIONS["lstm"], "use_skip_connections": None}})
+    assert opts.lstm.use_skip_connections is False
+
+
+@pytest.mark.parametrize("kind", ["the weight file", "latin-1", "a directory"])
+def test_options_files_that_are_not_utf8_json_text(tmp_path, kind):
+    from elmo_fast.options import ElmoOptions
+
+    o, w = write_random_model(tmp_path / "m")
+    if kind == "the weight file":
+        p, msg = w, "is not UTF-8 JSON text"
+    elif kind == "latin-1":
+        p, msg = tmp_path / "latin1.json", "is not UTF-8 JSON text"
+        p.write_bytes(json.dumps({**TINY_OPTIONS, "comment": "caf\u00e9"}, ensure_ascii=False).encode("latin-1"))
+    else:
+        p, msg = tmp_path / "m", "is a directory, expected an options.json file"
+    with pytest.raises(elmo_fast.OptionsError, match=rf"options file {re.escape(str(p))} {msg}"):
+        ElmoOptions.load(p)
