@@ -23,7 +23,8 @@ import torch
 
 from . import __version__, _signals
 from ._backend import BACKENDS
-from .util import check_backend, check_input_file, check_output_file, parse_device, read_utf8, text_lines
+from .util import (check_backend, check_input_file, check_output_file, parse_device, read_utf8, same_file,
+                   text_lines)
 from .weights import atomic_h5
 
 MODEL_OPS = ("char_cnn", "highway", "lstmp")  # the ops a biLM forward runs
@@ -63,11 +64,16 @@ def _read_sentences(path: str, sentence_keys: bool) -> list[list[str]]:
     return sentences
 
 
-def _check_model_args(args) -> torch.device:
-    """The model files, the device and the backend of embed / dump-token-embeddings; returns the device."""
+def _check_model_args(args, *inputs: tuple[str, str]) -> torch.device:
+    """The model files, the device and the backend of embed / dump-token-embeddings, and that --output names none of
+    the files read (``inputs``: (flag, path) pairs besides --options and --weights); returns the device."""
     check_input_file(args.options, "--options", CLIError)
     check_input_file(args.weights, "--weights", CLIError)
     check_output_file(args.output, "--output", CLIError)
+    for flag, path in (*inputs, ("--options", args.options), ("--weights", args.weights)):
+        if same_file(args.output, path):
+            raise CLIError(f"--output {args.output} is the {flag} file {path}: the output would replace it; give "
+                           "another --output")
     if args.device is None:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -84,7 +90,7 @@ def cmd_embed(args) -> int:
     from .util import remove_sentence_boundaries
 
     check_input_file(args.input, "--input", CLIError)
-    dev = _check_model_args(args)
+    dev = _check_model_args(args, ("--input", args.input))
     sentences = _read_sentences(args.input, args.use_sentence_keys)
     model = ElmoBiLM(args.options, args.weights, backend=args.backend, cuda_graph=dev.type == "cuda").to(dev).eval()
     keys: dict[str, str] = {}
@@ -123,7 +129,7 @@ def cmd_dump_token_embeddings(args) -> int:
     from .compat import dump_token_embeddings
 
     check_input_file(args.vocab, "--vocab", CLIError)
-    dev = _check_model_args(args)
+    dev = _check_model_args(args, ("--vocab", args.vocab))
     try:
         n = dump_token_embeddings(args.vocab, args.options, args.weights, args.output, batch_size=args.batch_size,
                                   device=dev, backend=args.backend)

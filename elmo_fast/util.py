@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sys
 
 import torch
@@ -110,10 +111,15 @@ def check_input_file(path, what: str, error: type[Exception] = ValueError) -> No
 
 
 def check_output_file(path, what: str, error: type[Exception] = ValueError) -> None:
-    """``path`` can be written: not a directory, and its folder exists and is writable. Nothing is created."""
+    """``path`` can be written: not a directory nor any other existing non-regular file (a device, a fifo, a socket:
+    the rename into place would replace it), and its folder exists and is writable. Nothing is created."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise error(f"{what} {path}: is a directory; expected a file name, e.g. {os.path.join(path, 'out.hdf5')}")
+    if os.path.exists(path) and not os.path.isfile(path):  # the rename into place would replace it by a file
+        kind = _file_kind(os.stat(path).st_mode)
+        raise error(f"{what} {path}: is {kind}, not a regular file, and the output (renamed into place at the end) "
+                    "would replace it; give the name of a regular file")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise error(f"{what} {path}: the folder {folder} does not exist; create it first")
@@ -121,6 +127,25 @@ def check_output_file(path, what: str, error: type[Exception] = ValueError) -> N
         raise error(f"{what} {path}: the folder {folder} is not writable")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise error(f"{what} {path}: the file exists and is not writable")
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a fifo (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
+
+
+def same_file(a, b) -> bool:
+    """``a`` and ``b`` name one file: ``os.path.samefile`` when both exist (symlinks, hard links), else their
+    normalised real paths are equal."""
+    a, b = os.fspath(a), os.fspath(b)
+    if os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
 
 
 def check_output_dir(path, what: str, error: type[Exception] = ValueError) -> None:

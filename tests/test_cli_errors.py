@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -287,3 +289,137 @@ def test_a_swallowed_signal_stops_training_at_the_next_step(work, tmp_path, monk
     assert len(steps) == 2
     assert "interrupted by SIGTERM" in capsys.readouterr().err
     assert _signals.PENDING == []  # cleared when the command returns
+
+
+# ------------------------------------------------------------------------------------------------- lost work
+def _contents(root):
+    """Every path under ``root`` with its kind, and the bytes of the regular files (a fifo is not opened)."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for f in files + dirs:
+            p = os.path.join(d, f)
+            st = os.lstat(p)
+            data = open(p, "rb").read() if stat.S_ISREG(st.st_mode) else None
+            out[os.path.relpath(p, root)] = (stat.S_IFMT(st.st_mode), os.readlink(p) if os.path.islink(p) else data)
+    return out
+
+
+def _refused(capsys, argv, root, fragment):
+    """``argv`` exits with 2 and one line holding ``fragment``, and every file under ``root`` is as it was."""
+    before = _contents(root)
+    rc = main([str(a) for a in argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and fragment in lines[0], (rc, lines)
+    assert _contents(root) == before
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Input files of embed and dump-token-embeddings of this test alone (a broken check would destroy them)."""
+    opts, weights = write_random_model(tmp_path / "model")
+    (tmp_path / "sentences.txt").write_text("The cat sat .\nHello world\n", encoding="utf-8")
+    (tmp_path / "vocab.txt").write_text("<S>\n</S>\n<UNK>\nthe\ncat\n", encoding="utf-8")
+    return {"opts": opts, "weights": weights, "sent": str(tmp_path / "sentences.txt"),
+            "vocab": str(tmp_path / "vocab.txt")}
+
+
+OUTPUT_IS_INPUT = [("embed", "sent", "--input"), ("embed", "opts", "--options"), ("embed", "weights", "--weights"),
+                   ("dump-token-embeddings", "vocab", "--vocab"), ("dump-token-embeddings", "opts", "--options"),
+                   ("dump-token-embeddings", "weights", "--weights")]
+
+
+@pytest.mark.parametrize("command, key, flag", OUTPUT_IS_INPUT, ids=[f"{c} {f}" for c, _, f in OUTPUT_IS_INPUT])
+def test_output_is_never_an_input(inputs, tmp_path, capsys, command, key, flag):
+    build = _embed if command == "embed" else _tokens
+    _refused(capsys, build(inputs, inputs[key]), tmp_path, f"--output {inputs[key]} is the {flag} file")
+
+
+@pytest.mark.parametrize("spelling", ["symlink", "hard link", "dotted path"])
+def test_output_is_never_an_input_by_another_name(inputs, tmp_path, capsys, spelling):
+    out = tmp_path / "out.hdf5"
+    if spelling == "symlink":
+        out.symlink_to(inputs["sent"])
+    elif spelling == "hard link":
+        os.link(inputs["sent"], out)
+    else:
+        out = tmp_path / "model" / ".." / "sentences.txt"
+    _refused(capsys, _embed(inputs, out), tmp_path, "is the --input file")
+
+
+RUN_FILES = ["vocab.txt", "run.json", "config.json", "options.json", "train_log.jsonl"]
+
+
+@pytest.fixture
+def run_copy(work, tmp_path):
+    """A copy of the work run (checkpoint step 0) holding every file a run keeps; (save dir, checkpoint)."""
+    run = tmp_path / "run"
+    shutil.copytree(work["run"], run)
+    for name in RUN_FILES + ["corpus/train-1.txt"]:
+        (run / name).parent.mkdir(exist_ok=True)
+        (run / name).write_text(f"the run's {name}\n", encoding="utf-8")
+    return str(run), os.path.join(run, "checkpoints", "ckpt-000000000.pt")
+
+
+def _dump(run, outfile, options_file=None, *extra):
+    return ["dump-weights", "--save-dir", run, "--outfile", outfile,
+            *(["--options-file", options_file] if options_file else []), *extra]
+
+
+def _dump_to(run, tmp, flag, target, *extra):
+    """dump-weights writing ``flag`` (--outfile or --options-file) to ``target``, the other file into ``tmp``."""
+    if flag == "--outfile":
+        return _dump(run, target, tmp / "o.json", *extra)
+    return _dump(run, tmp / "w.hdf5", target, *extra)
+
+
+@pytest.mark.parametrize("flag", ["--outfile", "--options-file"])
+def test_dump_weights_never_writes_over_the_checkpoint(run_copy, tmp_path, capsys, flag):
+    run, ck = run_copy
+    _refused(capsys, _dump_to(run, tmp_path, flag, ck), tmp_path, f"{flag} {ck} is the checkpoint being dumped")
+    (tmp_path / "link.pt").symlink_to(ck)
+    _refused(capsys, _dump_to(run, tmp_path, flag, tmp_path / "link.pt"), tmp_path, "is the checkpoint being dumped")
+    shutil.copy(ck, tmp_path / "ck.pt")  # a --checkpoint outside any run
+    _refused(capsys, _dump_to(run, tmp_path, flag, tmp_path / "ck.pt", "--checkpoint", tmp_path / "ck.pt"), tmp_path,
+             "is the checkpoint being dumped")
+
+
+@pytest.mark.parametrize("name", RUN_FILES + ["checkpoints/w.hdf5", "corpus/train-1.txt"])
+@pytest.mark.parametrize("flag", ["--outfile", "--options-file"])
+def test_dump_weights_never_writes_over_a_file_of_the_run(run_copy, tmp_path, capsys, flag, name):
+    run, _ = run_copy
+    target = os.path.join(run, name)
+    fragment = "inside the training run's folder" if "/" in name else f"is the training run's file {target}"
+    _refused(capsys, _dump_to(run, tmp_path, flag, target), tmp_path, fragment)
+
+
+def test_dump_weights_outfile_in_the_save_dir_needs_an_options_file_elsewhere(run_copy, tmp_path, capsys):
+    run, _ = run_copy
+    out = os.path.join(run, "w.hdf5")
+    _refused(capsys, _dump(run, out), tmp_path, "pass --options-file elsewhere or put --outfile outside the save dir")
+    before = _contents(run)
+    assert main(_dump(run, out, str(tmp_path / "o.json"))) == 0  # what the message suggests works
+    assert json.load(open(tmp_path / "o.json"))["char_cnn"]["n_characters"] == 262
+    assert _contents(run) == {**before, "w.hdf5": _contents(run)["w.hdf5"]}
+
+
+def test_an_output_is_never_a_device_or_a_fifo(tmp_path):
+    from elmo_fast.util import check_output_file
+
+    with pytest.raises(ValueError, match="--output /dev/null: is a device, not a regular file"):
+        check_output_file(os.devnull, "--output")  # only checked here: a command would replace /dev/null (as root)
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="is a fifo"):
+        check_output_file(tmp_path / "fifo", "--output")
+
+
+@pytest.mark.parametrize("command", ["embed", "dump-token-embeddings", "dump-weights --outfile",
+                                     "dump-weights --options-file"])
+def test_a_fifo_output_is_refused(inputs, run_copy, tmp_path, capsys, command):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    if command.startswith("dump-weights"):
+        argv = _dump_to(run_copy[0], tmp_path, command.split()[1], fifo)
+    else:
+        argv = (_embed if command == "embed" else _tokens)(inputs, fifo)
+    _refused(capsys, argv, tmp_path, f"{fifo}: is a fifo (named pipe), not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)

@@ -16,7 +16,7 @@ import typing
 import warnings
 
 from .._backend import BACKENDS
-from ..util import check_backend, check_input_file, check_output_dir, check_output_file
+from ..util import check_backend, check_input_file, check_output_dir, check_output_file, same_file
 from .configs import PRESETS, ConfigError, TrainConfig, check_memory, load_config, original_towers, small
 from .data import DataError, build_vocab, check_corpus, count_tokens, load_training_vocab, resolve_shards, write_vocab
 
@@ -446,21 +446,62 @@ def default_options_file(outfile: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(outfile)), "options.json")
 
 
+# what a training run keeps in its save dir: these files, and everything under these folders
+RUN_FILES = ("vocab.txt", "run.json", "config.json", "options.json", "train_log.jsonl")
+RUN_FOLDERS = ("checkpoints", "corpus")
+
+
+def _run_file(path: str, run_dirs: list[str]) -> str | None:
+    """Which file of a training run (in one of ``run_dirs``) writing ``path`` would replace, in words, else None."""
+    real = os.path.realpath(path)
+    for d in run_dirs:
+        for name in RUN_FILES:
+            if same_file(path, os.path.join(d, name)):
+                return f"the training run's file {os.path.join(d, name)}, which the output would replace"
+        for name in RUN_FOLDERS:
+            folder = os.path.realpath(os.path.join(d, name))
+            if os.path.commonpath([real, folder]) == folder:
+                return f"inside the training run's folder {os.path.join(d, name)}"
+    return None
+
+
+def _check_dump_targets(save_dir: str, checkpoint: str, outfile: str, options_file: str, options_given: bool):
+    """Neither output of ``dump-weights`` is the checkpoint dumped nor a file of its run or of --save-dir's."""
+    run_dirs = [save_dir] if os.path.isdir(save_dir) else []
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    if os.path.basename(folder) == "checkpoints":  # SAVE_DIR/checkpoints/ckpt-*.pt: its run
+        run_dirs.append(os.path.dirname(folder))
+    for flag, target in (("--outfile", outfile), ("--options-file", options_file)):
+        if same_file(target, checkpoint):
+            raise ConfigError(f"{flag} {target} is the checkpoint being dumped; write the output to another file")
+        run_file = _run_file(target, run_dirs)
+        if run_file is not None and flag == "--options-file" and not options_given:
+            raise ConfigError(f"--outfile {outfile} is in the save dir, so the default --options-file {target} "
+                              "(options.json beside --outfile) would replace the run's own options.json; pass "
+                              "--options-file elsewhere or put --outfile outside the save dir")
+        if run_file is not None:
+            raise ConfigError(f"{flag} {target} is {run_file}; give a path outside the run's files "
+                              f"({', '.join(RUN_FILES)}, {'/, '.join(RUN_FOLDERS)}/)")
+
+
 def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, checkpoint: str | None = None) -> str:
     """Latest (or given) checkpoint -> hdf5 in the published layout + inference options.json (n_characters 262),
-    by ``BiLM.save_weights``: both files are written together or not at all. Returns the checkpoint's path."""
+    by ``BiLM.save_weights``: both files are written together or not at all, and never over the checkpoint or a
+    file of its run. Returns the checkpoint's path."""
     from ..models.bilm import BiLM
     from ..options import ElmoOptions
     from .trainer import latest_checkpoint
 
+    options_given = bool(options_file)
     options_file = options_file or default_options_file(outfile)
     check_output_file(outfile, "--outfile", ConfigError)
     check_output_file(options_file, "--options-file", ConfigError)
-    if os.path.abspath(outfile) == os.path.abspath(options_file):
+    if same_file(outfile, options_file):
         raise ConfigError(f"--outfile and --options-file both name {outfile}; give two different files")
     path = latest_checkpoint(checkpoint or save_dir)
     if path is None:
         raise ConfigError(f"no checkpoint in {os.path.join(save_dir, 'checkpoints')}")
+    _check_dump_targets(save_dir, path, outfile, options_file, options_given)
     ck = read_checkpoint(path)
     if not ck["options"].get("bidirectional", True):
         raise ConfigError(f"{path} holds a forward-only LM (bidirectional false): the published layout and its "
@@ -475,8 +516,8 @@ def dump_weights(save_dir: str, outfile: str, options_file: str | None = None, c
 
 
 def cmd_dump_weights(args) -> int:
+    path = dump_weights(args.save_dir, args.outfile, args.options_file, args.checkpoint)
     options_file = args.options_file or default_options_file(args.outfile)
-    path = dump_weights(args.save_dir, args.outfile, options_file, args.checkpoint)
     print(json.dumps({"event": "dumped", "checkpoint": path, "weights": args.outfile, "options": options_file}))
     return 0
 
