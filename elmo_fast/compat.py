@@ -23,7 +23,7 @@ import torch.nn as nn
 from .allennlp_compat import to_allennlp_state_dict  # noqa: F401  (re-exported)
 from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR, MAX_WORD_LENGTH, PAD_CHAR,
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
-from .models.bilm import BiLM
+from .models.bilm import BiLM, check_ids
 from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder, check_allennlp_model
 from .reference.scalar_mix import scalar_mix_reference
 from .weights import atomic_h5
@@ -131,9 +131,9 @@ class BidirectionalLanguageModel(nn.Module):
         self._bilm.reset_states(mask)
 
     def forward(self, ids: torch.Tensor) -> dict:
+        dev = next(self._bilm.parameters()).device
         if isinstance(ids, np.ndarray):  # what bilm-tf's batchers return and its graph is fed (int32)
-            ids = torch.from_numpy(np.ascontiguousarray(ids))
-            ids = ids.to(next(self._bilm.parameters()).device)  # the model's device: a numpy array has none
+            ids = torch.from_numpy(np.ascontiguousarray(ids)).to(dev)  # the model's device: a numpy array has none
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or \
                 ids.dtype == torch.bool:
             got = type(ids).__name__ + (f" {ids.dtype}" if isinstance(ids, torch.Tensor) else "")
@@ -143,20 +143,19 @@ class BidirectionalLanguageModel(nn.Module):
         B = ids.shape[0]
         if B > self.max_batch_size:
             raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}")
-        dev = next(self._bilm.parameters()).device
         if ids.device != dev:
             raise ValueError(f"ids are on {ids.device} but the model is on {dev}; move one of them")
         if self.use_character_inputs:
             L = self._bilm.options.char_cnn.max_characters_per_token
             if ids.dim() != 3 or ids.shape[-1] != L:
                 raise ValueError(f"character inputs must be (batch, tokens + 2, {L}), got {tuple(ids.shape)}")
-            mask = _checked_mask(ids, (ids > 0).any(-1), 261, "char ids (Batcher output: raw ids + 1, 0 = padding)")
+            mask = check_ids(ids, (ids > 0).any(-1), 261, "char ids (Batcher output: raw ids + 1, 0 = padding)")
             out = self._bilm.forward_embeddings(self._bilm.token_encoder(ids), mask, mask_token_layer=False)
         else:
             if ids.dim() != 2:
                 raise ValueError(f"token inputs must be (batch, tokens + 2), got {tuple(ids.shape)}")
             rows = self._bilm.word_embedding.shape[0] if self._embedding is None else self._embedding.shape[0] - 1
-            mask = _checked_mask(ids, ids > 0, rows, "token ids (TokenBatcher output: vocabulary id + 1, 0 = padding)")
+            mask = check_ids(ids, ids > 0, rows, "token ids (TokenBatcher output: vocabulary id + 1, 0 = padding)")
             emb = self._bilm.embed_words(ids.long()) if self._embedding is None else self._embedding[ids]
             out = self._bilm.forward_embeddings(emb, mask, mask_token_layer=False)
         lengths = mask.long().sum(1)
@@ -171,19 +170,6 @@ class BidirectionalLanguageModel(nn.Module):
         lm = layers.gather(2, src[:, None, :, None].expand(-1, layers.shape[1], -1, layers.shape[3]))
         return {"lm_embeddings": lm, "lengths": lengths - 2, "mask": new_mask,
                 "token_embeddings": out["token_embedding"]}
-
-
-def _checked_mask(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str) -> torch.Tensor:
-    """``mask`` (B, T) of the positions holding a token, once ``ids`` are known to lie in [0, hi_max] and every row
-    to be right-padded (no token after a padding position, which bilm-tf would run as a token): one host read."""
-    holes = (mask[:, 1:] & ~mask[:, :-1]).any()
-    if ids.numel():
-        lo, hi, hole = torch.stack([*torch.aminmax(ids.long()), holes.long()]).tolist()
-        if lo < 0 or hi > hi_max:
-            raise ValueError(f"{what} must lie in [0, {hi_max}], got ids from {lo} to {hi}")
-        if hole:
-            raise ValueError(f"{what}: rows must be right-padded, and a row has a token after a padding position")
-    return mask
 
 
 class WeightLayers(nn.Module):

@@ -143,6 +143,10 @@ def test_compiled_elmo_rejects_bad_char_ids(tiny_model):
     ids[0, 0, 0] = 300
     with pytest.raises(RuntimeError, match=r"char ids must lie in \[0, 261\]"):
         compiled(ids)
+    ids = elmo_fast.batch_to_ids(BATCHES[0])
+    ids[0, 0] = 0  # a hole before the row's other tokens: the graph's second assert
+    with pytest.raises(RuntimeError, match="char ids must be right-padded"):
+        compiled(ids)
 
 
 def test_bilm_exports(tiny_model):

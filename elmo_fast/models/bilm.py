@@ -15,6 +15,24 @@ from ..weights import WeightFileError, lstm_prefix, read_weights, write_weights
 from . import _graphs
 
 
+def check_ids(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str) -> torch.Tensor:
+    """``mask`` (..., T) of the positions holding a token, once ``ids`` are known to lie in [0, hi_max] and every row
+    to be right-padded (a token after a padding position would end the sentence there and run the padding through
+    the LSTMs as a token): one host read for both; inside torch.compile, asserts in the graph instead."""
+    holes = (mask[..., 1:] & ~mask[..., :-1]).any()
+    if torch.compiler.is_compiling():  # (on a GPU device-side asserts): no host sync
+        torch._assert_async(((ids >= 0) & (ids <= hi_max)).all(), f"{what} must lie in [0, {hi_max}]")
+        torch._assert_async(~holes, f"{what} must be right-padded")
+    elif ids.numel():
+        lo, hi, hole = torch.stack([*torch.aminmax(ids.long()), holes.long()]).tolist()
+        if lo < 0 or hi > hi_max:
+            raise ValueError(f"{what} must lie in [0, {hi_max}], got [{lo}, {hi}]")
+        if hole:
+            raise ValueError(f"{what} must be right-padded: a row has a token after a padding position; each row holds "
+                             "its tokens first, then padding")
+    return mask
+
+
 class BiLM(nn.Module):
     """Token encoder (shared by both directions) plus two independent LSTMP stacks.
 

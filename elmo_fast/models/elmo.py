@@ -14,7 +14,7 @@ from ..options import OptionsError
 from ..ops import _precision as prec
 from ..util import add_sentence_boundary_token_ids, configuration_error, remove_sentence_boundaries
 from ._graphs import GraphCache
-from .bilm import BiLM
+from .bilm import BiLM, check_ids
 
 MAX_CHAR_ID = 261
 
@@ -33,24 +33,7 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
         raise ValueError("empty batch: char ids have 0 sentences")
     if char_ids.device != device:
         raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
-    # rows right-padded: no token (a position with an id > 0) after a padding position (all ids 0); a hole would
-    # end the row's sentence there and run the padding through the LSTMs as a token
-    tok = (char_ids > 0).any(-1)
-    holes = (tok[..., 1:] & ~tok[..., :-1]).any()
-    if torch.compiler.is_compiling():  # an assert in the graph (on a GPU a device-side one): no host sync
-        torch._assert_async(((char_ids >= 0) & (char_ids <= MAX_CHAR_ID)).all(),
-                            f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding)")
-        torch._assert_async(~holes, _HOLES)
-    elif char_ids.numel():
-        lo, hi, hole = torch.stack([*torch.aminmax(char_ids.long()), holes.long()]).tolist()  # one host sync
-        if lo < 0 or hi > MAX_CHAR_ID:
-            raise ValueError(f"char ids must lie in [0, {MAX_CHAR_ID}] (inference ids, 0 = padding), got [{lo}, {hi}]")
-        if hole:
-            raise ValueError(_HOLES)
-
-
-_HOLES = ("char ids must be right-padded: a row has a token after a padding position (all 50 ids 0); each row holds "
-          "its tokens first, then padding, as batch_to_ids gives them")
+    check_ids(char_ids, (char_ids > 0).any(-1), MAX_CHAR_ID, "char ids")  # inference ids, 0 = padding
 
 
 def check_allennlp_model(bilm: BiLM) -> None:
