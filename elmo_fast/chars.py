@@ -5,8 +5,6 @@ UTF-8 byte b -> b + 1, BOS char 257, EOS char 258, begin-of-word 259, end-of-wor
 """
 from __future__ import annotations
 
-import operator
-
 from collections.abc import Sequence
 
 import numpy as np
@@ -161,14 +159,9 @@ class Batcher:
     """
 
     def __init__(self, lm_vocab_file: str | None = None, max_token_length: int = MAX_WORD_LENGTH):
-        try:
-            width = None if isinstance(max_token_length, bool) else operator.index(max_token_length)
-        except TypeError:
-            width = None
-        if width is None or width < 3:
-            raise ValueError(f"max_token_length must be an integer >= 3 (begin, end and one byte), got "
-                             f"{max_token_length!r}")
-        self.max_token_length = width
+        from .util import check_int
+
+        self.max_token_length = check_int(max_token_length, "max_token_length", 3, " (begin, end and one byte)")
         self.vocab = Vocabulary(lm_vocab_file) if lm_vocab_file else None
 
     def batch_sentences(self, sentences: list[list[str]]) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch
 
 from . import __version__, _signals
 from ._backend import BACKENDS
-from .util import (check_backend, check_input_file, check_output_file, parse_device, read_utf8, same_file,
-                   text_lines)
+from .util import (check_backend, check_input_file, check_output_file, check_output_not_input, parse_device,
+                   read_utf8, text_lines)
 from .weights import atomic_h5
 
 MODEL_OPS = ("char_cnn", "highway", "lstmp")  # the ops a biLM forward runs
@@ -70,10 +70,8 @@ def _check_model_args(args, *inputs: tuple[str, str]) -> torch.device:
     check_input_file(args.options, "--options", CLIError)
     check_input_file(args.weights, "--weights", CLIError)
     check_output_file(args.output, "--output", CLIError)
-    for flag, path in (*inputs, ("--options", args.options), ("--weights", args.weights)):
-        if same_file(args.output, path):
-            raise CLIError(f"--output {args.output} is the {flag} file {path}: the output would replace it; give "
-                           "another --output")
+    check_output_not_input(args.output, (*inputs, ("--options", args.options), ("--weights", args.weights)),
+                           "--output", CLIError)
     if args.device is None:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:

@@ -12,6 +12,8 @@ models take them + 1, as ``Batcher`` gives them).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 import warnings
 
@@ -25,7 +27,9 @@ from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM, check_ids
 from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder, check_allennlp_model
+from .modules.scalar_mix import refuse_non_finite_pre_hook
 from .reference.scalar_mix import scalar_mix_reference
+from .util import check_input_file, check_int, check_output_not_input
 from .weights import atomic_h5
 
 _ElmoBiLm = ElmoBiLM
@@ -186,10 +190,14 @@ class WeightLayers(nn.Module):
         super().__init__()
         if n_lm_layers < 1:
             raise ValueError(f"n_lm_layers must be at least 1, got {n_lm_layers}")
+        if l2_coef is not None and (isinstance(l2_coef, bool) or not isinstance(l2_coef, numbers.Real)
+                                    or not math.isfinite(l2_coef) or l2_coef < 0):
+            raise ValueError(f"l2_coef must be a finite number >= 0 (or None: no regularization), got {l2_coef!r}")
         self.n_lm_layers, self.l2_coef, self.name = n_lm_layers, l2_coef, name
         self.use_top_only, self.do_layer_norm = use_top_only, do_layer_norm
         self.W = None if use_top_only else nn.Parameter(torch.zeros(n_lm_layers))
         self.gamma = nn.Parameter(torch.ones(1))
+        self.register_load_state_dict_pre_hook(refuse_non_finite_pre_hook)
 
     def tf_variables(self) -> dict[str, nn.Parameter]:
         """The parameters under bilm-tf's variable names: ``{name}_ELMo_W`` (unless top-only), ``{name}_ELMo_gamma``."""
@@ -334,10 +342,20 @@ def _bilm_batches(stream, chars: bool):
         yield out
 
 
+def _check_dump_files(outfile, **inputs) -> None:
+    """Every input file (None: not given) exists and is readable, and ``outfile`` is none of them."""
+    for name, path in inputs.items():
+        if path is not None:
+            check_input_file(path, name)
+    check_output_not_input(outfile, inputs.items(), "outfile")
+
+
 @torch.no_grad()
 def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_size: int = 4096,
                           device: str | torch.device = "cpu", backend: str | None = "auto") -> int:
     """bilm-tf's ``dump_token_embeddings``: dataset ``embedding`` (n_vocab, P), vocabulary order. Returns n_vocab."""
+    batch_size = check_int(batch_size, "batch_size", 1)
+    _check_dump_files(outfile, vocab_file=vocab_file, options_file=options_file, weight_file=weight_file)
     vocab = Vocabulary(vocab_file)
     if len(vocab) == 0:
         raise ValueError(f"vocabulary {vocab_file} is empty")
@@ -357,10 +375,12 @@ def dump_token_embeddings(vocab_file, options_file, weight_file, outfile, batch_
 @torch.no_grad()
 def dump_bilm_embeddings(vocab_file, dataset_file, options_file, weight_file, outfile) -> None:
     """bilm-tf's ``dump_bilm_embeddings``: one sentence per batch, in file order, stateful; dataset per line
-    index, shape (n_layers+1, n_tokens, 2P)."""
+    index, shape (n_layers+1, n_tokens, 2P). A byte-order mark at the start of ``dataset_file`` is dropped."""
+    _check_dump_files(outfile, vocab_file=vocab_file, dataset_file=dataset_file, options_file=options_file,
+                      weight_file=weight_file)
     model = BidirectionalLanguageModel(options_file, weight_file)
     batcher = Batcher(vocab_file, model._bilm.options.char_cnn.max_characters_per_token)
-    with open(dataset_file, encoding="utf-8") as fin, atomic_h5(outfile) as fout:
+    with open(dataset_file, encoding="utf-8-sig") as fin, atomic_h5(outfile) as fout:
         for i, line in enumerate(fin):
             sent = line.strip().split()
             out = model(batcher.batch_sentences([sent]))

@@ -144,7 +144,7 @@ class ElmoOptions:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ElmoOptions":
         try:
-            with open(path, encoding="utf-8") as fh:
+            with open(path, encoding="utf-8-sig") as fh:  # a leading byte-order mark is dropped
                 d = json.load(fh)
         except FileNotFoundError:
             raise FileNotFoundError(f"options file not found: {path}") from None

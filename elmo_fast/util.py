@@ -2,6 +2,7 @@
 checks every command runs before it does any work."""
 from __future__ import annotations
 
+import operator
 import os
 import re
 import stat
@@ -45,19 +46,22 @@ def configuration_error(message: str) -> ValueError:
 
 
 def read_utf8(path, what: str = "input file", error: type[Exception] = ValueError) -> str:
-    """The whole file as text; an unreadable or non-UTF-8 file raises ``error`` naming the file, line and byte."""
+    """The whole file as text, without a leading UTF-8 byte-order mark (which editors on Windows write, and which
+    would otherwise become characters of the first word); an unreadable or non-UTF-8 file raises ``error`` naming
+    the file, line and byte."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(f"{what} {path}: line {line} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
                     f"{exc.start}); the file must be UTF-8 text, e.g. convert it with `iconv -f latin1 -t utf-8`"
                     ) from None
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 def text_lines(text: str) -> list[str]:
@@ -68,6 +72,18 @@ def text_lines(text: str) -> list[str]:
     if lines[-1] == "":
         lines.pop()
     return lines
+
+
+def check_int(value, what: str, minimum: int, note: str = "", error: type[Exception] = ValueError) -> int:
+    """``value`` as an int when it is an integer (an int or anything int-like, e.g. a numpy integer; not a float,
+    str or bool) of at least ``minimum``; else ``error``: "{what} must be an integer >= {minimum}{note}, got ..."."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise error(f"{what} must be an integer >= {minimum}{note}, got {value!r}")
+    return number
 
 
 def parse_device(name: str, what: str = "--device", error: type[Exception] = ValueError) -> torch.device:
@@ -146,6 +162,15 @@ def same_file(a, b) -> bool:
     if os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)
     return os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b))
+
+
+def check_output_not_input(output, inputs, what: str = "--output", error: type[Exception] = ValueError) -> None:
+    """``output`` names none of the files read: ``inputs`` are (name, path) pairs (e.g. ("--vocab", path)); else
+    ``error`` saying which one the output would replace."""
+    for name, path in inputs:
+        if path is not None and same_file(output, path):
+            raise error(f"{what} {output} is the {name} file {path}: the output would replace it; give another "
+                        f"{what}")
 
 
 def check_output_dir(path, what: str, error: type[Exception] = ValueError) -> None:

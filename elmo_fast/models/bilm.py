@@ -15,21 +15,45 @@ from ..weights import WeightFileError, lstm_prefix, read_weights, write_weights
 from . import _graphs
 
 
-def check_ids(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str) -> torch.Tensor:
+def check_ids(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str,
+              boundaries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``mask`` (..., T) of the positions holding a token, once ``ids`` are known to lie in [0, hi_max] and every row
     to be right-padded (a token after a padding position would end the sentence there and run the padding through
-    the LSTMs as a token): one host read for both; inside torch.compile, asserts in the graph instead."""
+    the LSTMs as a token): one host read for both; inside torch.compile, asserts in the graph instead.
+
+    ``boundaries``: the (L,) char ids of ``<S>`` and ``</S>``, for a model that adds them itself to char ids (B, T, L):
+    ids whose every non-empty row already begins with ``<S>`` and ends with ``</S>`` (what bilm-tf's ``Batcher``
+    gives) are refused in the same host read, as they would get each boundary twice."""
     holes = (mask[..., 1:] & ~mask[..., :-1]).any()
+    checks = [holes]
+    if boundaries is not None and ids.numel():
+        bos, eos = boundaries
+        lengths = mask.long().sum(-1)  # (B,)
+        last = (lengths - 1).clamp_min(0)
+        first_ids = ids[:, 0]
+        last_ids = ids.gather(1, last.view(-1, 1, 1).expand(-1, 1, ids.shape[-1])).squeeze(1)
+        wrapped = (first_ids == bos).all(-1) & (last_ids == eos).all(-1) & (lengths >= 2)
+        nonempty = lengths > 0
+        checks.append(nonempty.any() & (wrapped | ~nonempty).all())
     if torch.compiler.is_compiling():  # (on a GPU device-side asserts): no host sync
         torch._assert_async(((ids >= 0) & (ids <= hi_max)).all(), f"{what} must lie in [0, {hi_max}]")
         torch._assert_async(~holes, f"{what} must be right-padded")
+        if len(checks) > 1:
+            torch._assert_async(~checks[1], f"{what} already hold <S> and </S> (Batcher output); use batch_to_ids")
     elif ids.numel():
-        lo, hi, hole = torch.stack([*torch.aminmax(ids.long()), holes.long()]).tolist()
+        lo, hi, hole, *batcher = torch.stack([*torch.aminmax(ids.long()), *(c.long() for c in checks)]).tolist()
         if lo < 0 or hi > hi_max:
             raise ValueError(f"{what} must lie in [0, {hi_max}], got [{lo}, {hi}]")
         if hole:
             raise ValueError(f"{what} must be right-padded: a row has a token after a padding position; each row holds "
                              "its tokens first, then padding")
+        if batcher and batcher[0]:
+            raise ValueError(f"{what} already hold the sentence boundaries: every sentence begins with <S> and ends "
+                             "with </S>, as bilm-tf's Batcher makes them, and this AllenNLP-style model adds <S> and "
+                             "</S> itself, so each sentence would get two of each. Make the ids with "
+                             "elmo_fast.batch_to_ids(sentences) (no boundaries), or run Batcher ids through "
+                             "elmo_fast.compat.BidirectionalLanguageModel; if the tokens themselves begin with '<S>' "
+                             "and end with '</S>', leave those two out")
     return mask
 
 

@@ -1,7 +1,6 @@
 """AllenNLP-compatible ``ElmoBiLM`` (``_ElmoBiLm``) and ``Elmo``: same arguments, same outputs."""
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch
@@ -12,14 +11,17 @@ from ..chars import BOS_TOKEN, EOS_TOKEN, MAX_WORD_LENGTH, word_to_char_ids
 from ..modules.scalar_mix import ScalarMix
 from ..options import OptionsError
 from ..ops import _precision as prec
-from ..util import add_sentence_boundary_token_ids, configuration_error, remove_sentence_boundaries
+from ..util import add_sentence_boundary_token_ids, check_int, configuration_error, remove_sentence_boundaries
 from ._graphs import GraphCache
 from .bilm import BiLM, check_ids
 
 MAX_CHAR_ID = 261
 
 
-def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int = 3, exact: bool = True) -> None:
+def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int = 3, exact: bool = True,
+                    boundaries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Refuse char ids that are not ``batch_to_ids`` output; given ``boundaries`` (the ids of <S> and </S>, on
+    ``device``), also ids that already hold them, as bilm-tf's ``Batcher`` makes them (``check_ids``)."""
     if not isinstance(char_ids, torch.Tensor):
         raise TypeError(f"char ids must be a torch.LongTensor, got {type(char_ids).__name__}; use batch_to_ids")
     if char_ids.dtype.is_floating_point or char_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
@@ -33,7 +35,8 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
         raise ValueError("empty batch: char ids have 0 sentences")
     if char_ids.device != device:
         raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
-    check_ids(char_ids, (char_ids > 0).any(-1), MAX_CHAR_ID, "char ids")  # inference ids, 0 = padding
+    check_ids(char_ids, (char_ids > 0).any(-1), MAX_CHAR_ID, "char ids",  # inference ids, 0 = padding
+              boundaries=boundaries)
 
 
 def check_allennlp_model(bilm: BiLM) -> None:
@@ -78,7 +81,7 @@ class ElmoCharacterEncoder(nn.Module):
 
     def add_boundaries(self, inputs: torch.Tensor):
         """char ids (B, T, 50) -> (ids (B, T+2, 50) with <S>/</S>, mask (B, T+2))."""
-        _check_char_ids(inputs, self.encoder.char_embed.device)
+        _check_char_ids(inputs, self.encoder.char_embed.device, boundaries=(self.bos_ids, self.eos_ids))
         return self._add_boundaries(inputs)
 
     def _add_boundaries(self, inputs: torch.Tensor):  # inputs already checked
@@ -179,7 +182,7 @@ class ElmoBiLM(nn.Module):
         if inputs is None:
             raise TypeError("ElmoBiLM.forward() needs the char ids (batch_to_ids output)")
         dev = self._device()
-        _check_char_ids(inputs, dev)
+        _check_char_ids(inputs, dev, boundaries=(self._token_embedder.bos_ids, self._token_embedder.eos_ids))
         token_embedding = None
         if word_inputs is not None and self._word_embedding is None:
             warnings.warn("word_inputs given but the model has no vocab_to_cache: ignored, the char ids are used "
@@ -262,13 +265,8 @@ class Elmo(nn.Module):
         else:
             self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,
                                        vocab_to_cache=vocab_to_cache, backend=backend, cuda_graph=cuda_graph)
-        try:  # an int or anything int-like (a numpy integer), not a float, str or bool
-            count = operator.index(num_output_representations)
-        except TypeError:
-            count = None
-        if count is None or isinstance(num_output_representations, bool) or count < 1:
-            raise ValueError(f"num_output_representations must be an integer >= 1, got {num_output_representations!r}")
-        num_output_representations = count
+        # an int or anything int-like (a numpy integer), not a float, str or bool
+        num_output_representations = check_int(num_output_representations, "num_output_representations", 1)
         self._has_cached_vocab = vocab_to_cache is not None
         self._keep_sentence_boundaries = keep_sentence_boundaries
         self._dropout = nn.Dropout(p=dropout)

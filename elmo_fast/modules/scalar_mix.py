@@ -1,11 +1,32 @@
 """AllenNLP-compatible ``ScalarMix``."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 from ..reference.scalar_mix import scalar_mix_reference
 from ..util import configuration_error
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def refuse_non_finite_pre_hook(module: nn.Module, state_dict, prefix: str, *args) -> None:
+    """``load_state_dict`` pre-hook of a layer mix (``ScalarMix``, bilm-tf's ``WeightLayers``): a NaN or infinite
+    weight loaded from a file would make every output NaN, so it is refused by its key before anything of the
+    module is loaded."""
+    for name, _ in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"{prefix}{name}: the loaded state_dict holds non-finite values "
+                             f"{value.flatten()[:8].tolist()} for this layer-mix weight, expected finite numbers "
+                             "(a checkpoint of a run that diverged?)")
 
 
 class ScalarMix(nn.Module):
@@ -28,6 +49,10 @@ class ScalarMix(nn.Module):
             raise configuration_error(
                 f"initial_scalar_parameters has {len(initial_scalar_parameters)} values, expected {mixture_size}"
             )
+        bad = [v for v in initial_scalar_parameters if not _finite(v)]
+        if bad:
+            raise configuration_error(f"initial_scalar_parameters must be finite numbers, got {bad[0]!r} in "
+                                      f"{list(initial_scalar_parameters)!r}")
         self.mixture_size = mixture_size
         self.do_layer_norm = do_layer_norm
         self.eps = eps
@@ -35,6 +60,7 @@ class ScalarMix(nn.Module):
             [nn.Parameter(torch.tensor([float(v)]), requires_grad=trainable) for v in initial_scalar_parameters]
         )
         self.gamma = nn.Parameter(torch.tensor([1.0]), requires_grad=trainable)
+        self.register_load_state_dict_pre_hook(refuse_non_finite_pre_hook)
 
     def forward(self, tensors: list[torch.Tensor], mask: torch.Tensor | None = None) -> torch.Tensor:
         if len(tensors) != self.mixture_size:

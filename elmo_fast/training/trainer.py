@@ -573,8 +573,28 @@ class Trainer:
             "cpu_gemm_timings": gemm_timings(),
         }
 
+    def check_finite_params(self) -> None:
+        """Raise RuntimeError naming the step and the first parameter that holds NaN or inf (a diverged run): one
+        fused max-abs over all parameters and one host read, so it runs where a checkpoint is written, not every
+        step. Every rank holds the same parameters, so every rank raises alike."""
+        named = {id(p): (n, p) for n, p in self.model.named_parameters()}
+        named.setdefault(id(self.softmax_W), ("softmax_W", self.softmax_W))
+        named.setdefault(id(self.softmax_b), ("softmax_b", self.softmax_b))
+        names, params = zip(*((n, p.detach()) for n, p in named.values() if p.numel()))
+        peaks = torch.stack(torch._foreach_norm(list(params), float("inf"))).tolist()  # NaN and inf propagate
+        bad = [n for n, v in zip(names, peaks) if not math.isfinite(v)]
+        if bad:
+            raise RuntimeError(
+                f"step {self.step}: the parameters hold NaN or inf values (in {', '.join(bad[:4])}"
+                f"{', ...' if len(bad) > 4 else ''}): the training diverged. No checkpoint was written and the "
+                f"existing checkpoints in {os.path.join(self.save_dir, 'checkpoints')} were kept; resume from the "
+                "last one (e.g. with a lower learning rate)")
+
     def save_checkpoint(self) -> str | None:
-        """Every rank must call this (tower states are gathered); rank 0 writes. Atomic: temp file + os.replace."""
+        """Every rank must call this (tower states are gathered); rank 0 writes. Atomic: temp file + os.replace.
+        Parameters that are no longer finite raise (``check_finite_params``) before anything is written or removed,
+        so a diverged run never rotates the good checkpoints out."""
+        self.check_finite_params()
         st = self.state_dict()
         if not self.dinfo.is_main:
             return None
