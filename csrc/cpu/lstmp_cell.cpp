@@ -286,11 +286,13 @@ bool elmo_cpu::use_avx512() { return kIsa == Isa::kAvx512; }
 void add_sparse_rows(pybind11::module_& m);  // csrc/cpu/sparse_rows.cpp
 void add_small_gemm(pybind11::module_& m);   // csrc/cpu/small_gemm.cpp
 void add_fpenv(pybind11::module_& m);        // csrc/cpu/fpenv.cpp
+void add_char_cnn(pybind11::module_& m);     // csrc/cpu/char_cnn.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (csrc/cpu/lstmp_cell.cpp), the sparse "
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
-            "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp)";
+            "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
+            "its sparse backward (csrc/cpu/char_cnn.cpp)";
   m.def("cell_forward", &cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
   m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),
@@ -302,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_sparse_rows(m);
   add_small_gemm(m);
   add_fpenv(m);
+  add_char_cnn(m);
 }

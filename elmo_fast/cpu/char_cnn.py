@@ -8,6 +8,10 @@ Exact shortcuts (no value changes beyond float rounding order), differentiable b
 * tokens run in buckets of similar length, so a short word costs a short convolution (most words are far
   shorter than the 50 positions: the CNN work drops 3-4x on real text).
 
+In training, with ``elmo_fast._cpu``, a bucket's max over windows runs in the extension (``_ConvMax``,
+csrc/cpu/char_cnn.cpp): its backward visits only the windows that hold each maximum (ties share the gradient evenly,
+as TF's reduce_max and torch's amax do) instead of autograd's transposed convolution over every window.
+
 The callers (the token-encoder module) pass distinct tokens: each distinct token is encoded once per batch.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference.char_cnn import _activation
+from .ext import cpu_ext
 
 PAD_CHAR_ID = 261  # inference id of the in-word padding character
 _BUCKET = 512
@@ -46,8 +51,14 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         order = torch.argsort(kr, descending=True)
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
+        sparse = _sparse_backward(char_embed, conv_weights, conv_biases)
         for s in range(0, real.numel(), _BUCKET):
             kmax = kr[s]
+            if sparse:
+                pv = [v[0].detach() for v in pad_vals]
+                wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
+                pieces.append(_ConvMax.apply(char_ids[real[s : s + _BUCKET]], char_embed, kmax, pv, *wb))
+                continue
             emb = F.embedding(char_ids[real[s : s + _BUCKET]], char_embed).transpose(1, 2)  # (n, d_c, L)
             group = []
             for (w, b), pv in zip(zip(conv_weights, conv_biases), pad_vals):
@@ -62,3 +73,61 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         real_out = torch.cat(pieces, 0)
         out = out.to(real_out.dtype).index_put((real,), real_out)
     return act(out)
+
+
+def _sparse_backward(char_embed, conv_weights, conv_biases) -> bool:
+    """Whether ``_ConvMax`` runs the buckets: a gradient is wanted, every tensor is fp32 and the extension has the
+    kernels."""
+    tensors = [char_embed, *conv_weights, *conv_biases]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        return False
+    if any(t.dtype != torch.float32 for t in tensors) or max(int(w.shape[0]) for w in conv_weights) < 1:
+        return False
+    ext = cpu_ext()
+    return ext is not None and hasattr(ext, "conv_max_backward")
+
+
+class _ConvMax(torch.autograd.Function):
+    """One bucket, every filter group: max over windows of conv(embed(ids)) + bias (before the activation), for
+    tokens whose windows from ``kmax`` on are all padding (their value is ``pv``, per group). The forward keeps,
+    per token and filter, the windows that hold the maximum; the backward gives the gradient to those windows only
+    (shared evenly among ties): the weight, bias and char-table gradients of csrc/cpu/char_cnn.cpp."""
+
+    @staticmethod
+    def forward(ctx, ids, table, kmax, pv, *wb):
+        ext = cpu_ext()
+        ws, bs = wb[0::2], wb[1::2]
+        n, L = ids.shape
+        emb = F.embedding(ids, table).transpose(1, 2)  # (n, d_c, L)
+        outs, masks = [], []
+        for w, b, pad in zip(ws, bs, pv):
+            width = int(w.shape[0])
+            n_win = L - width + 1
+            n_real = min(kmax, n_win)
+            y = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b).contiguous()
+            m = y.new_empty(n, y.shape[1])
+            bits = torch.empty(y.shape[1], n, dtype=torch.long)
+            ext.conv_max(y, pad.contiguous() if n_real < n_win else None, n_win, m, bits)
+            outs.append(m)
+            masks.append(bits)
+        ctx.save_for_backward(ids.to(torch.int32).contiguous(), table, *ws, *masks)
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def backward(ctx, dm):
+        ext = cpu_ext()
+        ids, table, *rest = ctx.saved_tensors
+        k = len(rest) // 2
+        ws, masks = rest[:k], rest[k:]
+        g = dm.t().contiguous()  # (F, n): a filter's gradients are one row
+        table = table.contiguous()
+        dtable = torch.zeros_like(table)
+        grads, off = [], 0
+        for w, bits in zip(ws, masks):
+            n_f = int(w.shape[2])
+            wt = w.permute(2, 0, 1).contiguous()  # (F, w, d_c): a filter's weights are one row
+            dwt, db = torch.empty_like(wt), w.new_empty(n_f)
+            ext.conv_max_backward(ids, table, PAD_CHAR_ID, wt, g[off : off + n_f], bits, dwt, dtable, db)
+            grads += [dwt.permute(1, 2, 0).contiguous(), db]
+            off += n_f
+        return None, dtable, None, None, *grads
