@@ -188,3 +188,17 @@ def test_lstmp_chain_through_panels_matches_the_reference(monkeypatch, dtype):
     assert len(built) >= 4  # forward w_rec, w_proj and backward's transposes
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("M, K, N", [(16, 16384, 512), (5, 2305, 37), (1, 6001, 16), (13, 8192, 100), (3, 3000, 512)])
+@pytest.mark.parametrize("add", [True, False])
+def test_split_k_for_few_panels_and_a_long_k(threads, M, K, N, add):
+    """Few panels and a long K: the k blocks split over the threads, each summing into its own partial sums (tails
+    in K and N, uneven splits with 3 threads, with and without add)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(M, K, N, seed=K + N + M, add=add, out_pad=3)
+    finally:
+        torch.set_num_threads(before)

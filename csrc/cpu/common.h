@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 
@@ -33,5 +34,12 @@ bool has_avx512();
 
 // The kernels run AVX-512 now: has_avx512() unless a test chose a lesser instruction set (set_isa).
 bool use_avx512();
+
+// The extension's kernels for its other sources (csrc/cpu/lstmp_loop.cpp), arguments as the Python bindings'.
+void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
+              const at::Tensor& out);  // small_gemm.cpp
+void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g, const at::Tensor& c_pre,
+                   const at::Tensor& tc, const at::Tensor& c_prev, c10::optional<double> cell_clip,
+                   const at::Tensor& dz, const at::Tensor& dc_prev);  // lstmp_cell.cpp
 
 }  // namespace elmo_cpu

@@ -280,6 +280,12 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
 
 }  // namespace
 
+void elmo_cpu::cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g, const at::Tensor& c_pre,
+                             const at::Tensor& tc, const at::Tensor& c_prev, c10::optional<double> cell_clip,
+                             const at::Tensor& dz, const at::Tensor& dc_prev) {
+  ::cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz, dc_prev);
+}
+
 bool elmo_cpu::has_avx512() { return kBest == Isa::kAvx512; }
 bool elmo_cpu::use_avx512() { return kIsa == Isa::kAvx512; }
 
@@ -287,12 +293,13 @@ void add_sparse_rows(pybind11::module_& m);  // csrc/cpu/sparse_rows.cpp
 void add_small_gemm(pybind11::module_& m);   // csrc/cpu/small_gemm.cpp
 void add_fpenv(pybind11::module_& m);        // csrc/cpu/fpenv.cpp
 void add_char_cnn(pybind11::module_& m);     // csrc/cpu/char_cnn.cpp
+void add_lstmp_loop(pybind11::module_& m);   // csrc/cpu/lstmp_loop.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (csrc/cpu/lstmp_cell.cpp), the sparse "
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
             "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
-            "its sparse backward (csrc/cpu/char_cnn.cpp)";
+            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP backward's time loop (csrc/cpu/lstmp_loop.cpp)";
   m.def("cell_forward", &cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
   m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),
@@ -305,4 +312,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_small_gemm(m);
   add_fpenv(m);
   add_char_cnn(m);
+  add_lstmp_loop(m);
 }

@@ -260,6 +260,51 @@ ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels
   });
 }
 
+// Split K for few panels and a long K (dz·W_recᵀ: 32 panels, K = 16384). Split by panels, each thread read the whole
+// xt (1 MiB), half of it transposed by the other core, and 2 threads ran 1.6x one. Here each thread transposes and
+// sums its own run of k blocks for every panel (its part of xt stays in its own caches), thread 0 into out, the
+// others into their own (M, N) partial sums, added to out afterwards in thread order (then add). The sums are
+// regrouped by thread (their bits depend on the thread count, as a split GEMM's do). Returns false, doing nothing,
+// where it does not apply.
+ELMO_AVX512 bool small_mm_split_k(const float* xp, int64_t sm, int64_t M, int64_t K, const float* panels, int64_t N,
+                                  float* out, int64_t ldo, const float* add, int64_t lda, float* xt) {
+  const int64_t P = (N + 15) / 16, blocks = (K + kBlock - 1) / kBlock;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (nt < 2 || P > 16 * nt || K < 4 * kBlock * nt || M * N > (int64_t{1} << 16) || at::in_parallel_region())
+    return false;
+  std::vector<float> part(static_cast<size_t>((nt - 1) * M * N));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t k0 = blocks * t / nt * kBlock, k1 = std::min(K, blocks * (t + 1) / nt * kBlock);
+      for (int64_t m0 = 0; m0 < M; m0 += 16)
+        transpose_rows(xp, sm, std::min<int64_t>(16, M - m0), M, m0, k0, k1, K, xt);
+      float* o = t == 0 ? out : part.data() + (t - 1) * M * N;
+      const int64_t ld = t == 0 ? ldo : N;
+      for (int64_t kb = k0; kb < k1; kb += kBlock) {
+        const int64_t ke = std::min(k1, kb + kBlock);
+        for (int64_t p = 0; p < P; ++p) {
+          const float* next = p + 1 < P ? panels + (p + 1) * K * 16 + kb * 16 : panels + ke * 16;
+          __mmask16 mask[1];
+          panel_masks<1>(N - p * 16, mask);
+          // offsets make the thread's run [k0, k1) look like a whole K to panel_all_rows (its first and last block)
+          panel_all_rows<1, 16>(xt + k0 * M, M, panels + p * K * 16 + k0 * 16, next, kb - k0, ke - k0, k1 - k0, o,
+                                ld, nullptr, 0, p * 16, mask);
+        }
+      }
+    }
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = out + m * ldo;
+    for (int64_t t = 1; t < nt; ++t) {
+      const float* q = part.data() + ((t - 1) * M + m) * N;
+      for (int64_t n = 0; n < N; ++n) o[n] += q[n];
+    }
+    if (add != nullptr)
+      for (int64_t n = 0; n < N; ++n) o[n] += add[m * lda + n];
+  }
+  return true;
+}
+
 #endif  // ELMO_X86
 
 // out (M, N) = x (M, K) · w (+ add (M, N)), w given as pack_panels(w). out and add: row-major rows (any row stride).
@@ -300,6 +345,9 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
   const float* xp = x.data_ptr<float>();
   const int64_t sm = x.stride(0), sk = x.stride(1);
 #ifdef ELMO_X86
+  if (sk == 1 && W == 16 &&
+      small_mm_split_k(xp, sm, M, K, panels.data_ptr<float>(), N, out.data_ptr<float>(), out.stride(0), add_p, lda, xt))
+    return;
   if (sk == 1) {  // a row-major x: 16 x 16 blocks transposed in registers, k split over threads in blocks of 16
     at::parallel_for(0, (K + 15) / 16, (int64_t{1} << 16) / (16 * M) + 1, [&](int64_t begin, int64_t end) {
       for (int64_t m0 = 0; m0 < M; m0 += 16)
@@ -324,6 +372,11 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
 }
 
 }  // namespace
+
+void elmo_cpu::small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
+                        const at::Tensor& out) {
+  ::small_mm(x, panels, N, add, out);
+}
 
 void add_small_gemm(pybind11::module_& m) {
   m.def("small_mm_available", &elmo_cpu::has_avx512, "whether small_mm runs on this CPU (AVX-512)");

@@ -42,7 +42,7 @@ from .ext import cpu_ext_for, denormals_flushed
 from .gemm import gemm
 from .._backend import BackendUnavailableError
 from ..ops._library import nothing, qualname, tracing
-from .packed import PackedLinear, PackedWeightCache, bf16_supported, cache_by_id, pack_pays
+from .packed import PackedLinear, PackedWeightCache, _Panels, bf16_supported, cache_by_id, pack_pays
 
 _SAVED = ("xs", "gates", "c_pre", "tc", "m_all", "h_pre", "hs")  # the packed buffers training keeps for backward
 
@@ -344,19 +344,24 @@ def _backward_through_time(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0,
     dz = torch.empty_like(gates) if cache is None else cache.reusable("dz", tuple(gates.shape), gates.dtype)
     dh_all = torch.empty_like(hs) if w_proj is not None else None
     rec_t, proj_t = _weights(w_rec, w_proj, B, cache, transposed=True)
-    for s in range(len(plan.n) - 1, -1, -1):
-        n, o = plan.n[s], plan.off[s]
-        blk = slice(o, o + n)
-        dh = dys[blk] + carry_h[:n]
-        if proj_t is not None:
-            if proj_clip is not None:
-                dh.masked_fill_(h_pre[blk].abs() > proj_clip, 0.0)
-            dh_all[blk] = dh
-            dh = proj_t(dh)
-        po = plan.off[s - 1] if s else 0
-        c_prev = _clip(c_pre[po : po + n], cell_clip) if s else c_init[:n]
-        carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
-        carry_h[:n] = rec_t(dz[blk])
+    loop = _loop_ext(rec_t, proj_t, dys, carry_h, carry_c, c_init, gates, c_pre, tc, h_pre, dh_all, dz)
+    if loop is not None:  # the same steps, with no dispatch between the products (csrc/cpu/lstmp_loop.cpp)
+        loop.backward_loop(plan.n, plan.off, dys, carry_h, carry_c, c_init, gates, c_pre, tc, h_pre, dh_all, dz,
+                           rec_t.packed.t, None if proj_t is None else proj_t.packed.t, cell_clip, proj_clip)
+    else:
+        for s in range(len(plan.n) - 1, -1, -1):
+            n, o = plan.n[s], plan.off[s]
+            blk = slice(o, o + n)
+            dh = dys[blk] + carry_h[:n]
+            if proj_t is not None:
+                if proj_clip is not None:
+                    dh.masked_fill_(h_pre[blk].abs() > proj_clip, 0.0)
+                dh_all[blk] = dh
+                dh = proj_t(dh)
+            po = plan.off[s - 1] if s else 0
+            c_prev = _clip(c_pre[po : po + n], cell_clip) if s else c_init[:n]
+            carry_c[:n] = _cell_backward(dh, carry_c[:n], gates[blk], c_pre[blk], tc[blk], c_prev, cell_clip, dz[blk])
+            carry_h[:n] = rec_t(dz[blk])
     dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
     if needs[0]:
         dxs = torch.addmm(dys, dz, w_in.t()) if residual else gemm(dz, w_in.t())
@@ -373,6 +378,15 @@ def _backward_through_time(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0,
     if needs[5] and w_proj is not None:
         dw_proj = _weight_grad(w_proj, m_all, dh_all)
     return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c)
+
+
+def _loop_ext(rec_t, proj_t, *tensors):
+    """``elmo_fast._cpu`` where it runs the backward's time loop itself: both per-step products on its panels
+    (``packed._Panels``) and every buffer a contiguous fp32 CPU tensor (None: no projection); else None."""
+    if not isinstance(rec_t.packed, _Panels) or (proj_t is not None and not isinstance(proj_t.packed, _Panels)):
+        return None
+    ext = cpu_ext_for(*tensors)
+    return ext if ext is not None and hasattr(ext, "backward_loop") else None
 
 
 def _weight_grad(w: Tensor, a: Tensor, b: Tensor) -> Tensor:

@@ -1,0 +1,77 @@
+"""The LSTMP backward's time loop in elmo_fast._cpu (csrc/cpu/lstmp_loop.cpp): bit-identical to the Python loop it
+replaces, on every chain shape of the cpu backend's tests (panels forced: the test weights are small)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elmo_fast.cpu import lstmp as L
+from elmo_fast.cpu import lstmp_cpu, packed
+from elmo_fast.cpu.ext import cpu_ext
+
+from conftest import poison_allocations
+from test_cpu_backend import LSTMP_CASES, _chain, _run_lstmp
+
+ext = cpu_ext()
+pytestmark = pytest.mark.skipif(ext is None or not hasattr(ext, "backward_loop") or not ext.small_mm_available(),
+                                reason="needs elmo_fast._cpu with csrc/cpu/lstmp_loop.cpp on an AVX-512 CPU")
+
+
+@pytest.fixture
+def panels(monkeypatch):
+    monkeypatch.setattr(packed, "_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(packed, "_PANELS_OK", True)
+    monkeypatch.setenv("ELMO_FAST_CPU_PANELS", "1")
+    monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")
+
+
+@pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
+@pytest.mark.parametrize("final_grads", [True, False], ids=["dh_n-dc_n", "y-only"])
+def test_loop_is_bit_identical_to_the_python_loop(panels, monkeypatch, B, T, D, H, P, lengths, reverse, residual,
+                                                 proj, cell_clip, proj_clip, final_grads):
+    if residual:
+        D = P
+    kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual, forget_bias=1.0)
+    args = _chain(B, T, D, H, P, proj, torch.float32, seed=B * 10 + T)
+    g = torch.Generator().manual_seed(B + T)
+    up = [torch.randn(B, T, P, generator=g), torch.randn(B, P, generator=g), torch.randn(B, H, generator=g)]
+    if not final_grads:
+        up[1], up[2] = torch.zeros(B, P), torch.zeros(B, H)
+    calls = []
+    real = L._loop_ext
+
+    def spy(*a):
+        got = real(*a)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(L, "_loop_ext", spy)
+    with monkeypatch.context() as mp:
+        poison_allocations(mp)  # an element the loop does not write fails
+        _, fast = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
+    assert calls and all(calls), "the extension's loop did not run"
+    monkeypatch.setattr(L, "_loop_ext", lambda *a: None)
+    _, slow = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"gradient {i}: the loops differ by {float((a - b).abs().max()):.3g}"
+
+
+def test_loop_arguments_are_checked():
+    B, P, H, N = 2, 3, 4, 3
+    f = torch.zeros
+    rec = ext.pack_panels(torch.zeros(4 * H, P), 16)
+    good = dict(dys=f(N, P), carry_h=f(B, P), carry_c=f(B, H), c_init=f(B, H), gates=f(N, 4 * H), c_pre=f(N, H),
+                tc=f(N, H), h_pre=None, dh_all=None, dz=f(N, 4 * H), rec=rec, proj=None, cell_clip=None,
+                proj_clip=None)
+    with pytest.raises(RuntimeError, match="without a projection P"):
+        ext.backward_loop([2, 1], [0, 2], **good)
+    good.update(carry_h=f(B, H), dys=f(N, H), rec=ext.pack_panels(torch.zeros(4 * H, H), 16))
+    ext.backward_loop([2, 1], [0, 2], **good)
+    with pytest.raises(RuntimeError, match=r"step 1 \(n = 1, off = 1\) does not follow the packed layout"):
+        ext.backward_loop([2, 1], [0, 1], **good)
+    with pytest.raises(RuntimeError, match="fewer than the 4 positions"):
+        ext.backward_loop([2, 2], [0, 2], **good)
+    with pytest.raises(RuntimeError, match="given together or not at all"):
+        ext.backward_loop([2, 1], [0, 2], **{**good, "h_pre": f(N, H)})
