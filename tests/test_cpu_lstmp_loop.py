@@ -1,5 +1,6 @@
-"""The LSTMP backward's time loop in elmo_fast._cpu (csrc/cpu/lstmp_loop.cpp): bit-identical to the Python loop it
-replaces, on every chain shape of the cpu backend's tests (panels forced: the test weights are small)."""
+"""The LSTMP time loops in elmo_fast._cpu (csrc/cpu/lstmp_loop.cpp): bit-identical to the Python loops they replace,
+on every chain shape of the cpu backend's tests (panels forced: the test weights are small), in training (the
+projection on panels or on torch.mm) and in inference."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from elmo_fast.cpu import lstmp as L
 from elmo_fast.cpu import lstmp_cpu, packed
 from elmo_fast.cpu.ext import cpu_ext
+from elmo_fast.cpu.packed import PackedWeightCache
 
 from conftest import poison_allocations
 from test_cpu_backend import LSTMP_CASES, _chain, _run_lstmp
@@ -26,36 +28,46 @@ def panels(monkeypatch):
 
 
 @pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
-@pytest.mark.parametrize("final_grads", [True, False], ids=["dh_n-dc_n", "y-only"])
-def test_loop_is_bit_identical_to_the_python_loop(panels, monkeypatch, B, T, D, H, P, lengths, reverse, residual,
-                                                 proj, cell_clip, proj_clip, final_grads):
+@pytest.mark.parametrize("mode", ["train", "train-proj-mm", "inference", "train-y-only"])
+def test_loops_are_bit_identical_to_the_python_loops(panels, monkeypatch, B, T, D, H, P, lengths, reverse,
+                                                     residual, proj, cell_clip, proj_clip, mode):
     if residual:
         D = P
     kw = dict(cell_clip=cell_clip, proj_clip=proj_clip, reverse=reverse, residual=residual, forget_bias=1.0)
     args = _chain(B, T, D, H, P, proj, torch.float32, seed=B * 10 + T)
     g = torch.Generator().manual_seed(B + T)
     up = [torch.randn(B, T, P, generator=g), torch.randn(B, P, generator=g), torch.randn(B, H, generator=g)]
-    if not final_grads:
+    if mode == "train-y-only":
         up[1], up[2] = torch.zeros(B, P), torch.zeros(B, H)
+    if mode == "train-proj-mm":  # training's forward leaves w_proj unpacked where its pack does not pay
+        monkeypatch.setattr(L, "pack_pays", lambda w, rows, uses: w.shape[1] == 4 * H)
     calls = []
     real = L._loop_ext
 
-    def spy(*a):
-        got = real(*a)
-        calls.append(got is not None)
+    def spy(*a, **k):
+        got = real(*a, **k)
+        calls.append((k.get("forward", False), got is not None))
         return got
+
+    def run():
+        if mode == "inference":
+            with torch.no_grad():
+                return lstmp_cpu(*args, torch.tensor(lengths), weight_cache=PackedWeightCache(), **kw)
+        return _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
 
     monkeypatch.setattr(L, "_loop_ext", spy)
     with monkeypatch.context() as mp:
-        poison_allocations(mp)  # an element the loop does not write fails
-        _, fast = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
-    assert calls and all(calls), "the extension's loop did not run"
-    monkeypatch.setattr(L, "_loop_ext", lambda *a: None)
-    _, slow = _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
-    for i, (a, b) in enumerate(zip(fast, slow)):
+        poison_allocations(mp)  # an element the loops do not write fails
+        fast = run()
+    ran = {fwd for fwd, used in calls if used}
+    assert ran == ({True} if mode == "inference" else {True, False}), f"the extension's loops did not run: {calls}"
+    monkeypatch.setattr(L, "_loop_ext", lambda *a, **k: None)
+    slow = run()
+    flat = (lambda r: list(r)) if mode == "inference" else (lambda r: [*r[0], *r[1]])
+    for i, (a, b) in enumerate(zip(flat(fast), flat(slow))):
         assert (a is None) == (b is None), i
         if a is not None:
-            assert torch.equal(a, b), f"gradient {i}: the loops differ by {float((a - b).abs().max()):.3g}"
+            assert torch.equal(a, b), f"result {i}: the loops differ by {float((a - b).abs().max()):.3g}"
 
 
 def test_loop_arguments_are_checked():
@@ -75,3 +87,9 @@ def test_loop_arguments_are_checked():
         ext.backward_loop([2, 2], [0, 2], **good)
     with pytest.raises(RuntimeError, match="given together or not at all"):
         ext.backward_loop([2, 1], [0, 2], **{**good, "h_pre": f(N, H)})
+    with pytest.raises(RuntimeError, match="given together"):
+        ext.forward_loop([2, 1], [0, 2], f(N, 4 * H), f(B, H), f(B, H), f(N, H), f(N, H), None, None, None,
+                         good["rec"], None, None, None, None)
+    with pytest.raises(RuntimeError, match="proj or proj_w, not both"):
+        ext.forward_loop([2, 1], [0, 2], f(N, 4 * H), f(B, H), f(B, H), f(N, H), None, None, None, None,
+                         good["rec"], good["rec"], f(H, H), None, None)

@@ -38,6 +38,9 @@ bool use_avx512();
 // The extension's kernels for its other sources (csrc/cpu/lstmp_loop.cpp), arguments as the Python bindings'.
 void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
               const at::Tensor& out);  // small_gemm.cpp
+void cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,
+                  const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre, const at::Tensor& c,
+                  const c10::optional<at::Tensor>& tc, const at::Tensor& m);  // lstmp_cell.cpp
 void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g, const at::Tensor& c_pre,
                    const at::Tensor& tc, const at::Tensor& c_prev, c10::optional<double> cell_clip,
                    const at::Tensor& dz, const at::Tensor& dc_prev);  // lstmp_cell.cpp

@@ -280,6 +280,12 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
 
 }  // namespace
 
+void elmo_cpu::cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,
+                            const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre,
+                            const at::Tensor& c, const c10::optional<at::Tensor>& tc, const at::Tensor& m) {
+  ::cell_forward(z, c_prev, cell_clip, g, c_pre, c, tc, m);
+}
+
 void elmo_cpu::cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g, const at::Tensor& c_pre,
                              const at::Tensor& tc, const at::Tensor& c_prev, c10::optional<double> cell_clip,
                              const at::Tensor& dz, const at::Tensor& dc_prev) {
@@ -299,7 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (csrc/cpu/lstmp_cell.cpp), the sparse "
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
             "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
-            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP backward's time loop (csrc/cpu/lstmp_loop.cpp)";
+            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp)";
   m.def("cell_forward", &cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
   m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),

@@ -238,25 +238,32 @@ def _forward(x, w_in, w_rec, bias, w_proj, h0, c0, plan: _Plan, *, cell_clip, pr
         c_pre, tc, m_all = (packed(k, H) for k in ("c_pre", "tc", "m_all"))
         h_pre = packed("h_pre", P) if proj is not None else None
     h_fin, c_fin = plan.sort(h0), plan.sort(c0)
-    h, c = h_fin, c_fin
-    for s, (n, o) in enumerate(zip(plan.n, plan.off)):
-        blk = slice(o, o + n)
-        z = rec(h[:n], add=gates[blk])
-        if save:
-            c, m = _cell_forward(z, c[:n], cell_clip, gates[blk], c_pre[blk], tc[blk], m_all[blk])
-        else:
-            c, m = _cell_forward(z, c[:n], cell_clip)
-        if proj is None:
-            h = hs[blk].copy_(m)
-        else:
-            hp = proj(m)
+    saved = (c_pre, tc, m_all, h_pre) if save else (None,) * 4
+    loop = _loop_ext(rec, proj, gates, h_fin, c_fin, hs, *saved, forward=True)
+    if loop is not None:  # the same steps, with no dispatch between the products (csrc/cpu/lstmp_loop.cpp)
+        proj_t, proj_w = _proj_operands(proj)
+        loop.forward_loop(plan.n, plan.off, gates, h_fin, c_fin, hs, *saved, rec.packed.t, proj_t, proj_w, cell_clip,
+                          proj_clip)
+    else:
+        h, c = h_fin, c_fin
+        for s, (n, o) in enumerate(zip(plan.n, plan.off)):
+            blk = slice(o, o + n)
+            z = rec(h[:n], add=gates[blk])
             if save:
-                h_pre[blk] = hp
-            h = hs[blk].copy_(hp) if proj_clip is None else torch.clamp(hp, -proj_clip, proj_clip, out=hs[blk])
-        e = plan.ends(s)
-        if e < n:  # rows e..n-1 ran their last step: their state is final
-            h_fin[e:n] = h[e:]
-            c_fin[e:n] = c[e:]
+                c, m = _cell_forward(z, c[:n], cell_clip, gates[blk], c_pre[blk], tc[blk], m_all[blk])
+            else:
+                c, m = _cell_forward(z, c[:n], cell_clip)
+            if proj is None:
+                h = hs[blk].copy_(m)
+            else:
+                hp = proj(m)
+                if save:
+                    h_pre[blk] = hp
+                h = hs[blk].copy_(hp) if proj_clip is None else torch.clamp(hp, -proj_clip, proj_clip, out=hs[blk])
+            e = plan.ends(s)
+            if e < n:  # rows e..n-1 ran their last step: their state is final
+                h_fin[e:n] = h[e:]
+                c_fin[e:n] = c[e:]
     out = hs + xs if residual else hs
     y = plan.scatter(out, B, T).view(B, T, P)
     return y, plan.unsort(h_fin), plan.unsort(c_fin), tuple(full[k] for k in _SAVED) if save else None
@@ -380,13 +387,25 @@ def _backward_through_time(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0,
     return dx, dw_in, dw_rec, dw_stack, db, dw_proj, plan.unsort(carry_h), plan.unsort(carry_c)
 
 
-def _loop_ext(rec_t, proj_t, *tensors):
-    """``elmo_fast._cpu`` where it runs the backward's time loop itself: both per-step products on its panels
-    (``packed._Panels``) and every buffer a contiguous fp32 CPU tensor (None: no projection); else None."""
-    if not isinstance(rec_t.packed, _Panels) or (proj_t is not None and not isinstance(proj_t.packed, _Panels)):
+def _loop_ext(rec, proj, *tensors, forward=False):
+    """``elmo_fast._cpu`` where it runs a time loop itself: the recurrent product on its panels (``packed._Panels``),
+    the projection too in backward (in forward also torch.mm: a fp32 weight left unpacked), and every buffer a
+    contiguous fp32 CPU tensor (None entries skipped); else None."""
+    if not isinstance(rec.packed, _Panels):
         return None
+    if proj is not None and not isinstance(proj.packed, _Panels):
+        if not forward or proj.packed is not None or proj.dtype != torch.float32:
+            return None
+        tensors = (*tensors, proj.w)
     ext = cpu_ext_for(*tensors)
-    return ext if ext is not None and hasattr(ext, "backward_loop") else None
+    return ext if ext is not None and hasattr(ext, "forward_loop" if forward else "backward_loop") else None
+
+
+def _proj_operands(proj):
+    """forward_loop's (proj, proj_w): the projection's panels, or its weight for torch.mm, or neither."""
+    if proj is None:
+        return None, None
+    return (proj.packed.t, None) if isinstance(proj.packed, _Panels) else (None, proj.w)
 
 
 def _weight_grad(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
