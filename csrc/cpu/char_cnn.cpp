@@ -128,11 +128,7 @@ void conv_max(const at::Tensor& y, const c10::optional<at::Tensor>& pv, int64_t 
   const float* pvp = pad ? pv->data_ptr<float>() : nullptr;
   float* mp = m.data_ptr<float>();
   int64_t* bp = bits.data_ptr<int64_t>();
-#ifdef ELMO_X86
-  auto one = elmo_cpu::use_avx512() ? row_max_avx512 : row_max;
-#else
-  auto one = row_max;
-#endif
+  auto one = ELMO_PICK(row_max_avx512, row_max);
   at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t f = 0; f < F; ++f)

@@ -10,6 +10,10 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define ELMO_X86 1
+// The AVX-512 variant of a kernel where the kernels run AVX-512 now (elmo_cpu::use_avx512), else the portable one.
+#define ELMO_PICK(avx512, portable) (elmo_cpu::use_avx512() ? (avx512) : (portable))
+#else
+#define ELMO_PICK(avx512, portable) (portable)
 #endif
 
 namespace elmo_cpu {

@@ -142,11 +142,7 @@ bool adagrad_rows(const at::Tensor& p, const at::Tensor& acc, const at::Tensor& 
   float* pw = p.data_ptr<float>();
   float* aw = acc.data_ptr<float>();
   const float f = static_cast<float>(inv_factor.item<double>()), step = static_cast<float>(-lr);
-#ifdef ELMO_X86
-  auto row = elmo_cpu::use_avx512() ? adagrad_row_avx512 : adagrad_row;
-#else
-  auto row = adagrad_row;
-#endif
+  auto row = ELMO_PICK(adagrad_row_avx512, adagrad_row);
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       if (live[r]) row(gv + r * k, pw + id[r] * k, aw + id[r] * k, k, f, step);
