@@ -122,8 +122,46 @@ def test_a_nan_window_gives_a_nan_gradient(isa):
     ids[0, 3] = ord("q") + 1
     out = C.char_cnn_cpu(ids, params[0], [params[1]], [params[2]], "tanh")
     assert torch.isnan(out).all()
-    _, gw, gb = torch.autograd.grad(out.sum(), params)
+    ge, gw, gb = torch.autograd.grad(out.sum(), params)
     assert torch.isnan(gb).all() and torch.isnan(gw).all()
+    assert torch.isnan(ge[ids[0]]).all()  # the table rows of the token's characters, as the dense backward's
+
+
+@pytest.mark.parametrize("L", [64, 70])
+def test_long_tokens(isa, L, monkeypatch):
+    """64 characters: 64 windows for the width-1 filter, a token with no padding (every window real); past 64 windows
+    the masks cannot hold them and the autograd path runs."""
+    filters = [(1, 5), (3, 4)]
+    params = _params(5, 16, filters)
+    words = ["y" * (L - 2), "ab" * 40, "short", "x"]
+    ids = torch.tensor([elmo_fast.word_to_char_ids(w, L) for w in words])
+    up = torch.randn(len(words), 9, generator=torch.Generator().manual_seed(L))
+    calls = []
+    monkeypatch.setattr(C, "cpu_ext", lambda: _Spy(ext, calls))
+
+    def run(fn, ps):
+        out = fn(ids, ps[0], ps[1:3], ps[3:], "tanh")
+        return out, torch.autograd.grad(out, ps, up)
+
+    p64 = [p.detach().double().requires_grad_() for p in params]
+    ref64, g64 = run(char_cnn_reference, p64)
+    ref, gref = run(char_cnn_reference, params)
+    got, ggot = run(C.char_cnn_cpu, params)
+    assert bool(calls) == (L <= 64)
+    assert_close_to_oracle(got, ref64, ref, "char_cnn")
+    for i, (a, b, c) in enumerate(zip(ggot, g64, gref)):
+        if i == 0:
+            a, b, c = a[1:], b[1:], c[1:]
+        assert_close_to_oracle(a, b, c, f"grad {i}")
+
+
+def test_double_backward_is_refused():
+    params = _params(6, 4, [(2, 3)])
+    out = C.char_cnn_cpu(_ids(), params[0], [params[1]], [params[2]], "tanh")
+    (gw,) = torch.autograd.grad(out.sum(), [params[1]], create_graph=True)
+    assert gw.requires_grad  # a graph that refuses, not a silently constant gradient
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gw.sum().backward()
 
 
 def test_kernel_arguments_are_checked():

@@ -27,8 +27,12 @@ def panels(monkeypatch):
     monkeypatch.setenv("ELMO_FAST_CPU_TRAIN_PACK", "1")
 
 
-@pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LSTMP_CASES)
-@pytest.mark.parametrize("mode", ["train", "train-proj-mm", "inference", "train-y-only"])
+LOOP_CASES = [*LSTMP_CASES,  # and a projection clip without a cell clip
+              pytest.param(4, 6, 5, 7, 3, [6, 2, 6, 1], False, False, True, None, 0.4, id="proj-clip-only")]
+
+
+@pytest.mark.parametrize("B, T, D, H, P, lengths, reverse, residual, proj, cell_clip, proj_clip", LOOP_CASES)
+@pytest.mark.parametrize("mode", ["train", "train-proj-mm", "inference", "inference-proj-mm", "train-y-only"])
 def test_loops_are_bit_identical_to_the_python_loops(panels, monkeypatch, B, T, D, H, P, lengths, reverse,
                                                      residual, proj, cell_clip, proj_clip, mode):
     if residual:
@@ -41,6 +45,8 @@ def test_loops_are_bit_identical_to_the_python_loops(panels, monkeypatch, B, T, 
         up[1], up[2] = torch.zeros(B, P), torch.zeros(B, H)
     if mode == "train-proj-mm":  # training's forward leaves w_proj unpacked where its pack does not pay
         monkeypatch.setattr(L, "pack_pays", lambda w, rows, uses: w.shape[1] == 4 * H)
+    if mode == "inference-proj-mm":  # a w_proj below the packing size, a w_rec above it
+        monkeypatch.setattr(packed, "_MIN_ELEMENTS", H * P + 1)
     calls = []
     real = L._loop_ext
 
@@ -50,7 +56,7 @@ def test_loops_are_bit_identical_to_the_python_loops(panels, monkeypatch, B, T, 
         return got
 
     def run():
-        if mode == "inference":
+        if mode.startswith("inference"):
             with torch.no_grad():
                 return lstmp_cpu(*args, torch.tensor(lengths), weight_cache=PackedWeightCache(), **kw)
         return _run_lstmp(lstmp_cpu, args, lengths, up, **kw)
@@ -60,10 +66,11 @@ def test_loops_are_bit_identical_to_the_python_loops(panels, monkeypatch, B, T, 
         poison_allocations(mp)  # an element the loops do not write fails
         fast = run()
     ran = {fwd for fwd, used in calls if used}
-    assert ran == ({True} if mode == "inference" else {True, False}), f"the extension's loops did not run: {calls}"
+    want = {True} if mode.startswith("inference") else {True, False}
+    assert ran == want, f"the extension's loops did not run: {calls}"
     monkeypatch.setattr(L, "_loop_ext", lambda *a, **k: None)
     slow = run()
-    flat = (lambda r: list(r)) if mode == "inference" else (lambda r: [*r[0], *r[1]])
+    flat = (lambda r: list(r)) if mode.startswith("inference") else (lambda r: [*r[0], *r[1]])
     for i, (a, b) in enumerate(zip(flat(fast), flat(slow))):
         assert (a is None) == (b is None), i
         if a is not None:

@@ -196,9 +196,11 @@ def test_lstmp_chain_through_panels_matches_the_reference(monkeypatch, dtype):
 def test_split_k_for_few_panels_and_a_long_k(threads, M, K, N, add):
     """Few panels and a long K: the k blocks split over the threads, each summing into its own partial sums (tails
     in K and N, uneven splits with 3 threads, with and without add)."""
-    before = torch.get_num_threads()
+    before, runs = torch.get_num_threads(), ext.small_mm_split_k_runs()
     torch.set_num_threads(threads)
     try:
         _check(M, K, N, seed=K + N + M, add=add, out_pad=3)
     finally:
         torch.set_num_threads(before)
+    nt = min(threads, -(-K // 256))
+    assert ext.small_mm_split_k_runs() - runs == int(K >= 4 * 256 * nt), "the split was (not) taken"

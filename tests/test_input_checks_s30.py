@@ -234,15 +234,28 @@ def test_weight_layers_l2_coef(bad):
     assert compat.WeightLayers(3, l2_coef=np.float32(1e-3)).l2_coef == np.float32(1e-3)
 
 
-def test_scalar_mix_refuses_non_finite_weights():
-    with pytest.raises(ValueError, match="initial_scalar_parameters must be finite numbers, got nan"):
+def test_scalar_mix_refuses_nan_and_plus_inf_weights_but_keeps_minus_inf():
+    with pytest.raises(ValueError, match="initial_scalar_parameters must not be NaN or \\+inf, got nan"):
         elmo_fast.ScalarMix(3, initial_scalar_parameters=[0.0, math.nan, 1.0])
+    with pytest.raises(ValueError, match="must not all be -inf"):
+        elmo_fast.ScalarMix(2, initial_scalar_parameters=[-math.inf, -math.inf])
     mix = elmo_fast.ScalarMix(2)
     sd = {k: v.clone() for k, v in mix.state_dict().items()}
     sd["scalar_parameters.1"] = torch.tensor([math.inf])
-    with pytest.raises(ValueError, match=r"scalar_parameters\.1: .*non-finite"):
+    with pytest.raises(ValueError, match=r"scalar_parameters\.0, scalar_parameters\.1: .*NaN or \+inf"):
         mix.load_state_dict(sd)
     assert [p.item() for p in mix.scalar_parameters] == [0.0, 0.0] and mix.gamma.item() == 1.0
+    # -inf leaves a layer out (AllenNLP users select a layer so): accepted, saved and loaded again
+    pick = elmo_fast.ScalarMix(3, initial_scalar_parameters=[-math.inf, 1.0, -math.inf], trainable=False)
+    layers = [torch.randn(2, 4) for _ in range(3)]
+    assert torch.allclose(pick(layers), layers[1])
+    again = elmo_fast.ScalarMix(3, trainable=False)
+    again.load_state_dict(pick.state_dict())
+    assert torch.equal(again(layers), pick(layers))
+    sd = pick.state_dict()
+    sd["scalar_parameters.1"] = torch.tensor([-math.inf])
+    with pytest.raises(ValueError, match="must not all be -inf"):
+        again.load_state_dict(sd)
 
 
 def test_elmo_checkpoint_with_a_nan_mix_weight_is_refused_by_name(tiny_model):
@@ -256,7 +269,7 @@ def test_elmo_checkpoint_with_a_nan_mix_weight_is_refused_by_name(tiny_model):
     layers = compat.WeightLayers(3, name="t")
     sd = layers.state_dict()
     sd["W"] = torch.tensor([0.0, math.nan, 0.0])
-    with pytest.raises(ValueError, match=r"^W: .*non-finite"):
+    with pytest.raises(ValueError, match=r"^W: .*NaN or \+inf"):
         layers.load_state_dict(sd)
     assert layers.W.tolist() == [0.0, 0.0, 0.0]
 

@@ -20,10 +20,10 @@
 //                                        g (F, n) the gradient w.r.t. m; writes dwt (F, w, d) and db (F,), adds to
 //                                        dtable (V, d).
 //
-// A NaN among a filter's windows gives m = NaN and an empty mask; its gradient is NaN in db and dwt (the dense
-// backward's would be NaN there too). Sums run in double (a char's table row gathers the gradients of thousands of
-// windows). Work is split over filters; each thread sums its char-table gradient apart and the parts are added in
-// filter order, so results depend on the thread count but not on timing.
+// A NaN among a filter's windows gives m = NaN and an empty mask; its gradient is NaN in db, dwt and the table rows
+// of the token's characters (where the dense backward's is NaN too). Sums run in double (a char's table row gathers
+// the gradients of thousands of windows). Work is split over filters; each thread sums its char-table gradient apart
+// and the parts are added in filter order, so results depend on the thread count but not on timing.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>
@@ -193,11 +193,13 @@ inline __attribute__((always_inline)) void backward_filters(const Backward& a, i
     for (int64_t t = 0; t < n; ++t) {
       const float gt = a.g[f * n + t];
       const uint64_t b = static_cast<uint64_t>(a.bits[f * n + t]);
-      if (gt == 0.0f) continue;
-      if (b == 0) {  // a NaN among the windows in the forward
+      if (b == 0) {  // a NaN among the windows in the forward: NaN into the table rows of the token's characters
         nan = true;
+        for (int64_t i = 0; i < a.L; ++i)
+          for (int64_t j = 0; j < d; ++j) dtab[a.ids[t * a.L + i] * d + j] = std::numeric_limits<double>::quiet_NaN();
         continue;
       }
+      if (gt == 0.0f) continue;
       bias += gt;
       const int cnt = __builtin_popcountll(b);
       const float gg = cnt == 1 ? gt : gt / static_cast<float>(cnt);
@@ -320,9 +322,13 @@ void conv_max_backward(const at::Tensor& ids, const at::Tensor& table, int64_t p
 }  // namespace
 
 void add_char_cnn(pybind11::module_& m) {
-  m.def("conv_max", &conv_max, "max over windows of the char CNN, with the windows holding it (bit masks)",
+  m.def("conv_max", &conv_max,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),  // no Python object touched: other threads run
+        "max over windows of the char CNN, with the windows holding it (bit masks)",
         pybind11::arg("y"), pybind11::arg("pv"), pybind11::arg("n_win"), pybind11::arg("m"), pybind11::arg("bits"));
-  m.def("conv_max_backward", &conv_max_backward, "the char CNN's weight, bias and table gradients from conv_max's "
-        "windows", pybind11::arg("ids"), pybind11::arg("table"), pybind11::arg("pad"), pybind11::arg("wt"), pybind11::arg("g"),
-        pybind11::arg("bits"), pybind11::arg("dwt"), pybind11::arg("dtable"), pybind11::arg("db"));
+  m.def("conv_max_backward", &conv_max_backward,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),  // no Python object touched: other threads run
+        "the char CNN's weight, bias and table gradients from conv_max's windows", pybind11::arg("ids"),
+        pybind11::arg("table"), pybind11::arg("pad"), pybind11::arg("wt"), pybind11::arg("g"), pybind11::arg("bits"),
+        pybind11::arg("dwt"), pybind11::arg("dtable"), pybind11::arg("db"));
 }

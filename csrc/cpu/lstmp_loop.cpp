@@ -45,7 +45,8 @@ int64_t check_steps(const std::vector<int64_t>& n, const std::vector<int64_t>& o
   TORCH_CHECK(n.size() == off.size(), "elmo_fast._cpu: ", fn, ": n and off must have one entry per step");
   const int64_t S = static_cast<int64_t>(n.size());
   for (int64_t s = 0; s < S; ++s)
-    TORCH_CHECK(n[s] >= 0 && n[s] <= B && off[s] >= 0 && (s == 0 || (n[s] <= n[s - 1] && off[s] == off[s - 1] + n[s - 1])),
+    TORCH_CHECK(n[s] >= 0 && n[s] <= B && off[s] >= 0 &&
+                    (s == 0 || (n[s] <= n[s - 1] && off[s] == off[s - 1] + n[s - 1])),
                 "elmo_fast._cpu: ", fn, ": step ", s, " (n = ", n[s], ", off = ", off[s],
                 ") does not follow the packed layout");
   return S ? off[S - 1] + n[S - 1] : 0;
@@ -193,12 +194,16 @@ void forward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& off
 }  // namespace
 
 void add_lstmp_loop(pybind11::module_& m) {
-  m.def("backward_loop", &backward_loop, "the LSTMP backward's time loop with both per-step products on panels",
+  m.def("backward_loop", &backward_loop,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),  // no Python object touched: other threads run
+        "the LSTMP backward's time loop with both per-step products on panels",
         pybind11::arg("n"), pybind11::arg("off"), pybind11::arg("dys"), pybind11::arg("carry_h"),
         pybind11::arg("carry_c"), pybind11::arg("c_init"), pybind11::arg("gates"), pybind11::arg("c_pre"),
         pybind11::arg("tc"), pybind11::arg("h_pre"), pybind11::arg("dh_all"), pybind11::arg("dz"),
         pybind11::arg("rec"), pybind11::arg("proj"), pybind11::arg("cell_clip"), pybind11::arg("proj_clip"));
-  m.def("forward_loop", &forward_loop, "the LSTMP forward's time loop with the recurrent product on panels",
+  m.def("forward_loop", &forward_loop,
+        pybind11::call_guard<pybind11::gil_scoped_release>(),  // no Python object touched: other threads run
+        "the LSTMP forward's time loop with the recurrent product on panels",
         pybind11::arg("n"), pybind11::arg("off"), pybind11::arg("gates"), pybind11::arg("h_fin"),
         pybind11::arg("c_fin"), pybind11::arg("hs"), pybind11::arg("c_pre"), pybind11::arg("tc"),
         pybind11::arg("m_all"), pybind11::arg("h_pre"), pybind11::arg("rec"), pybind11::arg("proj"),

@@ -26,6 +26,7 @@
 #include "common.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -266,6 +267,8 @@ ELMO_AVX512 void small_mm_packed(const float* xt, int64_t M, const float* panels
 // others into their own (M, N) partial sums, added to out afterwards in thread order (then add). The sums are
 // regrouped by thread (their bits depend on the thread count, as a split GEMM's do). Returns false, doing nothing,
 // where it does not apply.
+std::atomic<int64_t> split_k_runs{0};  // calls that took small_mm_split_k (tests: small_mm_split_k_runs)
+
 ELMO_AVX512 bool small_mm_split_k(const float* xp, int64_t sm, int64_t M, int64_t K, const float* panels, int64_t N,
                                   float* out, int64_t ldo, const float* add, int64_t lda, float* xt) {
   const int64_t P = (N + 15) / 16, blocks = (K + kBlock - 1) / kBlock;
@@ -302,6 +305,7 @@ ELMO_AVX512 bool small_mm_split_k(const float* xp, int64_t sm, int64_t M, int64_
     if (add != nullptr)
       for (int64_t n = 0; n < N; ++n) o[n] += add[m * lda + n];
   }
+  split_k_runs.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -382,6 +386,7 @@ void add_small_gemm(pybind11::module_& m) {
   m.def("small_mm_available", &elmo_cpu::has_avx512, "whether small_mm runs on this CPU (AVX-512)");
   m.def("pack_panels", &pack_panels, "a (K, N) weight packed for small_mm in panels of 16 or 32 columns",
         pybind11::arg("w"), pybind11::arg("width") = 16);
+  m.def("small_mm_split_k_runs", [] { return split_k_runs.load(); }, "how many small_mm calls split K (tests)");
   m.def("small_mm", &small_mm, "out = x . w (+ add) for few rows, w as pack_panels(w)", pybind11::arg("x"),
         pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("add"), pybind11::arg("out"));
 }

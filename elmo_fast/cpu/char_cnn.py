@@ -51,7 +51,7 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         order = torch.argsort(kr, descending=True)
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
-        sparse = _sparse_backward(char_embed, conv_weights, conv_biases)
+        sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
         for s in range(0, real.numel(), _BUCKET):
             kmax = kr[s]
             if sparse:
@@ -75,13 +75,18 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
     return act(out)
 
 
-def _sparse_backward(char_embed, conv_weights, conv_biases) -> bool:
-    """Whether ``_ConvMax`` runs the buckets: a gradient is wanted, every tensor is fp32 and the extension has the
-    kernels."""
+_MAX_WINDOWS = 64  # conv_max's masks: one bit per window
+
+
+def _sparse_backward(char_embed, conv_weights, conv_biases, L: int) -> bool:
+    """Whether ``_ConvMax`` runs the buckets: a gradient is wanted, every tensor is fp32, every filter has at most 64
+    windows over tokens of ``L`` characters, and the extension has the kernels."""
     tensors = [char_embed, *conv_weights, *conv_biases]
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
         return False
-    if any(t.dtype != torch.float32 for t in tensors) or max(int(w.shape[0]) for w in conv_weights) < 1:
+    if any(t.dtype != torch.float32 for t in tensors):
+        return False
+    if L - min(int(w.shape[0]) for w in conv_weights) + 1 > _MAX_WINDOWS:  # the narrowest filter has the most windows
         return False
     ext = cpu_ext()
     return ext is not None and hasattr(ext, "conv_max_backward")
@@ -114,6 +119,7 @@ class _ConvMax(torch.autograd.Function):
         return torch.cat(outs, dim=1)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients have no graph: a double backward raises
     def backward(ctx, dm):
         ext = cpu_ext()
         ids, table, *rest = ctx.saved_tensors

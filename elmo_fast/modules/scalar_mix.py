@@ -10,23 +10,44 @@ from ..reference.scalar_mix import scalar_mix_reference
 from ..util import configuration_error
 
 
-def _finite(v) -> bool:
+def mix_weights_problem(values) -> str | None:
+    """Why ``values`` cannot be a layer mix's weights (softmax-normalised), or None: each must be a number, not NaN and
+    not +inf; -inf is allowed (it leaves a layer out, as AllenNLP users do to select one), but not for every
+    weight (the softmax would be 0/0)."""
     try:
-        return math.isfinite(float(v))
+        nums = [float(v) for v in values]
     except (TypeError, ValueError):
-        return False
+        return f"must be numbers, got {list(values)!r}"
+    bad = [v for v in nums if math.isnan(v) or v == math.inf]
+    if bad:
+        return f"must not be NaN or +inf, got {bad[0]!r} in {nums!r}"
+    if nums and all(v == -math.inf for v in nums):
+        return f"must not all be -inf (the softmax would be 0/0), got {nums!r}"
+    return None
 
 
 def refuse_non_finite_pre_hook(module: nn.Module, state_dict, prefix: str, *args) -> None:
-    """``load_state_dict`` pre-hook of a layer mix (``ScalarMix``, bilm-tf's ``WeightLayers``): a NaN or infinite
-    weight loaded from a file would make every output NaN, so it is refused by its key before anything of the
-    module is loaded."""
+    """``load_state_dict`` pre-hook of a layer mix (``ScalarMix``, bilm-tf's ``WeightLayers``): a NaN or +inf mix
+    weight, mix weights that are all -inf, or a non-finite ``gamma``, loaded from a file, would make every output NaN
+    or infinite, so they are refused by key before anything of the module is loaded (-inf weights that leave layers
+    out are kept)."""
+    weights, keys = [], []
     for name, _ in module.named_parameters():
         value = state_dict.get(prefix + name)
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"{prefix}{name}: the loaded state_dict holds non-finite values "
-                             f"{value.flatten()[:8].tolist()} for this layer-mix weight, expected finite numbers "
-                             "(a checkpoint of a run that diverged?)")
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            continue
+        if name.split(".")[-1] == "gamma":
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{prefix}{name}: the loaded state_dict holds non-finite values "
+                                 f"{value.flatten()[:8].tolist()} for the layer mix's scale, expected finite numbers "
+                                 "(a checkpoint of a run that diverged?)")
+            continue
+        weights += value.flatten().tolist()
+        keys.append(prefix + name)
+    problem = mix_weights_problem(weights) if weights else None
+    if problem:
+        raise ValueError(f"{', '.join(keys)}: the loaded layer-mix weights {problem} (a checkpoint of a run that "
+                         "diverged?)")
 
 
 class ScalarMix(nn.Module):
@@ -49,10 +70,9 @@ class ScalarMix(nn.Module):
             raise configuration_error(
                 f"initial_scalar_parameters has {len(initial_scalar_parameters)} values, expected {mixture_size}"
             )
-        bad = [v for v in initial_scalar_parameters if not _finite(v)]
-        if bad:
-            raise configuration_error(f"initial_scalar_parameters must be finite numbers, got {bad[0]!r} in "
-                                      f"{list(initial_scalar_parameters)!r}")
+        problem = mix_weights_problem(initial_scalar_parameters)
+        if problem:
+            raise configuration_error(f"initial_scalar_parameters {problem}")
         self.mixture_size = mixture_size
         self.do_layer_norm = do_layer_norm
         self.eps = eps
