@@ -195,3 +195,24 @@ def test_inference_and_fp64_keep_autograd_path(monkeypatch):
     p64 = [p.detach().double().requires_grad_() for p in params]
     C.char_cnn_cpu(_ids(), p64[0], p64[1:3], p64[3:], "relu")
     assert not used
+
+
+@pytest.mark.parametrize("bucket", [512, 1])
+def test_tokens_of_padding_characters_only(bucket, monkeypatch):
+    """Raw ids may hold a token of padding characters only (every window all padding): alone in its bucket it used
+    to reach a convolution over no positions."""
+    monkeypatch.setattr(C, "_BUCKET", bucket)
+    params = _params(7, 4, [(1, 3), (2, 4)])
+    ids = torch.tensor([[261] * 50, elmo_fast.word_to_char_ids("ab"), [0] * 50])
+    up = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    for rows in (ids[:1], ids):
+        p64 = [p.detach().double().requires_grad_() for p in params]
+        ref64 = char_cnn_reference(rows, p64[0], p64[1:3], p64[3:], "tanh")
+        ref = char_cnn_reference(rows, params[0], params[1:3], params[3:], "tanh")
+        got = C.char_cnn_cpu(rows, params[0], params[1:3], params[3:], "tanh")
+        assert_close_to_oracle(got, ref64, ref, "char_cnn")
+        g64 = torch.autograd.grad(ref64, p64, up[: len(rows)].double())
+        gref = torch.autograd.grad(ref, params, up[: len(rows)])
+        ggot = torch.autograd.grad(got, params, up[: len(rows)])
+        for i, (a, b, c) in enumerate(zip(ggot, g64, gref)):
+            assert_close_to_oracle(a[1:] if i == 0 else a, b[1:] if i == 0 else b, c[1:] if i == 0 else c, f"grad {i}")

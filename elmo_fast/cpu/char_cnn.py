@@ -54,7 +54,7 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
         for s in range(0, real.numel(), _BUCKET):
             kmax = kr[s]
-            if sparse:
+            if sparse and kmax > 0:
                 pv = [v[0].detach() for v in pad_vals]
                 wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
                 pieces.append(_ConvMax.apply(char_ids[real[s : s + _BUCKET]], char_embed, kmax, pv, *wb))
@@ -65,8 +65,11 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
                 width = int(w.shape[0])
                 n_win = L - width + 1
                 n_real = min(kmax, n_win)  # windows starting before kmax touch a real character
-                m = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b).amax(dim=-1)
-                if n_real < n_win:  # the bucket's tokens also have all-padding windows
+                if n_real == 0:  # tokens of padding characters only (raw ids): every window is all padding
+                    m = pv.to(emb.dtype).expand(emb.shape[0], -1)
+                else:
+                    m = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b).amax(dim=-1)
+                if 0 < n_real < n_win:  # the bucket's tokens also have all-padding windows
                     m = torch.maximum(m, pv.to(m.dtype))
                 group.append(m)
             pieces.append(torch.cat(group, dim=-1))
