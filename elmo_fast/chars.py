@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .util import check_int
+
 MAX_WORD_LENGTH = 50
 BOS_CHAR = 256  # raw ids (training uses these; inference adds 1)
 EOS_CHAR = 257
@@ -159,8 +161,6 @@ class Batcher:
     """
 
     def __init__(self, lm_vocab_file: str | None = None, max_token_length: int = MAX_WORD_LENGTH):
-        from .util import check_int
-
         self.max_token_length = check_int(max_token_length, "max_token_length", 3, " (begin, end and one byte)")
         self.vocab = Vocabulary(lm_vocab_file) if lm_vocab_file else None
 

@@ -26,7 +26,7 @@ from .allennlp_compat import to_allennlp_state_dict  # noqa: F401  (re-exported)
 from .chars import (BOS_CHAR, BOS_TOKEN, BOW_CHAR, EOS_CHAR, EOS_TOKEN, EOW_CHAR, MAX_WORD_LENGTH, PAD_CHAR,
                     UNK_TOKEN, Batcher, Vocabulary, word_to_char_ids)
 from .models.bilm import BiLM, check_ids
-from .models.elmo import Elmo, ElmoBiLM, ElmoCharacterEncoder, check_allennlp_model
+from .models.elmo import MAX_CHAR_ID, Elmo, ElmoBiLM, ElmoCharacterEncoder, check_allennlp_model
 from .modules.scalar_mix import refuse_non_finite_pre_hook
 from .reference.scalar_mix import scalar_mix_reference
 from .util import check_input_file, check_int, check_output_not_input
@@ -100,8 +100,7 @@ class BidirectionalLanguageModel(nn.Module):
     def __init__(self, options_file, weight_file, use_character_inputs: bool = True,
                  embedding_weight_file: str | None = None, max_batch_size: int = 128, backend: str | None = "auto"):
         super().__init__()
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        max_batch_size = check_int(max_batch_size, "max_batch_size", 1)
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend)
         self._bilm.requires_grad_(False)
         self.max_batch_size = max_batch_size
@@ -117,8 +116,6 @@ class BidirectionalLanguageModel(nn.Module):
         else:
             if embedding_weight_file is None:
                 raise ValueError("use_character_inputs=False needs embedding_weight_file (from dump_token_embeddings)")
-            from .util import check_input_file
-
             check_input_file(embedding_weight_file, "embedding_weight_file")
             with h5py.File(embedding_weight_file, "r") as fh:
                 if not isinstance(fh.get("embedding"), h5py.Dataset) or fh["embedding"].dtype.kind != "f":
@@ -153,14 +150,14 @@ class BidirectionalLanguageModel(nn.Module):
             L = self._bilm.options.char_cnn.max_characters_per_token
             if ids.dim() != 3 or ids.shape[-1] != L:
                 raise ValueError(f"character inputs must be (batch, tokens + 2, {L}), got {tuple(ids.shape)}")
-            mask = check_ids(ids, (ids > 0).any(-1), 261, "char ids (Batcher output: raw ids + 1, 0 = padding)")
+            mask = check_ids(ids, (ids > 0).any(-1), MAX_CHAR_ID, "char ids (Batcher output: raw ids + 1, 0 = padding)")
             out = self._bilm.forward_embeddings(self._bilm.token_encoder(ids), mask, mask_token_layer=False)
         else:
             if ids.dim() != 2:
                 raise ValueError(f"token inputs must be (batch, tokens + 2), got {tuple(ids.shape)}")
             rows = self._bilm.word_embedding.shape[0] if self._embedding is None else self._embedding.shape[0] - 1
             mask = check_ids(ids, ids > 0, rows, "token ids (TokenBatcher output: vocabulary id + 1, 0 = padding)")
-            emb = self._bilm.embed_words(ids.long()) if self._embedding is None else self._embedding[ids]
+            emb = self._bilm._embed_words(ids.long()) if self._embedding is None else self._embedding[ids]  # checked
             out = self._bilm.forward_embeddings(emb, mask, mask_token_layer=False)
         lengths = mask.long().sum(1)
         layers = torch.stack(out["activations"], 1)  # (B, L+1, T+2, 2P)

@@ -95,8 +95,12 @@ def test_on_off_switches_read_the_usual_spellings(monkeypatch, value, expected):
 def test_on_off_switches_refuse_other_values_by_name(monkeypatch):
     """ELMO_FAST_CPU_EXT=false used to leave the extension on (only "0" counted), and any other value was read as
     the default: now every spelling of on/off works and anything else is refused, naming the variable."""
+    from elmo_fast.cpu import ext as ext_module
     from elmo_fast.cpu.ext import cpu_ext
 
+    monkeypatch.setattr(ext_module, "_load", lambda: "built")  # as if the extension were built, everywhere
+    monkeypatch.setenv("ELMO_FAST_CPU_EXT", "true")
+    assert cpu_ext() == "built"
     monkeypatch.setenv("ELMO_FAST_CPU_EXT", "false")
     assert cpu_ext() is None
     monkeypatch.setenv("ELMO_FAST_CPU_EXT", "bogus")
@@ -111,3 +115,15 @@ def test_triton_interpret_is_read_as_triton_reads_it(monkeypatch, value, on):
     value but "" and "0" as on, so TRITON_INTERPRET=false picked the interpreter that Triton then did not run."""
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert _backend.triton_interpret() is on
+
+
+def test_onednn_switch_is_read_when_used(monkeypatch):
+    """ELMO_FAST_CPU_ONEDNN was read at import: a bad value made `import elmo_fast` fail. Now it is read where the
+    packed path is chosen, and a bad value is refused there by name."""
+    from elmo_fast.cpu import packed
+
+    monkeypatch.setenv("ELMO_FAST_CPU_ONEDNN", "0")
+    assert not packed.onednn_enabled()
+    monkeypatch.setenv("ELMO_FAST_CPU_ONEDNN", "bogus")
+    with pytest.raises(ValueError, match="ELMO_FAST_CPU_ONEDNN='bogus'"):
+        packed.onednn_enabled()

@@ -179,7 +179,7 @@ def test_bilm_tf_model_names_bad_ids_and_files(tiny_model, tmp_path):
         model(hole)
     with pytest.raises(ValueError, match="max_batch_size must be an integer >= 1, got 0"):
         compat.BidirectionalLanguageModel(o, w, max_batch_size=0)
-    with pytest.raises(ValueError, match="embedding_weight_file .* does not exist|embedding_weight_file"):
+    with pytest.raises(ValueError, match=r"embedding_weight_file .*: no such file"):
         compat.BidirectionalLanguageModel(o, w, use_character_inputs=False, embedding_weight_file=tmp_path / "no.h5")
     empty = tmp_path / "empty.hdf5"
     h5py.File(empty, "w").close()

@@ -268,5 +268,5 @@ def test_scalar_mix_names_wrong_inputs():
                                              r"\(2, 3\)"):
             mix(layers, bad_mask)
     for size in (0, -1, 1.5):
-        with pytest.raises(ValueError, match="ScalarMix needs a mixture_size >= 1"):
+        with pytest.raises(ValueError, match="ScalarMix's mixture_size must be an integer >= 1"):
             elmo_fast.ScalarMix(size)

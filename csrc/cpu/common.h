@@ -39,7 +39,7 @@ bool has_avx512();
 // The kernels run AVX-512 now: has_avx512() unless a test chose a lesser instruction set (set_isa).
 bool use_avx512();
 
-// The extension's kernels for its other sources (csrc/cpu/lstmp_loop.cpp), arguments as the Python bindings'.
+// Kernels that other sources call (csrc/cpu/lstmp_loop.cpp); each is also bound to Python as it is.
 void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
               const at::Tensor& out);  // small_gemm.cpp
 void cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,

@@ -233,11 +233,13 @@ float* opt_ptr(const c10::optional<at::Tensor>& t, const char* name, int64_t row
   return t->data_ptr<float>();
 }
 
+}  // namespace
+
 // z (n, 4H) pre-activations; c_prev (n, H). Writes c (n, H) and m (n, H); with g / c_pre / tc also the activated
 // gates, the pre-clip cell and tanh(c) (training). g may be z itself.
-void cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,
-                  const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre,
-                  const at::Tensor& c, const c10::optional<at::Tensor>& tc, const at::Tensor& m) {
+void elmo_cpu::cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,
+                            const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre,
+                            const at::Tensor& c, const c10::optional<at::Tensor>& tc, const at::Tensor& m) {
   const int64_t n = c_prev.size(0), H = c_prev.size(1);
   elmo_cpu::check_matrix(z, "z", n, 4 * H);
   elmo_cpu::check_matrix(c_prev, "c_prev", n, H);
@@ -257,9 +259,9 @@ void cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<d
 
 // dm, dc (n, H): gradients w.r.t. m and the clipped cell; g (n, 4H), c_pre, tc, c_prev (n, H) from forward.
 // Writes dz (n, 4H) and dc_prev (n, H) (dc_prev may be dc).
-void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g,
-                   const at::Tensor& c_pre, const at::Tensor& tc, const at::Tensor& c_prev,
-                   c10::optional<double> cell_clip, const at::Tensor& dz, const at::Tensor& dc_prev) {
+void elmo_cpu::cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g,
+                             const at::Tensor& c_pre, const at::Tensor& tc, const at::Tensor& c_prev,
+                             c10::optional<double> cell_clip, const at::Tensor& dz, const at::Tensor& dc_prev) {
   const int64_t n = dm.size(0), H = dm.size(1);
   for (const auto& [t, name] : {std::pair{&dm, "dm"}, {&dc, "dc"}, {&c_pre, "c_pre"}, {&tc, "tc"},
                                 {&c_prev, "c_prev"}, {&dc_prev, "dc_prev"}})
@@ -278,20 +280,6 @@ void cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor&
   }
 }
 
-}  // namespace
-
-void elmo_cpu::cell_forward(const at::Tensor& z, const at::Tensor& c_prev, c10::optional<double> cell_clip,
-                            const c10::optional<at::Tensor>& g, const c10::optional<at::Tensor>& c_pre,
-                            const at::Tensor& c, const c10::optional<at::Tensor>& tc, const at::Tensor& m) {
-  ::cell_forward(z, c_prev, cell_clip, g, c_pre, c, tc, m);
-}
-
-void elmo_cpu::cell_backward(const at::Tensor& dm, const at::Tensor& dc, const at::Tensor& g, const at::Tensor& c_pre,
-                             const at::Tensor& tc, const at::Tensor& c_prev, c10::optional<double> cell_clip,
-                             const at::Tensor& dz, const at::Tensor& dc_prev) {
-  ::cell_backward(dm, dc, g, c_pre, tc, c_prev, cell_clip, dz, dc_prev);
-}
-
 bool elmo_cpu::has_avx512() { return kBest == Isa::kAvx512; }
 bool elmo_cpu::use_avx512() { return kIsa == Isa::kAvx512; }
 
@@ -306,10 +294,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
             "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
             "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp)";
-  m.def("cell_forward", &cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
+  m.def("cell_forward", &elmo_cpu::cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
-  m.def("cell_backward", &cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"), py::arg("g"),
-        py::arg("c_pre"), py::arg("tc"), py::arg("c_prev"), py::arg("cell_clip"), py::arg("dz"),
+  m.def("cell_backward", &elmo_cpu::cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"),
+        py::arg("g"), py::arg("c_pre"), py::arg("tc"), py::arg("c_prev"), py::arg("cell_clip"), py::arg("dz"),
         py::arg("dc_prev"));
   elmo_fast::record_torch_version(m);
   m.def("isa", &isa_name, "the instruction set the kernels run with");

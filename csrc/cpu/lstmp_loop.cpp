@@ -52,6 +52,16 @@ int64_t check_steps(const std::vector<int64_t>& n, const std::vector<int64_t>& o
   return S ? off[S - 1] + n[S - 1] : 0;
 }
 
+// dst[i] = src[i] clipped to [-clip, clip] (torch.clamp's arithmetic: NaN stays NaN), or copied without a clip.
+void copy_clipped(const float* src, int64_t count, c10::optional<double> clip, float* dst) {
+  if (!clip.has_value()) {
+    std::copy(src, src + count, dst);
+    return;
+  }
+  const float c = static_cast<float>(*clip);
+  for (int64_t i = 0; i < count; ++i) dst[i] = std::min(std::max(src[i], -c), c);
+}
+
 // t: a contiguous (>= N, cols) float32 matrix.
 void check_rows(const at::Tensor& t, const char* name, int64_t N, int64_t cols) {
   check_matrix(t, name, t.size(0), cols);
@@ -84,8 +94,8 @@ void backward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& of
     check_rows(*h_pre, "h_pre", N, P);
     check_rows(*dh_all, "dh_all", N, P);
   }
-  const float pclip = proj_clip.has_value() ? static_cast<float>(*proj_clip) : 0.0f;
-  const float cclip = cell_clip.has_value() ? static_cast<float>(*cell_clip) : 0.0f;
+  const bool masked = has_proj && proj_clip.has_value();  // the projection's clip zeroes dh where it cut
+  const float pclip = masked ? static_cast<float>(*proj_clip) : 0.0f;
   // scratch: the gradient w.r.t. m (the projection's input), and the previous step's clipped cell
   const at::Tensor dm_all = at::empty({B, H}, carry_c.options());
   const at::Tensor c_prev_all = at::empty({B, H}, carry_c.options());
@@ -100,22 +110,13 @@ void backward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& of
     const float* hp = has_proj ? h_pre->data_ptr<float>() + o * P : nullptr;
     for (int64_t i = 0; i < r * P; ++i) {
       float v = dy[i] + ch[i];
-      if (proj_clip.has_value() && has_proj && std::fabs(hp[i]) > pclip) v = 0.0f;
+      if (masked && std::fabs(hp[i]) > pclip) v = 0.0f;
       dh[i] = v;
     }
     if (has_proj) elmo_cpu::small_mm(dh_all->narrow(0, o, r), *proj, H, c10::nullopt, dm);
-    at::Tensor c_prev;
-    if (s == 0) {
-      c_prev = c_init.narrow(0, 0, r);
-    } else {
-      c_prev = c_prev_all.narrow(0, 0, r);
-      const float* src = c_pre.data_ptr<float>() + off[s - 1] * H;
-      float* dst = c_prev.data_ptr<float>();
-      if (cell_clip.has_value())
-        for (int64_t i = 0; i < r * H; ++i) dst[i] = std::min(std::max(src[i], -cclip), cclip);
-      else
-        std::copy(src, src + r * H, dst);
-    }
+    // the previous step's cell, clipped (the forward saved it before its clip)
+    const at::Tensor c_prev = s == 0 ? c_init.narrow(0, 0, r) : c_prev_all.narrow(0, 0, r);
+    if (s > 0) copy_clipped(c_pre.data_ptr<float>() + off[s - 1] * H, r * H, cell_clip, c_prev.data_ptr<float>());
     const at::Tensor dc = carry_c.narrow(0, 0, r);
     elmo_cpu::cell_backward(dm, dc, gates.narrow(0, o, r), c_pre.narrow(0, o, r), tc.narrow(0, o, r), c_prev,
                             cell_clip, dz.narrow(0, o, r), dc);
@@ -149,7 +150,6 @@ void forward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& off
     if (has_proj) check_rows(*h_pre, "h_pre", N, P);
   }
   if (proj_w.has_value()) check_matrix(*proj_w, "proj_w", H, P);
-  const float pclip = proj_clip.has_value() ? static_cast<float>(*proj_clip) : 0.0f;
   const auto opts = c_fin.options();
   const at::Tensor z_all = at::empty({B, 4 * H}, opts), m_scr = at::empty({B, H}, opts);
   const at::Tensor hp_scr = at::empty({B, P}, opts);
@@ -177,11 +177,7 @@ void forward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& off
         elmo_cpu::small_mm(m, *proj, P, c10::nullopt, hp);
       else
         at::mm_out(const_cast<at::Tensor&>(hp), m, *proj_w);
-      const float* src = hp.data_ptr<float>();
-      if (proj_clip.has_value())
-        for (int64_t i = 0; i < r * P; ++i) h[i] = std::min(std::max(src[i], -pclip), pclip);
-      else
-        std::copy(src, src + r * P, h);
+      copy_clipped(hp.data_ptr<float>(), r * P, proj_clip, h);
     }
     const int64_t e = s + 1 < S ? n[s + 1] : 0;
     if (e < r) {  // rows e..r-1 ran their last step: their state is final

@@ -311,9 +311,11 @@ ELMO_AVX512 bool small_mm_split_k(const float* xp, int64_t sm, int64_t M, int64_
 
 #endif  // ELMO_X86
 
+}  // namespace
+
 // out (M, N) = x (M, K) · w (+ add (M, N)), w given as pack_panels(w). out and add: row-major rows (any row stride).
-void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
-              const at::Tensor& out) {
+void elmo_cpu::small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N,
+                        const c10::optional<at::Tensor>& add, const at::Tensor& out) {
   TORCH_CHECK(elmo_cpu::has_avx512(),
               "elmo_fast._cpu: small_mm needs AVX-512 (small_mm_available() is false on this CPU)");
   check_f32(x, "x", 2);
@@ -375,18 +377,11 @@ void small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c1
 #endif
 }
 
-}  // namespace
-
-void elmo_cpu::small_mm(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& add,
-                        const at::Tensor& out) {
-  ::small_mm(x, panels, N, add, out);
-}
-
 void add_small_gemm(pybind11::module_& m) {
   m.def("small_mm_available", &elmo_cpu::has_avx512, "whether small_mm runs on this CPU (AVX-512)");
   m.def("pack_panels", &pack_panels, "a (K, N) weight packed for small_mm in panels of 16 or 32 columns",
         pybind11::arg("w"), pybind11::arg("width") = 16);
   m.def("small_mm_split_k_runs", [] { return split_k_runs.load(); }, "how many small_mm calls split K (tests)");
-  m.def("small_mm", &small_mm, "out = x . w (+ add) for few rows, w as pack_panels(w)", pybind11::arg("x"),
+  m.def("small_mm", &elmo_cpu::small_mm, "out = x . w (+ add) for few rows, w as pack_panels(w)", pybind11::arg("x"),
         pybind11::arg("panels"), pybind11::arg("n"), pybind11::arg("add"), pybind11::arg("out"));
 }

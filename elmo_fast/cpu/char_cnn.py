@@ -52,11 +52,12 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
         sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
+        if sparse:  # _ConvMax's arguments besides the bucket
+            pv = [v[0].detach() for v in pad_vals]
+            wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
         for s in range(0, real.numel(), _BUCKET):
             kmax = kr[s]
             if sparse and kmax > 0:
-                pv = [v[0].detach() for v in pad_vals]
-                wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
                 pieces.append(_ConvMax.apply(char_ids[real[s : s + _BUCKET]], char_embed, kmax, pv, *wb))
                 continue
             emb = F.embedding(char_ids[real[s : s + _BUCKET]], char_embed).transpose(1, 2)  # (n, d_c, L)

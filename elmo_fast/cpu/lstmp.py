@@ -394,9 +394,9 @@ def _loop_ext(rec, proj, *tensors, forward=False):
     if not isinstance(rec.packed, _Panels):
         return None
     if proj is not None and not isinstance(proj.packed, _Panels):
-        if not forward or proj.packed is not None or proj.dtype != torch.float32:
+        if not forward or proj.packed is not None:
             return None
-        tensors = (*tensors, proj.w)
+        tensors = (*tensors, proj.w)  # torch.mm's operand: fp32 and contiguous, as the buffers
     ext = cpu_ext_for(*tensors)
     return ext if ext is not None and hasattr(ext, "forward_loop" if forward else "backward_loop") else None
 

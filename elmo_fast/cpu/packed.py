@@ -41,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .._backend import env_flag
 from .._stamp import stamp, unchanged
 
-_ONEDNN_OK = env_flag("ELMO_FAST_CPU_ONEDNN", True)
+_ONEDNN_OK = True  # False once a pack failed: the plain path for the rest of the process
 
 
 class PackedLinear:
@@ -79,7 +79,7 @@ _MIN_ELEMENTS = 1 << 18
 def onednn_enabled() -> bool:
     """oneDNN's products are on: torch has oneDNN, and neither ``ELMO_FAST_CPU_ONEDNN=0`` nor a failed pack turned
     them off."""
-    return _ONEDNN_OK and torch.backends.mkldnn.is_available()
+    return _ONEDNN_OK and env_flag("ELMO_FAST_CPU_ONEDNN", True) and torch.backends.mkldnn.is_available()
 
 
 def onednn_usable(t: torch.Tensor) -> bool:
@@ -88,7 +88,7 @@ def onednn_usable(t: torch.Tensor) -> bool:
 
 def bf16_supported() -> bool:
     """Whether oneDNN runs bf16 products natively here (AVX512-BF16 or AMX)."""
-    return _ONEDNN_OK and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return onednn_enabled() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pack(w: torch.Tensor, rows: int, dtype: torch.dtype):

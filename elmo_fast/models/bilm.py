@@ -41,7 +41,8 @@ def check_ids(ids: torch.Tensor, mask: torch.Tensor, hi_max: int, what: str,
         if len(checks) > 1:
             torch._assert_async(~checks[1], f"{what} already hold <S> and </S> (Batcher output); use batch_to_ids")
     elif ids.numel():
-        lo, hi, hole, *batcher = torch.stack([*torch.aminmax(ids.long()), *(c.long() for c in checks)]).tolist()
+        lo, hi = torch.aminmax(ids)  # in ids' own dtype: no int64 copy of the whole tensor
+        lo, hi, hole, *batcher = torch.stack([lo.long(), hi.long(), *(c.long() for c in checks)]).tolist()
         if lo < 0 or hi > hi_max:
             raise ValueError(f"{what} must lie in [0, {hi_max}], got [{lo}, {hi}]")
         if hole:
@@ -222,6 +223,9 @@ class BiLM(nn.Module):
         lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() and ids.dtype == torch.long else (0, 0)
         if ids.dtype != torch.long or not 0 <= lo <= hi <= V:  # one host read for both bounds
             raise ValueError(f"word ids must be int64 TokenBatcher ids in [0, {V}] (vocabulary id + 1, 0 = padding)")
+        return self._embed_words(ids)
+
+    def _embed_words(self, ids: torch.Tensor) -> torch.Tensor:  # ids already checked
         rows = self.word_embedding[(ids - 1).clamp_min(0)]  # no padded copy of the whole table
         return torch.where((ids > 0).unsqueeze(-1), rows, rows.new_zeros(()))
 

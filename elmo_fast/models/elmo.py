@@ -19,7 +19,7 @@ MAX_CHAR_ID = 261
 
 
 def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int = 3, exact: bool = True,
-                    boundaries: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    boundaries: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Refuse char ids that are not ``batch_to_ids`` output; given ``boundaries`` (the ids of <S> and </S>, on
     ``device``), also ids that already hold them, as bilm-tf's ``Batcher`` makes them (``check_ids``)."""
     if not isinstance(char_ids, torch.Tensor):
@@ -35,8 +35,8 @@ def _check_char_ids(char_ids: torch.Tensor, device: torch.device, min_dims: int 
         raise ValueError("empty batch: char ids have 0 sentences")
     if char_ids.device != device:
         raise ValueError(f"char ids are on {char_ids.device} but the model is on {device}; move one of them")
-    check_ids(char_ids, (char_ids > 0).any(-1), MAX_CHAR_ID, "char ids",  # inference ids, 0 = padding
-              boundaries=boundaries)
+    return check_ids(char_ids, (char_ids > 0).any(-1), MAX_CHAR_ID, "char ids",  # inference ids, 0 = padding
+                     boundaries=boundaries)
 
 
 def check_allennlp_model(bilm: BiLM) -> None:
@@ -81,11 +81,12 @@ class ElmoCharacterEncoder(nn.Module):
 
     def add_boundaries(self, inputs: torch.Tensor):
         """char ids (B, T, 50) -> (ids (B, T+2, 50) with <S>/</S>, mask (B, T+2))."""
-        _check_char_ids(inputs, self.encoder.char_embed.device, boundaries=(self.bos_ids, self.eos_ids))
-        return self._add_boundaries(inputs)
+        mask = _check_char_ids(inputs, self.encoder.char_embed.device, boundaries=(self.bos_ids, self.eos_ids))
+        return self._add_boundaries(inputs, mask)
 
-    def _add_boundaries(self, inputs: torch.Tensor):  # inputs already checked
-        return add_sentence_boundary_token_ids(inputs, (inputs > 0).any(-1), self.bos_ids, self.eos_ids)
+    def _add_boundaries(self, inputs: torch.Tensor, mask: torch.Tensor | None = None):  # inputs already checked
+        mask = (inputs > 0).any(-1) if mask is None else mask  # the positions holding a token
+        return add_sentence_boundary_token_ids(inputs, mask, self.bos_ids, self.eos_ids)
 
     def forward(self, inputs: torch.Tensor) -> dict:
         ids, mask = self.add_boundaries(inputs)
@@ -182,7 +183,7 @@ class ElmoBiLM(nn.Module):
         if inputs is None:
             raise TypeError("ElmoBiLM.forward() needs the char ids (batch_to_ids output)")
         dev = self._device()
-        _check_char_ids(inputs, dev, boundaries=(self._token_embedder.bos_ids, self._token_embedder.eos_ids))
+        in_mask = _check_char_ids(inputs, dev, boundaries=(self._token_embedder.bos_ids, self._token_embedder.eos_ids))
         token_embedding = None
         if word_inputs is not None and self._word_embedding is None:
             warnings.warn("word_inputs given but the model has no vocab_to_cache: ignored, the char ids are used "
@@ -211,7 +212,7 @@ class ElmoBiLM(nn.Module):
         if token_embedding is None:
             if self._graphs is not None and not (torch.is_grad_enabled() and self._requires_grad):
                 return self._replay(inputs)
-            ids, mask = self._token_embedder._add_boundaries(inputs)
+            ids, mask = self._token_embedder._add_boundaries(inputs, in_mask)
             token_embedding = self._bilm.token_encoder(ids)
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
@@ -254,6 +255,8 @@ class Elmo(nn.Module):
                  keep_sentence_boundaries: bool = False, scalar_mix_parameters: list[float] | None = None,
                  module: nn.Module | None = None, backend: str | None = "auto", cuda_graph: bool = False):
         super().__init__()
+        # checked before the weights load: an int or anything int-like (a numpy integer), not a float, str or bool
+        num_output_representations = check_int(num_output_representations, "num_output_representations", 1)
         if module is not None:
             if options_file is not None or weight_file is not None:
                 raise configuration_error("pass either module or options_file/weight_file, not both")
@@ -265,8 +268,6 @@ class Elmo(nn.Module):
         else:
             self._elmo_lstm = ElmoBiLM(options_file, weight_file, requires_grad=requires_grad,
                                        vocab_to_cache=vocab_to_cache, backend=backend, cuda_graph=cuda_graph)
-        # an int or anything int-like (a numpy integer), not a float, str or bool
-        num_output_representations = check_int(num_output_representations, "num_output_representations", 1)
         self._has_cached_vocab = vocab_to_cache is not None
         self._keep_sentence_boundaries = keep_sentence_boundaries
         self._dropout = nn.Dropout(p=dropout)

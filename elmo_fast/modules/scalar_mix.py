@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..reference.scalar_mix import scalar_mix_reference
-from ..util import configuration_error
+from ..util import check_int, configuration_error
 
 
 def mix_weights_problem(values) -> str | None:
@@ -61,9 +61,8 @@ class ScalarMix(nn.Module):
                  initial_scalar_parameters: list[float] | None = None, trainable: bool = True,
                  eps: float | None = None):
         super().__init__()
-        if isinstance(mixture_size, bool) or not isinstance(mixture_size, int) or mixture_size < 1:
-            raise configuration_error(f"ScalarMix needs a mixture_size >= 1 (the number of layers), got "
-                                      f"{mixture_size!r}")
+        mixture_size = check_int(mixture_size, "ScalarMix's mixture_size", 1, " (the number of layers)",
+                                 error=configuration_error)
         if initial_scalar_parameters is None:
             initial_scalar_parameters = [0.0] * mixture_size
         if len(initial_scalar_parameters) != mixture_size:

@@ -12,6 +12,8 @@ import os
 import typing
 from dataclasses import dataclass, field
 
+from ..util import check_int
+
 
 class ConfigError(ValueError):
     """A training configuration is invalid or does not fit the machine."""
@@ -98,11 +100,8 @@ class TrainConfig:
 
         def integer(name, low, nullable=False, note=""):
             v = getattr(self, name)
-            if nullable and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"{name} must be an integer >= {low}{' or null' if nullable else ''}{note}, "
-                                  f"got {v!r}")
+            if not (nullable and v is None):
+                check_int(v, name, low, (" or null" if nullable else "") + note, error=ConfigError)
 
         def number(name, low, strict, nullable=False, note=""):
             """A finite real number above ``low`` (``strict``) or at least ``low``: NaN and infinities fail every
