@@ -104,10 +104,17 @@ def test_row_adagrad_equals_dense_adagrad():
     torch.testing.assert_close(w[0], want_w)
 
 
-def test_global_norm_is_exact_at_the_original_sizes():
+@pytest.mark.parametrize("path", ["extension", "torch"])
+def test_global_norm_is_exact_at_the_original_sizes(monkeypatch, path):
     """The clipping norm of gradients as large as the original model's (W_0 of one LSTM layer: 16.8M elements), a
     column-major one, and tails that fill no whole row, within 2e-7 of fp64: torch's fp32 norm on the CPU comes
-    out 6.5e-4 low on the first alone."""
+    out 6.5e-4 low on the first alone. Both ways: the extension's double sums, and rows of 4,096 without it."""
+    from elmo_fast.training import trainer as T
+
+    if path == "extension" and (cpu_ext() is None or not hasattr(cpu_ext(), "sum_squares")):
+        pytest.skip("needs elmo_fast._cpu with sum_squares")
+    if path == "torch":
+        monkeypatch.setattr(T, "cpu_ext_for", lambda *ts: None)
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(1024, 16384, generator=g), torch.randn(700, 9, generator=g).t(),
           torch.randn(4096 * 3 + 5, generator=g) * 40, torch.randn(3, 5, generator=g)]
@@ -118,6 +125,37 @@ def test_global_norm_is_exact_at_the_original_sizes():
     assert float(global_norm([ts[3]])) == pytest.approx(float(ts[3].double().norm()), rel=1e-7)
     with pytest.raises(ValueError, match="no tensors"):
         global_norm([])
+    if path == "extension":  # squares past fp32's range, and what the clip must see: NaN and inf propagate
+        assert float(global_norm([torch.full((5,), 1e30)])) == pytest.approx(5 ** 0.5 * 1e30, rel=1e-7)
+        assert float(global_norm([ts[3], torch.tensor([float("inf")])])) == float("inf")
+        assert global_norm([torch.tensor([1.0, float("nan")]), ts[3]]).isnan()
+
+
+@pytest.mark.skipif(cpu_ext() is None or not hasattr(cpu_ext(), "sum_squares"), reason="needs elmo_fast._cpu")
+def test_sum_squares_is_the_fp64_sum_whatever_the_threads_and_length():
+    """The extension's Σ t² (global_norm's): within 1e-13 of an fp64 sum at lengths around its 32-lane loop, its
+    runs of 16,384 and their thread split, with the same bits on 1, 2 and 3 threads; refuses a non-contiguous or
+    non-float32 tensor."""
+    ext = cpu_ext()
+    g = torch.Generator().manual_seed(4)
+    threads = torch.get_num_threads()
+    try:
+        for n in (0, 1, 31, 32, 33, 16383, 16384, 16385, 3 * 16384 + 77, 200_001):
+            t = torch.randn(n, generator=g) * 3
+            want = float((t.double() ** 2).sum())
+            bits = set()
+            for k in (1, 2, 3):
+                torch.set_num_threads(k)
+                got = ext.sum_squares(t)
+                bits.add(got)
+                assert got == pytest.approx(want, rel=1e-13, abs=0.0), (n, k)
+            assert len(bits) == 1, (n, bits)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.sum_squares(torch.zeros(4, 6)[:, :3])
+    with pytest.raises(RuntimeError, match="float32"):
+        ext.sum_squares(torch.zeros(4, dtype=torch.float64))
 
 
 def test_updates_reach_the_packed_weights(tmp_path, monkeypatch):
