@@ -420,6 +420,79 @@ def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
         assert_close_to_oracle(a, b, c, f"grad {k}")
 
 
+@pytest.mark.parametrize("shape", [(37, 24), (2, 5, 40)], ids=["rows", "batched"])
+def test_highway_cpu_matches_reference(nan_poison, gemm_path, gate_path, shape):
+    """The fused highway (fp32, the extension's gate math in each instruction set; torch ops: the reference runs)
+    against the fp64 reference, forward and every gradient; transform pre-activations of exactly 0 (relu's
+    gradient is 0 there, as torch's), a column count off the vector width; fp64 runs the reference itself."""
+    from elmo_fast.cpu import highway as hw_module
+    from elmo_fast.ops import highway
+    from elmo_fast.reference.char_cnn import highway_reference
+
+    g = torch.Generator().manual_seed(5)
+    F_ = shape[-1]
+    x64 = torch.randn(*shape, generator=g, dtype=torch.float64)
+    w = [torch.randn(F_, F_, generator=g, dtype=torch.float64) * F_ ** -0.5 for _ in range(2)]
+    b = [torch.randn(F_, generator=g, dtype=torch.float64) for _ in range(2)]
+    w[1][:, :3] = 0.0
+    b[1][:3] = 0.0  # columns 0-2 of the transform: relu at exactly 0
+    base = [x64, w[0], b[0], w[1], b[1]]
+    up = torch.randn(*shape, generator=g, dtype=torch.float64)
+    calls = []
+    real = hw_module.highway_cpu_applies
+
+    def spy(*a):
+        calls.append(real(*a))
+        return calls[-1]
+
+    import importlib
+
+    ops_char_cnn = importlib.import_module("elmo_fast.ops.char_cnn")
+    nan_poison  # noqa: B018 - the fixture poisons fresh buffers
+    for dt in (torch.float32, torch.float64):
+        ins = [t.to(dt).clone().requires_grad_() for t in base]
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ops_char_cnn, "highway_cpu_applies", spy)
+            got = highway(*ins, backend="cpu")
+            ggot = torch.autograd.grad(got, ins, up.to(dt))
+        assert calls == [dt == torch.float32 and gate_path != "torch-ops"]
+        p64 = [t.clone().requires_grad_() for t in base]
+        ref64 = highway_reference(*p64)
+        gref64 = torch.autograd.grad(ref64, p64, up)
+        low = [t.to(dt).clone().requires_grad_() for t in base]
+        ref = highway_reference(*low)
+        gref = torch.autograd.grad(ref, low, up.to(dt))
+        assert_close_to_oracle(got, ref64, ref, "highway")
+        for k, (a, c, d) in enumerate(zip(ggot, gref64, gref)):
+            assert_close_to_oracle(a, c, d, f"highway grad {k}")
+    ins = [t.float().clone().requires_grad_(k > 0) for k, t in enumerate(base)]  # x needs no gradient
+    grads = torch.autograd.grad(highway(*ins, backend="cpu"), ins[1:], up.float())
+    assert all(torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu")
+def test_highway_cpu_propagates_nan_as_the_reference():
+    """A NaN input element gives NaN where the reference has NaN, in the output and every gradient (relu passes
+    a NaN's gradient on, as torch's does), not a silent 0."""
+    from elmo_fast.cpu import highway_cpu
+    from elmo_fast.reference.char_cnn import highway_reference
+
+    g = torch.Generator().manual_seed(6)
+    F_ = 20
+    base = [torch.randn(4, F_, generator=g), torch.randn(F_, F_, generator=g) * 0.2, torch.randn(F_, generator=g),
+            torch.randn(F_, F_, generator=g) * 0.2, torch.randn(F_, generator=g)]
+    base[0][1, 3] = float("nan")
+    outs = []
+    for fn in (highway_cpu, highway_reference):
+        ins = [t.clone().requires_grad_() for t in base]
+        y = fn(*ins)
+        outs.append((y.isnan(), [gr.isnan() for gr in torch.autograd.grad(y, ins, torch.ones_like(y))]))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][0][1].all() and not outs[0][0][0].any()
+    for a, c in zip(outs[0][1], outs[1][1]):
+        assert torch.equal(a, c)
+
+
 def _softmax_inputs():
     """(targets, sample ids, expected counts of both, fp64 (hidden, weight, bias)) with accidental hits and a
     repeated target; N, P, V, S = 13, 7, 50, 11."""

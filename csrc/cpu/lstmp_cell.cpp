@@ -38,6 +38,28 @@ struct FwdArgs {
   float clip;  // +inf: no clip
 };
 
+// A highway layer's gate math (elmo_fast/cpu/highway.py), n rows of F: forward a <- g = σ(a), b <- r = relu(b),
+// y = g·r + (1 - g)·x; backward from dy: dgp = dy·(r - x)·g(1 - g), dbp = dy·g unless r <= 0 (then 0),
+// dxd = dy·(1 - g).
+struct HwFwdArgs {
+  float* a;  // x·W_carry + b_carry in, g out
+  float* b;  // x·W_transform + b_transform in, r out
+  const float* x;
+  float* y;
+  int64_t H;  // F (the columns; named as the cell kernels' for run_rows)
+};
+
+struct HwBwdArgs {
+  const float* dy;
+  const float* x;
+  const float* g;
+  const float* r;
+  float* dgp;
+  float* dbp;
+  float* dxd;
+  int64_t H;
+};
+
 struct BwdArgs {
   const float* dm;
   const float* dc;  // gradient w.r.t. the clipped cell, from the next step
@@ -159,7 +181,38 @@ inline __attribute__((always_inline)) void bwd_body(const BwdArgs& a, int64_t r,
   if constexpr (W > 1) bwd_body<F1>(a, r, k, k1);
 }
 
+template <typename V, typename I>
+inline __attribute__((always_inline)) void hw_fwd_body(const HwFwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
+    const int64_t e = r * a.H + k;
+    const V g = sigmoid_v<V, I>(load<V>(a.a + e)), b = load<V>(a.b + e);
+    const V t = b < 0.0f ? V{} : b;  // relu; NaN stays NaN
+    store(a.a + e, g);
+    store(a.b + e, t);
+    store(a.y + e, g * t + (1.0f - g) * load<V>(a.x + e));
+  }
+  if constexpr (W > 1) hw_fwd_body<F1, I1>(a, r, k, k1);
+}
+
+template <typename V>
+inline __attribute__((always_inline)) void hw_bwd_body(const HwBwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  constexpr int64_t W = sizeof(V) / sizeof(float);
+  int64_t k = k0;
+  for (; k + W <= k1; k += W) {
+    const int64_t e = r * a.H + k;
+    const V dy = load<V>(a.dy + e), g = load<V>(a.g + e), t = load<V>(a.r + e);
+    store(a.dgp + e, dy * (t - load<V>(a.x + e)) * (g * (1.0f - g)));
+    store(a.dbp + e, t <= 0.0f ? V{} : dy * g);  // relu's gradient as torch's: 0 at and below 0, passed for NaN
+    store(a.dxd + e, dy * (1.0f - g));
+  }
+  if constexpr (W > 1) hw_bwd_body<F1>(a, r, k, k1);
+}
+
 void fwd_scalar(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F1, I1>(a, r, k0, k1); }
+void hw_fwd_scalar(const HwFwdArgs& a, int64_t r, int64_t k0, int64_t k1) { hw_fwd_body<F1, I1>(a, r, k0, k1); }
+void hw_bwd_scalar(const HwBwdArgs& a, int64_t r, int64_t k0, int64_t k1) { hw_bwd_body<F1>(a, r, k0, k1); }
 void bwd_scalar(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F1>(a, r, k0, k1); }
 
 #ifdef ELMO_X86
@@ -169,6 +222,14 @@ ELMO_AVX512 void fwd_avx512(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1)
 ELMO_AVX512 void bwd_avx512(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F16>(a, r, k0, k1); }
 ELMO_AVX2 void fwd_avx2(const FwdArgs& a, int64_t r, int64_t k0, int64_t k1) { fwd_body<F8, I8>(a, r, k0, k1); }
 ELMO_AVX2 void bwd_avx2(const BwdArgs& a, int64_t r, int64_t k0, int64_t k1) { bwd_body<F8>(a, r, k0, k1); }
+ELMO_AVX512 void hw_fwd_avx512(const HwFwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  hw_fwd_body<F16, I16>(a, r, k0, k1);
+}
+ELMO_AVX512 void hw_bwd_avx512(const HwBwdArgs& a, int64_t r, int64_t k0, int64_t k1) {
+  hw_bwd_body<F16>(a, r, k0, k1);
+}
+ELMO_AVX2 void hw_fwd_avx2(const HwFwdArgs& a, int64_t r, int64_t k0, int64_t k1) { hw_fwd_body<F8, I8>(a, r, k0, k1); }
+ELMO_AVX2 void hw_bwd_avx2(const HwBwdArgs& a, int64_t r, int64_t k0, int64_t k1) { hw_bwd_body<F8>(a, r, k0, k1); }
 #endif  // ELMO_X86
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
@@ -280,6 +341,43 @@ void elmo_cpu::cell_backward(const at::Tensor& dm, const at::Tensor& dc, const a
   }
 }
 
+namespace {
+
+// a, b (n, F): the highway's two products (biases added), overwritten with g and r; x (n, F) its input; y (n, F) out.
+void highway_forward(const at::Tensor& a, const at::Tensor& b, const at::Tensor& x, const at::Tensor& y) {
+  const int64_t n = x.size(0), F = x.size(1);
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&b, "b"}, {&x, "x"}, {&y, "y"}})
+    elmo_cpu::check_matrix(*t, name, n, F);
+  HwFwdArgs args{a.data_ptr<float>(), b.data_ptr<float>(), x.data_ptr<float>(), y.data_ptr<float>(), F};
+  switch (kIsa) {
+#ifdef ELMO_X86
+    case Isa::kAvx512: return run_rows(args, n, hw_fwd_avx512);
+    case Isa::kAvx2: return run_rows(args, n, hw_fwd_avx2);
+#endif
+    default: return run_rows(args, n, hw_fwd_scalar);
+  }
+}
+
+// dy, x, g, r (n, F); writes dgp, dbp (the gradients of the two products) and dxd (x's direct gradient).
+void highway_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& g, const at::Tensor& r,
+                      const at::Tensor& dgp, const at::Tensor& dbp, const at::Tensor& dxd) {
+  const int64_t n = x.size(0), F = x.size(1);
+  for (const auto& [t, name] : {std::pair{&dy, "dy"}, {&x, "x"}, {&g, "g"}, {&r, "r"}, {&dgp, "dgp"}, {&dbp, "dbp"},
+                                {&dxd, "dxd"}})
+    elmo_cpu::check_matrix(*t, name, n, F);
+  HwBwdArgs args{dy.data_ptr<float>(), x.data_ptr<float>(), g.data_ptr<float>(), r.data_ptr<float>(),
+                 dgp.data_ptr<float>(), dbp.data_ptr<float>(), dxd.data_ptr<float>(), F};
+  switch (kIsa) {
+#ifdef ELMO_X86
+    case Isa::kAvx512: return run_rows(args, n, hw_bwd_avx512);
+    case Isa::kAvx2: return run_rows(args, n, hw_bwd_avx2);
+#endif
+    default: return run_rows(args, n, hw_bwd_scalar);
+  }
+}
+
+}  // namespace
+
 bool elmo_cpu::has_avx512() { return kBest == Isa::kAvx512; }
 bool elmo_cpu::use_avx512() { return kIsa == Isa::kAvx512; }
 
@@ -293,12 +391,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (csrc/cpu/lstmp_cell.cpp), the sparse "
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
             "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
-            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp)";
+            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp), a highway "
+            "layer's gate math (here)";
   m.def("cell_forward", &elmo_cpu::cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
   m.def("cell_backward", &elmo_cpu::cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"),
         py::arg("g"), py::arg("c_pre"), py::arg("tc"), py::arg("c_prev"), py::arg("cell_clip"), py::arg("dz"),
         py::arg("dc_prev"));
+  m.def("highway_forward", &highway_forward, "a highway layer's gate math, in place (elmo_fast/cpu/highway.py)",
+        py::arg("a"), py::arg("b"), py::arg("x"), py::arg("y"));
+  m.def("highway_backward", &highway_backward, "the highway gate math's backward (elmo_fast/cpu/highway.py)",
+        py::arg("dy"), py::arg("x"), py::arg("g"), py::arg("r"), py::arg("dgp"), py::arg("dbp"), py::arg("dxd"));
   elmo_fast::record_torch_version(m);
   m.def("isa", &isa_name, "the instruction set the kernels run with");
   m.def("set_isa", &set_isa, "run a lesser instruction set (tests)", py::arg("name"));

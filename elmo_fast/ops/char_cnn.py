@@ -5,6 +5,7 @@ import torch
 
 from ._library import CompositeOp, backend_for
 from ..cpu.char_cnn import char_cnn_cpu
+from ..cpu.highway import highway_cpu, highway_cpu_applies
 from ..reference.char_cnn import char_cnn_reference, highway_reference
 from . import _precision as prec
 
@@ -76,6 +77,8 @@ def highway(
 
             return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
         args = prec.reference_inputs(x.dtype, w_carry, b_carry, w_transform, b_transform)
+        if be == "cpu" and highway_cpu_applies(x.reshape(-1, F_), *args):
+            return highway_cpu(x.reshape(-1, F_), *args).view(x.shape)
         return _highway_reference_op(x, *args)
 
 

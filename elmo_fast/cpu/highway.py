@@ -1,0 +1,87 @@
+"""CPU backend of a highway layer (``elmo_fast.reference.char_cnn.highway_reference`` is the oracle).
+
+g = σ(x·W_carry + b_carry), r = relu(x·W_transform + b_transform), y = g·r + (1 - g)·x (TF's convention). The
+products stay in MKL/oneDNN (``gemm``, biases folded in); what is fused, in ``elmo_fast._cpu`` (csrc/cpu/
+lstmp_cell.cpp: ``highway_forward``/``highway_backward``), is the gate math around them: one pass forward (g and r
+written over the products' buffers, kept for backward) and one backward (the two products' gradients and x's direct
+one), where autograd through the reference runs ~7 passes forward and ~12 backward over (N, F). Backward: x's
+gradient is the direct term with the two products added in place (``addmm_``), each weight's gradient one GEMM.
+fp32 with the extension only; anything else runs the reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from ..ops._library import qualname
+from .ext import cpu_ext_for
+from .gemm import gemm
+
+Tensor = torch.Tensor
+
+
+def highway_cpu_applies(x: Tensor, *params: Tensor) -> bool:
+    """Whether :func:`highway_cpu` runs these: 2-d fp32 CPU tensors and ``elmo_fast._cpu`` with the kernels."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+        return False
+    ext = cpu_ext_for(x.contiguous())
+    return ext is not None and hasattr(ext, "highway_forward")
+
+
+@custom_op(qualname("highway_cpu"), mutates_args=())
+def _highway_op(x: Tensor, w_carry: Tensor, b_carry: Tensor, w_transform: Tensor, b_transform: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, g, r): the layer's output, and the carry gate and transform branch (N, F) kept for backward."""
+    x = x.contiguous()
+    g = gemm(x, w_carry, b_carry).contiguous()
+    r = gemm(x, w_transform, b_transform).contiguous()
+    y = torch.empty_like(x)
+    cpu_ext_for(x).highway_forward(g, r, x, y)
+    return y, g, r
+
+
+@_highway_op.register_fake
+def _(x, w_carry, b_carry, w_transform, b_transform):
+    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+
+
+@custom_op(qualname("highway_cpu_backward"), mutates_args=())
+def _highway_backward(dy: Tensor, x: Tensor, g: Tensor, r: Tensor, w_carry: Tensor, w_transform: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dw_carry, db_carry, dw_transform, db_transform)."""
+    dy, x = dy.contiguous(), x.contiguous()
+    dgp, dbp, dx = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    cpu_ext_for(x).highway_backward(dy, x, g, r, dgp, dbp, dx)
+    dx.addmm_(dgp, w_carry.t()).addmm_(dbp, w_transform.t())
+    xt = x.t()
+    return dx, gemm(xt, dgp), dgp.sum(0), gemm(xt, dbp), dbp.sum(0)
+
+
+@_highway_backward.register_fake
+def _(dy, x, g, r, w_carry, w_transform):
+    F_ = x.shape[1]
+    return (torch.empty_like(x), x.new_empty(F_, F_), x.new_empty(F_), x.new_empty(F_, F_), x.new_empty(F_))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_carry, _, w_transform, _ = inputs
+    ctx.save_for_backward(x, output[1], output[2], w_carry, w_transform)
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward(ctx, dy, *_):
+    x, g, r, w_carry, w_transform = ctx.saved_tensors
+    dx, dwc, dbc, dwt, dbt = _highway_backward(dy, x, g, r, w_carry, w_transform)
+    need = ctx.needs_input_grad
+    return tuple(t if n else None for t, n in zip((dx, dwc, dbc, dwt, dbt), need))
+
+
+_highway_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def highway_cpu(x: Tensor, w_carry: Tensor, b_carry: Tensor, w_transform: Tensor, b_transform: Tensor) -> Tensor:
+    """Arguments and result of ``highway_reference`` for (N, F) fp32 CPU tensors (see :func:`highway_cpu_applies`):
+    the operator ``elmo_fast::highway_cpu``, its backward ``elmo_fast::highway_cpu_backward``."""
+    return _highway_op(x, w_carry, b_carry, w_transform, b_transform)[0]
