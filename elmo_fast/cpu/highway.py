@@ -14,10 +14,18 @@ import torch
 from torch.library import custom_op
 
 from ..ops._library import qualname
-from .ext import cpu_ext_for
+from .ext import cpu_ext, cpu_ext_for
 from .gemm import gemm
 
 Tensor = torch.Tensor
+
+
+@torch.compiler.assume_constant_result
+def _kernels_present() -> bool:
+    """``elmo_fast._cpu`` is loaded and has the kernels (a constant of the graph while torch.compile traces: it
+    probes an import)."""
+    ext = cpu_ext()
+    return ext is not None and hasattr(ext, "highway_forward")
 
 
 def highway_cpu_applies(x: Tensor, *params: Tensor) -> bool:
@@ -26,8 +34,7 @@ def highway_cpu_applies(x: Tensor, *params: Tensor) -> bool:
         return False
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
         return False
-    ext = cpu_ext_for(x.contiguous())
-    return ext is not None and hasattr(ext, "highway_forward")
+    return _kernels_present()
 
 
 @custom_op(qualname("highway_cpu"), mutates_args=())
