@@ -381,17 +381,12 @@ def _backward_through_time(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0,
         dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
-        # [x ; h_prev]ᵀ built row-major (one copy), with a row of ones where the bias needs its gradient: the
-        # product's last row is then Σ_n dz, and no separate pass reads the (N, 4H) dz again for it
-        rows = [xs.t(), h_prev.t()] + ([xs.new_ones(1, N)] if needs[4] else [])
-        dw_stack = gemm(torch.cat(rows), dz)
-        if needs[4]:
-            dw_stack, db = dw_stack[: D + P], dw_stack[D + P].clone()  # an operator's outputs may not alias
+        dw_stack = gemm(torch.cat([xs.t(), h_prev.t()]), dz)  # [x ; h_prev]ᵀ built row-major: one copy
     if needs[1]:
         dw_in = _weight_grad(w_in, xs, dz)
     if needs[2]:
         dw_rec = _weight_grad(w_rec, h_prev, dz)
-    if needs[4] and not needs[3]:
+    if needs[4]:
         db = dz.sum(0)
     if needs[5] and w_proj is not None:
         dw_proj = _weight_grad(w_proj, m_all, dh_all)
