@@ -231,7 +231,7 @@ def test_gate_nonlinearities_are_accurate_to_a_few_ulp(gate_path):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_lstmp_cpu_stacked_weight_gets_one_gradient(gemm_path, gate_path, dtype):
     """w_in, w_rec as the row blocks of one W_0 (as the model passes them): W_0's gradient comes from the chain
-    directly (no slice gradients), and equals the reference's."""
+    directly (no slice gradients), and equals the reference's, as does every other gradient."""
     B, T, D, H, P = 3, 5, 4, 17, 4
     x, _, _, bias, w_proj, h0, c0 = _chain(B, T, D, H, P, True, dtype, seed=11)
     w0 = (torch.randn(D + P, 4 * H, dtype=torch.float64) * 0.4).to(dtype).requires_grad_()
@@ -240,13 +240,15 @@ def test_lstmp_cpu_stacked_weight_gets_one_gradient(gemm_path, gate_path, dtype)
     ups = [torch.randn(B, T, P, dtype=dtype), torch.randn(B, P, dtype=dtype), torch.randn(B, H, dtype=dtype)]
     got = lstmp_cpu(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw)
     assert any(type(f).__name__ == "AccumulateGrad" and f.variable is w0 for f, _ in got[0].grad_fn.next_functions)
-    g_got = torch.autograd.grad(got, w0, ups)[0]
+    wrt = (w0, x, bias, w_proj, h0, c0)
+    g_got = torch.autograd.grad(got, wrt, ups)
     w64 = w0.detach().double().requires_grad_()
-    args64 = [t.detach().double() for t in (x, bias, w_proj, h0, c0)]
+    args64 = [t.detach().double().requires_grad_() for t in (x, bias, w_proj, h0, c0)]
     ref64 = lstmp_reference(args64[0], w64[:D], w64[D:], *args64[1:], lengths, **kw)
-    g64 = torch.autograd.grad(ref64, w64, [u.double() for u in ups])[0]
-    g_ref = torch.autograd.grad(lstmp_reference(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw), w0, ups)[0]
-    assert_close_to_oracle(g_got, g64, g_ref, "dW_0")
+    g64 = torch.autograd.grad(ref64, (w64, *args64), [u.double() for u in ups])
+    g_ref = torch.autograd.grad(lstmp_reference(x, w0[:D], w0[D:], bias, w_proj, h0, c0, lengths, **kw), wrt, ups)
+    for name, a, b, c in zip(("dW_0", "dx", "dbias", "dw_proj", "dh0", "dc0"), g_got, g64, g_ref):
+        assert_close_to_oracle(a, b, c, name)
 
 
 def test_lstmp_cpu_gradcheck_fp64():

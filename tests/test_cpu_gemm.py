@@ -50,8 +50,10 @@ def test_gemm_matches_the_fp64_product(fresh, mode, a_t, b_t, with_bias, into):
 
 @needs_onednn
 def test_auto_measures_once_per_shape_class_and_keeps_the_faster(fresh):
-    """auto: the first product of a shape class (rows rounded up to a power of two, K, N, layouts, bias, threads)
-    times both libraries; later ones reuse the measurement; the faster library wins."""
+    """auto: the first product of a shape class (each dimension rounded up to a power of two, layouts, bias,
+    threads) times both libraries; later ones reuse the measurement (an inner dimension that follows the data, as
+    the highway's weight gradients' count of distinct tokens, measures once per class, not every step); the
+    faster library wins."""
     fresh.setattr(gemm, "MIN_FLOP", 0)
     calls = []
 
@@ -65,6 +67,8 @@ def test_auto_measures_once_per_shape_class_and_keeps_the_faster(fresh):
     assert gemm.uses_onednn(a7, b) and len(calls) == 2  # 5 and 7 rows: one class (8)
     assert gemm.uses_onednn(a9, b) and len(calls) == 4  # 9 rows: the next class
     assert gemm.uses_onednn(a5, b, torch.randn(32)) and len(calls) == 6  # a bias: another class
+    for k in (17, 23, 32):  # K = 17..32: one class; N = 33 and 64 too
+        assert gemm.uses_onednn(torch.randn(4, k), torch.randn(k, 33 if k < 32 else 64)) and len(calls) == 8
     key = gemm._key(a5, b, None)
     gemm._TIMES[key] = (0.5, 1.0)  # MKL faster
     assert not gemm.uses_onednn(a5, b)

@@ -44,11 +44,17 @@ def _applies(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> boo
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts))
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _key(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """What a measurement holds for: the rows rounded up to a power of two, the inner and output widths, which
-    operands are row-major, the bias, and the intra-op threads."""
+    """What a measurement holds for: the three dimensions rounded up to powers of two, which operands are
+    row-major, the bias, and the intra-op threads. Rounded, so that a dimension that follows the data (the
+    highway's weight gradients sum over the batch's distinct tokens, a different count every step) does not
+    make every call a new shape, measured again (six extra products a call)."""
     M, K = a.shape
-    return (1 << max(0, M - 1).bit_length(), K, b.shape[1], a.is_contiguous(), b.is_contiguous(), bias is not None,
+    return (_pow2(M), _pow2(K), _pow2(b.shape[1]), a.is_contiguous(), b.is_contiguous(), bias is not None,
             torch.get_num_threads())
 
 
@@ -101,7 +107,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def gemm_timings() -> list[list]:
-    """:func:`uses_onednn`'s measurements so far, as plain data (``[M bucket, K, N, a row-major, b row-major,
+    """:func:`uses_onednn`'s measurements so far, as plain data (``[M, K and N buckets, a row-major, b row-major,
     bias, threads, t_mkl, t_onednn]`` rows) for a training checkpoint; :func:`restore_gemm_timings` puts them
     back."""
     return [[*k, *t] for k, t in sorted(_TIMES.items(), key=lambda kv: str(kv[0]))]
