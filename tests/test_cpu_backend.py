@@ -541,6 +541,73 @@ def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduct
         assert_close_to_oracle(a, b, c, what)
 
 
+@pytest.mark.parametrize("trainable", [(True, True, True, True), (False, True, True, False),
+                                       (True, False, False, True)], ids=["all", "h_b and W", "h_f and b"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sampled_softmax_pair_equals_two_calls(nan_poison, dtype, sparse, reduction, trainable):
+    """bilm-tf's two directions over one table as one cpu operator (ops.sampled_softmax_loss_pair): the losses,
+    the hidden states' gradients and the table's (one tensor of all four row sets, forward's first) equal two
+    sampled_softmax_loss calls; accidental hits and a repeated target in each direction."""
+    from elmo_fast.ops import log_uniform_sample, sampled_softmax_loss, sampled_softmax_loss_pair
+
+    g = torch.Generator().manual_seed(8)
+    V, P, S = 50, 7, 11
+    dirs = []
+    for N in (13, 9):
+        ids, tries = log_uniform_sample(S, V, generator=g)
+        t = torch.randint(0, V, (N,), generator=g)
+        t[:2] = ids[:2]
+        t[4] = t[5]
+        dirs.append((torch.randn(N, P, generator=g, dtype=torch.float64).to(dtype), t, ids, tries))
+    w0 = torch.randn(V, P, generator=g, dtype=torch.float64).to(dtype)
+    b0 = torch.randn(V, generator=g, dtype=torch.float64).to(dtype)
+    ups = [torch.randn(() if reduction != "none" else (d[0].shape[0],), generator=g, dtype=torch.float64).to(dtype)
+           for d in dirs]
+    runs = []
+    for pair in (True, False):
+        h_f, h_b, w, b = (t.clone().requires_grad_(r) for t, r in zip((dirs[0][0], dirs[1][0], w0, b0), trainable))
+        kw = dict(reduction=reduction, sparse_grad=sparse, backend="cpu")
+        if pair:
+            losses = sampled_softmax_loss_pair((h_f, *dirs[0][1:]), (h_b, *dirs[1][1:]), w, b, **kw)
+        else:
+            losses = [sampled_softmax_loss(h, d[1], w, b, d[2], d[3], **kw)
+                      for h, d in ((h_f, dirs[0]), (h_b, dirs[1]))]
+        wrt = [t for t in (h_f, h_b, w, b) if t.requires_grad]
+        grads = torch.autograd.grad(losses, wrt, ups)
+        assert ("pair" in type(losses[0].grad_fn).__name__) == pair  # the pair ran as one operator
+        if pair and sparse and w.requires_grad:
+            rows = grads[[i for i, t in enumerate(wrt) if t is w][0]]._indices()[0]
+            assert torch.equal(rows, torch.cat([dirs[0][1], dirs[0][2], dirs[1][1], dirs[1][2]]))
+        runs.append((losses, [gr.to_dense() if gr.is_sparse else gr for gr in grads]))
+    for a, c in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, c)
+    for a, c in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, c, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0.0)
+
+
+def test_sampled_softmax_pair_module_and_fallbacks():
+    """SampledSoftmaxLoss.forward_pair equals two calls with the same samples; refuses eval mode; the reference
+    backend runs two calls."""
+    from elmo_fast.modules import SampledSoftmaxLoss
+    from elmo_fast.ops import sampled_softmax_loss_pair
+
+    sm = SampledSoftmaxLoss(40, 6, num_samples=9, sparse=True, seed=3).train()
+    g = torch.Generator().manual_seed(9)
+    hs = [torch.randn(5, 6, generator=g), torch.randn(4, 6, generator=g)]
+    ts = [torch.randint(0, 40, (5,), generator=g), torch.randint(0, 40, (4,), generator=g)]
+    samples = [sm.sample(), sm.sample()]
+    lf, lb = sm.forward_pair(hs[0], ts[0], samples[0], hs[1], ts[1], samples[1])
+    assert torch.equal(lf, sm(hs[0], ts[0], samples=samples[0]))
+    assert torch.equal(lb, sm(hs[1], ts[1], samples=samples[1]))
+    ref = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
+                                    sm.softmax_b, backend="reference")
+    torch.testing.assert_close(torch.stack(list(ref)), torch.stack([lf, lb]))
+    with pytest.raises(RuntimeError, match="forward_pair is the sampled softmax of training"):
+        sm.eval().forward_pair(hs[0], ts[0], samples[0], hs[1], ts[1], samples[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_sampled_softmax_cpu_with_logits_far_apart(nan_poison, dtype):
     """Weights x 40: logits ~100 apart, most softmax terms below exp(-87) (fp32's denormals, torch exp's slow path).

@@ -131,6 +131,24 @@ class SampledSoftmaxLoss(nn.Module):
                                             sparse_grad=self.sparse)
         return ops.full_softmax_nll(hidden, targets, W, b, self.reduction, backend=self.backend)
 
+    def forward_pair(self, hidden_f: torch.Tensor, targets_f: torch.Tensor, samples_f: tuple[torch.Tensor, int],
+                     hidden_b: torch.Tensor, targets_b: torch.Tensor, samples_b: tuple[torch.Tensor, int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two directions' sampled losses with their explicit sample sets (training mode, sampled softmax):
+        ``(self(hidden_f, targets_f, samples_f), self(hidden_b, targets_b, samples_b))``, the same values and
+        gradients, through ``ops.sampled_softmax_loss_pair`` (on the cpu backend one operator: one gradient
+        tensor for the table instead of two that autograd adds). ``last_samples`` is the backward direction's."""
+        if not (self.training and self.sample_softmax):
+            raise RuntimeError("forward_pair is the sampled softmax of training: call train(), with sample_softmax")
+        W, b = self.softmax_W, self.softmax_b
+        hs = [h.reshape(-1, h.shape[-1]) for h in (hidden_f, hidden_b)]
+        hs = [h.to(W.dtype) if h.dtype != W.dtype else h for h in hs]
+        self.last_samples = samples_b
+        return ops.sampled_softmax_loss_pair((hs[0], targets_f.reshape(-1), *samples_f),
+                                             (hs[1], targets_b.reshape(-1), *samples_b), W, b,
+                                             remove_accidental_hits=self.remove_accidental_hits,
+                                             reduction=self.reduction, backend=self.backend, sparse_grad=self.sparse)
+
     # ---- checkpointing -------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:
         state: dict = {"seed": self.seed}

@@ -1,6 +1,7 @@
 """Functional ops: typed API, input validation, backend dispatch (reference / triton / cuda)."""
 from .char_cnn import char_cnn, highway
 from .lstmp import lstmp
-from .softmax import full_softmax_nll, log_uniform_sample, sampled_softmax_loss
+from .softmax import full_softmax_nll, log_uniform_sample, sampled_softmax_loss, sampled_softmax_loss_pair
 
-__all__ = ["lstmp", "char_cnn", "highway", "sampled_softmax_loss", "full_softmax_nll", "log_uniform_sample"]
+__all__ = ["lstmp", "char_cnn", "highway", "sampled_softmax_loss", "sampled_softmax_loss_pair", "full_softmax_nll",
+           "log_uniform_sample"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ._library import CompositeOp, backend_for, tracing
-from ..cpu.sampled_softmax import full_softmax_nll_cpu, sampled_softmax_loss_cpu
+from ..cpu.sampled_softmax import (full_softmax_nll_cpu, sampled_softmax_loss_cpu,
+                                   sampled_softmax_pair_loss_cpu)
 from . import _precision as prec
 from ..reference.sampled_softmax import (
     expected_count_reference,
@@ -106,17 +107,8 @@ def sampled_softmax_loss(
     Returns:
         scalar loss, or (N,) with reduction='none'.
     """
-    _check_common(hidden, targets, weight, bias, reduction)
-    if sampled_ids.dim() != 1:
-        raise ValueError(f"sampled_ids must be (S,), got shape {tuple(sampled_ids.shape)}")
-    V = weight.shape[0]
-    S = sampled_ids.numel()
-    if num_tries < S:
-        raise ValueError(f"num_tries ({num_tries}) must be at least the number of samples ({S})")
-    targets = targets.long()
-    sampled_ids = sampled_ids.long()
-    true_q = expected_count_reference(targets, num_tries, S, V)
-    samp_q = expected_count_reference(sampled_ids, num_tries, S, V)
+    hidden, targets, sampled_ids, true_q, samp_q = _sampled_inputs(hidden, targets, weight, bias, sampled_ids,
+                                                                   num_tries, reduction)
     hidden, weight = _low_precision(hidden, weight)
     be = backend_for(backend, hidden.device, "sampled_softmax", hidden.dtype)
     kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
@@ -134,6 +126,51 @@ def sampled_softmax_loss(
                                       "or 'triton', or sparse_grad=False")
         return _sampled_reference_op(hidden, targets, weight, bias, sampled_ids, true_q, samp_q,
                                      bool(remove_accidental_hits), reduction, bool(sparse_grad))
+
+
+def _sampled_inputs(hidden, targets, weight, bias, sampled_ids, num_tries, reduction):
+    """The checks of :func:`sampled_softmax_loss`; (hidden, targets and ids as int64, the expected counts)."""
+    _check_common(hidden, targets, weight, bias, reduction)
+    if sampled_ids.dim() != 1:
+        raise ValueError(f"sampled_ids must be (S,), got shape {tuple(sampled_ids.shape)}")
+    V = weight.shape[0]
+    S = sampled_ids.numel()
+    if num_tries < S:
+        raise ValueError(f"num_tries ({num_tries}) must be at least the number of samples ({S})")
+    targets = targets.long()
+    sampled_ids = sampled_ids.long()
+    return (hidden, targets, sampled_ids, expected_count_reference(targets, num_tries, S, V),
+            expected_count_reference(sampled_ids, num_tries, S, V))
+
+
+def sampled_softmax_loss_pair(
+    forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    remove_accidental_hits: bool = True,
+    reduction: str = "mean",
+    backend: str | None = "auto",
+    sparse_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two :func:`sampled_softmax_loss` calls over one table, bilm-tf's two directions: ``forward`` and
+    ``backward`` are each ``(hidden, targets, sampled_ids, num_tries)``; returns (loss_f, loss_b), the same values
+    and gradients as two calls. On the ``cpu`` backend one operator, whose table gradients are one tensor each
+    (two calls' sparse gradients are added by autograd: a copy of both); elsewhere two calls."""
+    args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (forward, backward)]
+    h_f, h_b = args[0][0], args[1][0]
+    be = backend_for(backend, h_f.device, "sampled_softmax", h_f.dtype)
+    if be != "cpu" or h_b.dtype != h_f.dtype or prec.compute_dtype(h_f) not in (None, h_f.dtype):
+        kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, backend=backend,
+                  sparse_grad=sparse_grad)
+        return tuple(sampled_softmax_loss(h, t, weight, bias, ids, tries, **kw)
+                     for h, t, ids, tries in (forward, backward))
+    with prec.no_autocast(h_f.device):
+        (bias,) = prec.reference_inputs(h_f.dtype, bias)
+        return sampled_softmax_pair_loss_cpu(*args[0], *args[1], weight, bias,
+                                             remove_accidental_hits=remove_accidental_hits, reduction=reduction,
+                                             sparse_grad=sparse_grad)
 
 
 def _low_precision(hidden, weight):
