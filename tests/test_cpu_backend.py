@@ -601,11 +601,63 @@ def test_sampled_softmax_pair_module_and_fallbacks():
     lf, lb = sm.forward_pair(hs[0], ts[0], samples[0], hs[1], ts[1], samples[1])
     assert torch.equal(lf, sm(hs[0], ts[0], samples=samples[0]))
     assert torch.equal(lb, sm(hs[1], ts[1], samples=samples[1]))
+    assert "pair" in type(lf.grad_fn).__name__
     ref = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
                                     sm.softmax_b, backend="reference")
+    assert "pair" not in type(ref[0].grad_fn).__name__
     torch.testing.assert_close(torch.stack(list(ref)), torch.stack([lf, lb]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: two calls, each cast as one call casts
+        auto = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
+                                         sm.softmax_b, backend="cpu")
+    assert "pair" not in type(auto[0].grad_fn).__name__
     with pytest.raises(RuntimeError, match="forward_pair is the sampled softmax of training"):
         sm.eval().forward_pair(hs[0], ts[0], samples[0], hs[1], ts[1], samples[1])
+
+
+@pytest.mark.parametrize("used", ["forward", "backward"])
+def test_sampled_softmax_pair_with_one_loss_used(nan_poison, used):
+    """Only one of the pair's losses reaches the gradient: the table's and that direction's gradients equal a single
+    call's; the other direction's hidden state gets none and its rows in the table's gradient are zeros."""
+    from elmo_fast.ops import log_uniform_sample, sampled_softmax_loss, sampled_softmax_loss_pair
+
+    g = torch.Generator().manual_seed(10)
+    V, P, S = 30, 5, 7
+    dirs = []
+    for N in (6, 4):
+        ids, tries = log_uniform_sample(S, V, generator=g)
+        dirs.append((torch.randn(N, P, generator=g), torch.randint(0, V, (N,), generator=g), ids, tries))
+    w0, b0 = torch.randn(V, P, generator=g), torch.randn(V, generator=g)
+    k = 0 if used == "forward" else 1
+    h = [d[0].clone().requires_grad_() for d in dirs]
+    w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    losses = sampled_softmax_loss_pair((h[0], *dirs[0][1:]), (h[1], *dirs[1][1:]), w, b, backend="cpu")
+    got = torch.autograd.grad(losses[k], [h[k], h[1 - k], w, b], allow_unused=True)
+    assert got[1] is None
+    h1 = dirs[k][0].clone().requires_grad_()
+    w1, b1 = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    want = torch.autograd.grad(sampled_softmax_loss(h1, dirs[k][1], w1, b1, dirs[k][2], dirs[k][3], backend="cpu"),
+                               [h1, w1, b1])
+    for a, c in zip((got[0], got[2], got[3]), want):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=0.0)
+
+
+@pytest.mark.skipif(cpu_ext() is None, reason="needs elmo_fast._cpu")
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "empty"])
+def test_highway_cpu_operators_pass_opcheck(layout):
+    """The highway operators' fakes, schemas and autograd registration (torch.library.opcheck), with a transposed
+    input (the real outputs are contiguous whatever x is: so must the fakes be) and no rows."""
+    from elmo_fast.cpu import highway as hw
+
+    g = torch.Generator().manual_seed(11)
+    F_, N = 24, 0 if layout == "empty" else 37
+    x = torch.randn(F_, N, generator=g).t() if layout == "transposed" else torch.randn(N, F_, generator=g)
+    args = [x, torch.randn(F_, F_, generator=g) * 0.2, torch.randn(F_, generator=g),
+            torch.randn(F_, F_, generator=g) * 0.2, torch.randn(F_, generator=g)]
+    torch.library.opcheck(hw._highway_op, tuple(t.clone().requires_grad_() for t in args))
+    y, gate, r = hw._highway_op(*args)
+    for needs in ((True, True, True), (False, True, False), (True, False, True)):
+        torch.library.opcheck(hw._highway_backward, (torch.randn(N, F_, generator=g), x, gate, r, args[1], args[3],
+                                                     *needs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

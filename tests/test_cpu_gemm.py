@@ -115,5 +115,8 @@ def test_timings_round_trip(fresh):
     gemm.restore_gemm_timings(rows)
     assert gemm._TIMES == {(512, 512, 16384, True, False, True, 2): (0.05, 0.04)}
     gemm.restore_gemm_timings(None)  # a checkpoint from before these timings
+    gemm._TIMES.clear()  # a checkpoint from before K and N were rounded: its rows land on the rounded classes
+    gemm.restore_gemm_timings([[512, 418, 2048, False, True, False, 2, 0.01, 0.02]])
+    assert gemm._TIMES == {(512, 512, 2048, False, True, False, 2): (0.01, 0.02)}
     with pytest.raises(ValueError, match="a gemm timing row of 8 fields, expected 9"):
         gemm.restore_gemm_timings([rows[0][:8]])

@@ -115,6 +115,8 @@ def test_global_norm_is_exact_at_the_original_sizes(monkeypatch, path):
         pytest.skip("needs elmo_fast._cpu with sum_squares")
     if path == "torch":
         monkeypatch.setattr(T, "cpu_ext_for", lambda *ts: None)
+    else:  # the extension's sums, not a silent fallback to the rows (torch's norm is not called at all)
+        monkeypatch.setattr(T.torch.linalg, "vector_norm", lambda *a, **k: pytest.fail("fell back to the rows"))
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(1024, 16384, generator=g), torch.randn(700, 9, generator=g).t(),
           torch.randn(4096 * 3 + 5, generator=g) * 40, torch.randn(3, 5, generator=g)]
@@ -122,9 +124,15 @@ def test_global_norm_is_exact_at_the_original_sizes(monkeypatch, path):
     got = global_norm(ts)
     assert got.dtype == torch.float32 and got.dim() == 0
     assert abs(float(got) - exact) <= 2e-7 * exact, (float(got), exact)
-    assert float(global_norm([ts[3]])) == pytest.approx(float(ts[3].double().norm()), rel=1e-7)
+    assert float(global_norm([ts[3]])) == pytest.approx(float((ts[3].double() ** 2).sum()) ** 0.5, rel=1e-7)
     with pytest.raises(ValueError, match="no tensors"):
         global_norm([])
+    if path == "extension":  # one tensor the extension cannot take (fp64) leaves the others to it
+        monkeypatch.undo()
+        mixed = [ts[0], ts[2].double()]
+        want = (float((ts[0].double() ** 2).sum()) + float((ts[2].double() ** 2).sum())) ** 0.5
+        assert global_norm(mixed).dtype == torch.float32
+        assert abs(float(global_norm(mixed)) - want) <= 2e-7 * want
     if path == "extension":  # squares past fp32's range, and what the clip must see: NaN and inf propagate
         assert float(global_norm([torch.full((5,), 1e30)])) == pytest.approx(5 ** 0.5 * 1e30, rel=1e-7)
         assert float(global_norm([ts[3], torch.tensor([float("inf")])])) == float("inf")

@@ -119,4 +119,6 @@ def restore_gemm_timings(rows: list[list] | None) -> None:
         if len(row) != 9:
             raise ValueError(f"a gemm timing row of {len(row)} fields, expected 9: {row}")
         m, k, n, ac, bc, bias, th, t_mkl, t_onednn = row
-        _TIMES[(int(m), int(k), int(n), bool(ac), bool(bc), bool(bias), int(th))] = (float(t_mkl), float(t_onednn))
+        # rounded as _key rounds (a checkpoint written before K and N were rounded has their exact values)
+        _TIMES[(_pow2(int(m)), _pow2(int(k)), _pow2(int(n)), bool(ac), bool(bc), bool(bias), int(th))] = (
+            float(t_mkl), float(t_onednn))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from ..ops._library import qualname
+from ..ops._library import nothing, qualname
 from .ext import cpu_ext, cpu_ext_for
 from .gemm import gemm
 
@@ -51,38 +51,48 @@ def _highway_op(x: Tensor, w_carry: Tensor, b_carry: Tensor, w_transform: Tensor
 
 @_highway_op.register_fake
 def _(x, w_carry, b_carry, w_transform, b_transform):
-    return torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty(x.shape)  # contiguous, as the real ones
 
 
 @custom_op(qualname("highway_cpu_backward"), mutates_args=())
-def _highway_backward(dy: Tensor, x: Tensor, g: Tensor, r: Tensor, w_carry: Tensor, w_transform: Tensor
+def _highway_backward(dy: Tensor, x: Tensor, g: Tensor, r: Tensor, w_carry: Tensor, w_transform: Tensor,
+                      need_x: bool, need_carry: bool, need_transform: bool
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dw_carry, db_carry, dw_transform, db_transform)."""
+    """(dx, dw_carry, db_carry, dw_transform, db_transform); placeholders where not needed (``need_carry``: the
+    carry weight's or bias's gradient, ``need_transform`` likewise)."""
     dy, x = dy.contiguous(), x.contiguous()
     dgp, dbp, dx = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     cpu_ext_for(x).highway_backward(dy, x, g, r, dgp, dbp, dx)
-    dx.addmm_(dgp, w_carry.t()).addmm_(dbp, w_transform.t())
+    if need_x:
+        dx.addmm_(dgp, w_carry.t()).addmm_(dbp, w_transform.t())
     xt = x.t()
-    return dx, gemm(xt, dgp), dgp.sum(0), gemm(xt, dbp), dbp.sum(0)
+    carry = (gemm(xt, dgp), dgp.sum(0)) if need_carry else (nothing(x), nothing(x))
+    transform = (gemm(xt, dbp), dbp.sum(0)) if need_transform else (nothing(x), nothing(x))
+    return dx if need_x else nothing(x), *carry, *transform
 
 
 @_highway_backward.register_fake
-def _(dy, x, g, r, w_carry, w_transform):
+def _(dy, x, g, r, w_carry, w_transform, need_x, need_carry, need_transform):
     F_ = x.shape[1]
-    return (torch.empty_like(x), x.new_empty(F_, F_), x.new_empty(F_), x.new_empty(F_, F_), x.new_empty(F_))
+    return (x.new_empty(x.shape) if need_x else nothing(x),
+            *((x.new_empty(F_, F_), x.new_empty(F_)) if need_carry else (nothing(x), nothing(x))),
+            *((x.new_empty(F_, F_), x.new_empty(F_)) if need_transform else (nothing(x), nothing(x))))
 
 
 def _setup_context(ctx, inputs, output):
     x, w_carry, _, w_transform, _ = inputs
     ctx.save_for_backward(x, output[1], output[2], w_carry, w_transform)
     ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # no zero gradients for g and r: two (N, F) fills a call
 
 
 def _backward(ctx, dy, *_):
+    if dy is None:  # the output reached the loss through nothing differentiable
+        return (None,) * 5
     x, g, r, w_carry, w_transform = ctx.saved_tensors
-    dx, dwc, dbc, dwt, dbt = _highway_backward(dy, x, g, r, w_carry, w_transform)
     need = ctx.needs_input_grad
-    return tuple(t if n else None for t, n in zip((dx, dwc, dbc, dwt, dbt), need))
+    grads = _highway_backward(dy, x, g, r, w_carry, w_transform, need[0], need[1] or need[2], need[3] or need[4])
+    return tuple(t if n else None for t, n in zip(grads, need))
 
 
 _highway_op.register_autograd(_backward, setup_context=_setup_context)

@@ -216,12 +216,21 @@ def _pair_setup_context(ctx, inputs, output):
     ctx.save_for_backward(h_f, h_b, t_f, t_b, ids_f, ids_b, *output[2:])
     ctx.flags = (reduction, sparse, weight.shape, bias.shape)
     ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)  # no zero gradients for the eight saved outputs (~56 MB of fills a step)
+    ctx.loss_shapes = (output[0].shape, output[1].shape)
 
 
 def _pair_backward_fn(ctx, g_f, g_b, *_):
+    if g_f is None and g_b is None:
+        return (None,) * 15
+    # a loss that reached nothing differentiable: its hidden state gets no gradient, its rows of the table's zeros
+    # (a scalar's worth of fill here)
+    need = list(ctx.needs_input_grad)
+    need[0], need[1] = need[0] and g_f is not None, need[1] and g_b is not None
+    g_f, g_b = (g if g is not None else torch.zeros(shape, dtype=ctx.saved_tensors[0].dtype)
+                for g, shape in zip((g_f, g_b), ctx.loss_shapes))
     h_f, h_b, t_f, t_b, ids_f, ids_b, *saved = ctx.saved_tensors
     reduction, sparse, w_shape, b_shape = ctx.flags
-    need = ctx.needs_input_grad
     dh_f, dh_b, rows_w, rows_b = _pair_backward(g_f, g_b, h_f, h_b, *saved, reduction, *need[:4])
     ids = torch.cat([t_f, ids_f, t_b, ids_b]) if need[2] or need[3] else None
     dw = _table_grad(ids, rows_w, w_shape, sparse) if need[2] else None

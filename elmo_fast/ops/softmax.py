@@ -161,7 +161,8 @@ def sampled_softmax_loss_pair(
     args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (forward, backward)]
     h_f, h_b = args[0][0], args[1][0]
     be = backend_for(backend, h_f.device, "sampled_softmax", h_f.dtype)
-    if be != "cpu" or h_b.dtype != h_f.dtype or prec.compute_dtype(h_f) not in (None, h_f.dtype):
+    if (be != "cpu" or h_b.dtype != h_f.dtype or weight.dtype != h_f.dtype
+            or prec.compute_dtype(h_f) is not None):  # autocast, mixed dtypes: two calls cast as one does
         kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, backend=backend,
                   sparse_grad=sparse_grad)
         return tuple(sampled_softmax_loss(h, t, weight, bias, ids, tries, **kw)

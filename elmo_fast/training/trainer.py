@@ -653,30 +653,34 @@ def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
 
     On the CPU torch's fp32 norm sums a whole tensor in a few long runs, and at the original sizes that loses
     precision: 6.5e-4 low on a (1024, 16384) normal tensor (relative to fp64, torch 2.13 and 2.11 alike), so the
-    clipped step would be off by as much. With ``elmo_fast._cpu`` (fp32 tensors, each contiguous or a transposed
-    contiguous one) the squares are summed in double, one pass over each tensor, and the root taken once: the fp64
-    norm, rounded to the dtype (2.2-2.3 ms a 64 MiB gradient on 2 Xeon cores; the rows below took 3.1). Without
-    it, each tensor is cut into rows of 4,096 elements whose norms are exact to a few ulps, and the norm of those
-    norms is taken: within ~1e-7 of the fp64 value (18 against torch's 34 ms for the 374 MB of dense gradients of
-    the original model on 2 Xeon cores). A GPU's norm sums in trees: one foreach launch there."""
+    clipped step would be off by as much. With ``elmo_fast._cpu``, each fp32 tensor that is contiguous (or a
+    transposed contiguous one) has its squares summed in double, one pass, and the root is taken once: the fp64
+    norm, rounded to the dtype (1.5-2.2 ms a 64 MiB gradient on 2 Xeon cores, warm; the rows below took 3.1).
+    Without it (or for the other tensors), each tensor is cut into rows of 4,096 elements whose norms are exact to
+    a few ulps, and the norm of those norms is taken: within ~1e-7 of the fp64 value (18 against torch's 34 ms for
+    the 374 MB of dense gradients of the original model on 2 Xeon cores). A GPU's norm sums in trees: one foreach
+    launch there."""
     if not tensors:
         raise ValueError("global_norm: no tensors")
     if tensors[0].device.type != "cpu":
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
     flats = [t.t() if t.dim() == 2 and not t.is_contiguous() else t for t in tensors]  # a view where either is
-    ext = cpu_ext_for(*flats)
-    if ext is not None and hasattr(ext, "sum_squares"):
-        # every square and sum in double (csrc/cpu/sparse_rows.cpp), one pass: the fp64 norm rounded once
-        return torch.tensor(math.sqrt(sum(ext.sum_squares(t) for t in flats)), dtype=tensors[0].dtype)
-    parts = []
+    squares, parts = 0.0, []  # the extension's sums (double), the other tensors' row norms
     for t in flats:
+        ext = cpu_ext_for(t)
+        if ext is not None and hasattr(ext, "sum_squares"):
+            squares += ext.sum_squares(t)  # every square and sum in double (csrc/cpu/sparse_rows.cpp), one pass
+            continue
         flat = t.reshape(-1)
         n = flat.numel() // _NORM_ROW * _NORM_ROW
         if n:
             parts.append(torch.linalg.vector_norm(flat[:n].view(-1, _NORM_ROW), dim=1))
         if n < flat.numel():
             parts.append(torch.linalg.vector_norm(flat[n:]).reshape(1))
-    return torch.linalg.vector_norm(torch.cat(parts))
+    if not parts:  # the fp64 norm, rounded once
+        return torch.tensor(math.sqrt(squares), dtype=tensors[0].dtype)
+    rest = torch.linalg.vector_norm(torch.cat(parts)).double()
+    return torch.sqrt(rest * rest + squares).to(tensors[0].dtype)
 
 
 def adagrad_dense(params, grads, accs, lr: float, inv_factor: torch.Tensor) -> None:
