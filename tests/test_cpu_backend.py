@@ -602,8 +602,24 @@ def test_sampled_softmax_pair_module_and_fallbacks():
     assert torch.equal(lf, sm(hs[0], ts[0], samples=samples[0]))
     assert torch.equal(lb, sm(hs[1], ts[1], samples=samples[1]))
     assert "pair" in type(lf.grad_fn).__name__
-    ref = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
-                                    sm.softmax_b, backend="reference")
+    import importlib
+
+    ops_softmax = importlib.import_module("elmo_fast.ops.softmax")
+    counted = []
+    real_count = ops_softmax.expected_count_reference
+
+    def count(*a):
+        counted.append(1)
+        return real_count(*a)
+
+    with pytest.MonkeyPatch.context() as mp:  # the checks and expected counts run once per direction, either way
+        mp.setattr(ops_softmax, "expected_count_reference", count)
+        ref = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
+                                        sm.softmax_b, backend="reference")
+        assert len(counted) == 4
+        sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
+                                  sm.softmax_b, backend="cpu")
+        assert len(counted) == 8
     assert "pair" not in type(ref[0].grad_fn).__name__
     torch.testing.assert_close(torch.stack(list(ref)), torch.stack([lf, lb]))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: two calls, each cast as one call casts

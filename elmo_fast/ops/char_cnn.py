@@ -77,8 +77,9 @@ def highway(
 
             return highway_triton(x, w_carry, b_carry, w_transform, b_transform)
         args = prec.reference_inputs(x.dtype, w_carry, b_carry, w_transform, b_transform)
-        if be == "cpu" and highway_cpu_applies(x.reshape(-1, F_), *args):
-            return highway_cpu(x.reshape(-1, F_), *args).view(x.shape)
+        rows = x.reshape(-1, F_)
+        if be == "cpu" and highway_cpu_applies(rows, *args):
+            return highway_cpu(rows, *args).view(x.shape)
         return _highway_reference_op(x, *args)
 
 

@@ -158,8 +158,7 @@ def sampled_softmax_loss_pair(
     ``backward`` are each ``(hidden, targets, sampled_ids, num_tries)``; returns (loss_f, loss_b), the same values
     and gradients as two calls. On the ``cpu`` backend one operator, whose table gradients are one tensor each
     (two calls' sparse gradients are added by autograd: a copy of both); elsewhere two calls."""
-    args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (forward, backward)]
-    h_f, h_b = args[0][0], args[1][0]
+    h_f, h_b = forward[0], backward[0]
     be = backend_for(backend, h_f.device, "sampled_softmax", h_f.dtype)
     if (be != "cpu" or h_b.dtype != h_f.dtype or weight.dtype != h_f.dtype
             or prec.compute_dtype(h_f) is not None):  # autocast, mixed dtypes: two calls cast as one does
@@ -167,6 +166,7 @@ def sampled_softmax_loss_pair(
                   sparse_grad=sparse_grad)
         return tuple(sampled_softmax_loss(h, t, weight, bias, ids, tries, **kw)
                      for h, t, ids, tries in (forward, backward))
+    args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (forward, backward)]
     with prec.no_autocast(h_f.device):
         (bias,) = prec.reference_inputs(h_f.dtype, bias)
         return sampled_softmax_pair_loss_cpu(*args[0], *args[1], weight, bias,

@@ -344,8 +344,7 @@ class Trainer:
         sm = self.softmax
         if samples is not None and self.cfg.bidirectional:  # one softmax operator for both (one table gradient)
             ids, tries = samples
-            lf, lb = sm.forward_pair(top_f.reshape(-1, self.P), tf.reshape(-1), (ids[0], tries[0]),
-                                     top_b.reshape(-1, self.P), tb.reshape(-1), (ids[1], tries[1]))
+            lf, lb = sm.forward_pair(top_f, tf, (ids[0], tries[0]), top_b, tb, (ids[1], tries[1]))
             return 0.5 * (lf.float() + lb.float()), h_n, c_n
         losses = []
         for d, (top, targets) in enumerate(((top_f, tf), (top_b, tb))[: 1 + self.cfg.bidirectional]):
