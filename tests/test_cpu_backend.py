@@ -422,6 +422,30 @@ def test_char_cnn_cpu_matches_reference(monkeypatch, dtype, act, bucket):
         assert_close_to_oracle(a, b, c, f"grad {k}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_char_cnn_dense_path_shares_a_tie_with_the_padding_windows_evenly(monkeypatch, dtype):
+    """The dense path (fp64, or fp32 without the extension's sparse backward): a real window that ties with the
+    all-padding windows shares the gradient evenly among all of them, as the reference (amax over every window)
+    and TF's reduce_max do. "a" in a bucket with a longer word: its one real window of the width-1 filter ties with
+    its 47 all-padding windows (the padding character's row equals that of "a"), of which 45 take the shortcut."""
+    monkeypatch.setattr(char_cnn_module, "_sparse_backward", lambda *a: False)
+    emb = torch.zeros(262, 2, dtype=dtype)
+    emb[ord("a") + 1] = emb[char_cnn_module.PAD_CHAR_ID] = torch.tensor([1.0, 2.0], dtype=dtype)
+    emb[ord("b") + 1] = torch.tensor([-1.0, 0.5], dtype=dtype)
+    emb[259 + 1] = emb[258 + 1] = torch.tensor([-5.0, -5.0], dtype=dtype)  # begin/end of word lose the max
+    emb.requires_grad_()
+    w = torch.tensor([[[1.0], [1.0]]], dtype=dtype, requires_grad=True)  # (1, 2, 1)
+    b = torch.zeros(1, dtype=dtype, requires_grad=True)
+    ids = torch.tensor([elmo_fast.word_to_char_ids(word) for word in ("bbb", "a")])
+    up = torch.tensor([[0.0], [2.0]], dtype=dtype)
+    got = torch.autograd.grad(char_cnn_cpu(ids, emb, [w], [b], "tanh"), [emb, w, b], up)
+    ref = torch.autograd.grad(char_cnn_reference(ids, emb, [w], [b], "tanh"), [emb, w, b], up)
+    dm = 2.0 * (1 - torch.tanh(torch.tensor(3.0, dtype=dtype)) ** 2)
+    assert torch.allclose(ref[0][ord("a") + 1], dm / 48 * torch.ones(2, dtype=dtype))  # the reference: 1/48 each
+    for k, (a, r) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, r, msg=lambda m: f"grad {k}: {m}")
+
+
 @pytest.mark.parametrize("shape", [(37, 24), (2, 5, 40)], ids=["rows", "batched"])
 def test_highway_cpu_matches_reference(nan_poison, gemm_path, gate_path, shape):
     """The fused highway (fp32, the extension's gate math in each instruction set; torch ops: the reference runs)

@@ -52,6 +52,7 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
         sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (char_embed, *conv_weights, *conv_biases))
         if sparse:  # _ConvMax's arguments besides the bucket
             pv = [v[0].detach() for v in pad_vals]
             wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
@@ -69,9 +70,16 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
                 if n_real == 0:  # tokens of padding characters only (raw ids): every window is all padding
                     m = pv.to(emb.dtype).expand(emb.shape[0], -1)
                 else:
-                    m = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b).amax(dim=-1)
-                if 0 < n_real < n_win:  # the bucket's tokens also have all-padding windows
-                    m = torch.maximum(m, pv.to(m.dtype))
+                    win = F.conv1d(emb[:, :, : n_real + width - 1], w.permute(2, 1, 0), b)  # (n, C, n_real)
+                    if n_real < n_win and grad:  # the bucket's tokens also have n_win - n_real all-padding
+                        # windows, each pv: in the max as windows of their own, so that a tie shares the gradient
+                        # evenly among all the tied windows (amax's, TF's reduce_max's), not half to the real ones
+                        # and half to the padding ones (torch.maximum's)
+                        pad = pv.to(win.dtype)[:, :, None].expand(win.shape[0], -1, n_win - n_real)
+                        win = torch.cat([win, pad], dim=-1)
+                    m = win.amax(dim=-1)
+                    if n_real < n_win and not grad:  # inference: the same value, no (n, C, n_win) tensor
+                        m = torch.maximum(m, pv.to(m.dtype))
                 group.append(m)
             pieces.append(torch.cat(group, dim=-1))
         real_out = torch.cat(pieces, 0)
