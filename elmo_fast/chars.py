@@ -192,11 +192,10 @@ class TokenBatcher:
         out = torch.zeros(len(sentences), max_len, dtype=torch.long)
         v = self.vocab
         for k, sent in enumerate(sentences):
-            if v.unk < 0:
-                unknown = [w for w in sent if w not in v._word_to_id]
-                if unknown:  # bilm-tf would give them the padding id 0
-                    raise ValueError(f"sentence {k}: {unknown[:5]} are not in the vocabulary, which has no <UNK> to "
-                                     "map them to")
-            ids = v.encode(sent, split=False)
+            ids = v.encode(sent, split=False)  # an unknown word is -1 when the vocabulary has no <UNK>
+            if v.unk < 0 and (ids < 0).any():  # bilm-tf would give them the padding id 0
+                unknown = [sent[i - 1] for i in np.flatnonzero(ids < 0)[:5]]
+                raise ValueError(f"sentence {k}: {unknown} are not in the vocabulary, which has no <UNK> to map them "
+                                 "to")
             out[k, : len(ids)] = torch.from_numpy(ids.astype(np.int64)) + 1
         return out

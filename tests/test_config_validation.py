@@ -155,7 +155,7 @@ def test_iter_batches_refuses_non_positive_sizes_at_once(shards, dataset, batch_
     files, vocab = shards
     ds = dataset(files[0], vocab, test=True)
     value = batch_size if field == "batch_size" else num_steps
-    with pytest.raises(ValueError, match=rf"{field}\b.* must be a positive integer, got {value}"):
+    with pytest.raises(ValueError, match=rf"{field}\b.* must be an integer >= 1, got {value}"):
         ds.iter_batches(batch_size, num_steps)  # at the call, before any batch is asked for
     assert len(list(ds.iter_batches(2, 3))) >= 1  # the sizes that work still do
 
@@ -167,7 +167,7 @@ def test_streams_refuse_non_positive_sizes(shards, batch_size, unroll_steps, fie
     field = "unroll_steps" if field == "num_steps" else field
     for make in (lambda: D.LMStream(files, vocab, batch_size, unroll_steps, 50, test=True),
                  lambda: D.BidirectionalStream(files, vocab, batch_size, unroll_steps, 50, test=True)):
-        with pytest.raises(ValueError, match=rf"{field}\b.* must be a positive integer"):
+        with pytest.raises(ValueError, match=rf"{field}\b.* must be an integer >= 1, got"):
             stream = make()
             for _ in range(5):
                 stream.next_batch()
@@ -177,3 +177,18 @@ def test_message_values_are_the_given_ones():
     """NaN is reported as nan (not as a failed comparison elsewhere)."""
     with pytest.raises(ConfigError, match=r"^learning_rate must be a finite number > 0, got nan$"):
         dataclasses.replace(tiny(), learning_rate=NAN).validate()
+
+
+def test_integer_fields_take_numpy_integers_as_plain_ints():
+    """A size computed with numpy (np.int64) is an integer: accepted, stored as an int so that the config still
+    goes to JSON (checkpoints and logs write it); a float or a bool is not."""
+    import json
+
+    import numpy as np
+
+    cfg = dataclasses.replace(TrainConfig(), batch_size=np.int64(8), eval_batch_size=np.int32(2)).validate()
+    assert type(cfg.batch_size) is int and type(cfg.eval_batch_size) is int
+    json.dumps(cfg.to_dict())
+    for bad in (8.0, True):
+        with pytest.raises(ConfigError, match=r"batch_size must be an integer >= 1, got"):
+            dataclasses.replace(TrainConfig(), batch_size=bad).validate()

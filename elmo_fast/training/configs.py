@@ -93,15 +93,10 @@ class TrainConfig:
                                    "killed mid-way)")
 
     def validate(self) -> "TrainConfig":
-        def pos(name):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-
         def integer(name, low, nullable=False, note=""):
             v = getattr(self, name)
-            if not (nullable and v is None):
-                check_int(v, name, low, (" or null" if nullable else "") + note, error=ConfigError)
+            if not (nullable and v is None):  # stored as a plain int (a numpy integer would not go to JSON)
+                setattr(self, name, check_int(v, name, low, (" or null" if nullable else "") + note, error=ConfigError))
 
         def number(name, low, strict, nullable=False, note=""):
             """A finite real number above ``low`` (``strict``) or at least ``low``: NaN and infinities fail every
@@ -118,7 +113,7 @@ class TrainConfig:
         for n in ("char_embed_dim", "lstm_dim", "projection_dim", "n_layers", "batch_size", "unroll_steps",
                   "n_negative_samples_batch", "n_epochs", "towers", "checkpoint_every", "keep_checkpoints",
                   "eval_batch_size", "eval_unroll_steps", "log_every", "queue_size", "max_characters_per_token"):
-            pos(n)
+            integer(n, 1)
         for n in ("char_inputs", "bidirectional", "share_embedding_softmax", "use_skip_connections", "sample_softmax",
                   "bf16", "deterministic", "check_vocab_order", "check_memory"):
             if not isinstance(getattr(self, n), bool):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import glob as _glob
 import multiprocessing
-import numbers
 import os
 import pickle
 import queue
@@ -35,7 +34,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..chars import BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, Vocabulary, word_to_char_ids
-from ..util import read_utf8, text_lines
+from ..util import check_int, read_utf8, text_lines
 
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 
@@ -289,9 +288,8 @@ class LMStream:
                  seed: str | int = 0, token_cache: TokenCache | None = None):
         # every packer passes here (the trainer's, its evaluation's, compat's iter_batches): 0 rows or 0 steps would
         # make empty batches forever (test data never runs out), a negative number a raw numpy error
-        for name, v in (("batch_size", batch_size), ("unroll_steps (bilm-tf's num_steps)", unroll_steps)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        batch_size = check_int(batch_size, "batch_size", 1)
+        unroll_steps = check_int(unroll_steps, "unroll_steps (bilm-tf's num_steps)", 1)
         self.source = SentenceSource(shards, reverse, test, (not test) if shuffle_on_load is None else shuffle_on_load,
                                      seed)
         self.B, self.T = batch_size, unroll_steps
