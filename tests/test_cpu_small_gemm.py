@@ -47,10 +47,10 @@ def test_every_panel_tail_and_k_block(K, N, width):
 @pytest.mark.parametrize("width", [16, 32])
 @pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
 @pytest.mark.parametrize("N", [16, 45, 64])
-def test_pack_panels_layout(layout, N, width):
+@pytest.mark.parametrize("K", [37, 70000])  # 70000: panels of more than 4 MiB, written with streaming stores
+def test_pack_panels_layout(layout, N, width, K):
     """Every source layout (row-major: copied runs; column-major: gathered; other strides) gives the same panels:
     column n of w at panel n // width, lane n % width, zeros past N."""
-    K = 37
     base = torch.randn(K, N) if layout == "row-major" else torch.randn(N, K).t()
     w = base if layout != "strided" else torch.randn(K, 2 * N)[:, ::2]
     P = -(-N // width)

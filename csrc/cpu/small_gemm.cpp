@@ -11,7 +11,10 @@
 // block's 256 lines of xt stay in L1 while every panel's slice of that block streams past (each slice is read from
 // memory once: its first row block streams it, prefetching ahead and into the next slice; the other row blocks
 // find it in L1). The pack is a gather of 16 lanes for a column-major weight (a transposed view) and a copy of row
-// runs for a row-major one.
+// runs for a row-major one, with streaming stores when the panels are larger than a core's L2: training packs its
+// weights afresh every call (Adagrad has changed them), 512 x 16384 in 1.5 ms (row-major) and 2.0 ms (gathered)
+// instead of 5.2 and 3.1 in the B = 16 step, where the stores' reads of the lines they fill were a third of the
+// traffic.
 //
 // Measured against oneDNN's packed product on a 2-core AVX-512 Xeon (bench/bench_cpu_products.py; A/Bs in
 // bench/results/cpu_train.md): faster at 16 rows (width 16) at every inner dimension of the chain, and at 32 rows
@@ -48,9 +51,22 @@ void panel_masks(int64_t cols, __mmask16* mask) {
   }
 }
 
+constexpr int64_t kStreamBytes = int64_t{4} << 20;  // packs larger than this are written with streaming stores
+
+// One vector of a panel: a streaming (non-temporal) store for a pack larger than a core's L2, which would only evict
+// it on its way to memory, and whose write would first read every line it fills (the pack writes whole lines); a
+// plain store otherwise. `d` is 64-byte aligned (panel rows are whole lines of a 64-byte-aligned tensor).
+template <bool kStream>
+ELMO_AVX512 inline void store_line(float* d, __m512 v) {
+  if constexpr (kStream)
+    _mm512_stream_ps(d, v);
+  else
+    _mm512_storeu_ps(d, v);
+}
+
 // Panels p0..p1-1 of a column-major w (unit row stride, column stride sn): each panel's 16·V columns gathered per k
 // (the panel's columns are contiguous runs of k in memory, so consecutive k read the same lines).
-template <int V>
+template <int V, bool kStream>
 ELMO_AVX512 void pack_gather(const float* src, int64_t sn, int64_t K, int64_t N, float* dst, int64_t p0, int64_t p1) {
   constexpr int64_t W = 16 * V;
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -60,10 +76,26 @@ ELMO_AVX512 void pack_gather(const float* src, int64_t sn, int64_t K, int64_t N,
     panel_masks<V>(N - p * W, mask);
     for (int64_t k = 0; k < K; ++k)
       for (int v = 0; v < V; ++v)
-        _mm512_storeu_ps(dst + (p * K + k) * W + 16 * v,
-                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask[v], idx,
-                                                  src + (p * W + 16 * v) * sn + k, 4));
+        store_line<kStream>(dst + (p * K + k) * W + 16 * v,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mask[v], idx,
+                                                     src + (p * W + 16 * v) * sn + k, 4));
   }
+  if constexpr (kStream) _mm_sfence();
+}
+
+// Panels p0..p1-1 of a row-major w (row stride sk, N a multiple of 16·V): blocks of 8 rows, each swept along the
+// panels, so that the rows are read as 8 sequential streams and each panel receives 8 lines at once.
+template <int V, bool kStream>
+ELMO_AVX512 void pack_rows(const float* src, int64_t sk, int64_t K, float* dst, int64_t p0, int64_t p1) {
+  constexpr int64_t W = 16 * V, kRows = 8;
+  for (int64_t k0 = 0; k0 < K; k0 += kRows) {
+    const int64_t k1 = std::min(K, k0 + kRows);
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t k = k0; k < k1; ++k)
+        for (int v = 0; v < V; ++v)
+          store_line<kStream>(dst + (p * K + k) * W + 16 * v, _mm512_loadu_ps(src + k * sk + p * W + 16 * v));
+  }
+  if constexpr (kStream) _mm_sfence();
 }
 
 // A column-major weight whose lanes' offsets (j · column stride, j < width) fit the gather's 32-bit indices.
@@ -82,31 +114,26 @@ at::Tensor pack_panels(const at::Tensor& w, int64_t width) {
   const int64_t sk = w.stride(0), sn = w.stride(1);
   float* dst = out.data_ptr<float>();
 #ifdef ELMO_X86
-  // a column-major weight (a transposed view): gathered, 16 lanes at once
-  if (elmo_cpu::has_avx512() && gather_fits(w, width)) {
-    at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-      if (width == 16)
-        pack_gather<1>(src, sn, K, N, dst, begin, end);
-      else
-        pack_gather<2>(src, sn, K, N, dst, begin, end);
-    });
-    return out;
+  if (elmo_cpu::has_avx512()) {
+    // streaming stores past a core's L2 (2 MiB on the Xeon); 512 x 16384 out of memory, 2 threads: row-major
+    // 4.2 -> 1.5 ms, column-major 2.9 -> 1.9 ms (bench/results/cpu_train.md)
+    const bool stream = out.nbytes() > kStreamBytes && reinterpret_cast<std::uintptr_t>(dst) % 64 == 0;
+    const bool rows = sn == 1 && N % width == 0;
+    // a row-major weight: copied in blocks of rows; a column-major one (a transposed view): gathered, 16 lanes at once
+    if (rows || gather_fits(w, width)) {
+      at::parallel_for(0, P, rows ? 16 : 1, [&](int64_t begin, int64_t end) {
+        const bool two = width == 32;
+        if (!rows)
+          (two ? (stream ? pack_gather<2, true> : pack_gather<2, false>)
+               : (stream ? pack_gather<1, true> : pack_gather<1, false>))(src, sn, K, N, dst, begin, end);
+        else
+          (two ? (stream ? pack_rows<2, true> : pack_rows<2, false>)
+               : (stream ? pack_rows<1, true> : pack_rows<1, false>))(src, sk, K, dst, begin, end);
+      });
+      return out;
+    }
   }
 #endif
-  if (sn == 1 && N % width == 0) {
-    // a row-major weight: blocks of kRows rows, each swept along the panels, so that the rows are read as kRows
-    // sequential streams and each panel receives kRows lines at once
-    constexpr int64_t kRows = 8;
-    at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t k0 = 0; k0 < K; k0 += kRows) {
-        const int64_t k1 = std::min(K, k0 + kRows);
-        for (int64_t p = begin; p < end; ++p)
-          for (int64_t k = k0; k < k1; ++k)
-            std::memcpy(dst + (p * K + k) * width, src + k * sk + p * width, sizeof(float) * width);
-      }
-    });
-    return out;
-  }
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * width, cols = std::min(width, N - n0);
