@@ -93,7 +93,8 @@ if _want_cpu():
     ext_modules.append(CppExtension(name="elmo_fast._cpu",
                                     sources=["csrc/cpu/lstmp_cell.cpp", "csrc/cpu/sparse_rows.cpp",
                                              "csrc/cpu/small_gemm.cpp", "csrc/cpu/fpenv.cpp",
-                                             "csrc/cpu/char_cnn.cpp", "csrc/cpu/lstmp_loop.cpp"],
+                                             "csrc/cpu/char_cnn.cpp", "csrc/cpu/lstmp_loop.cpp",
+                                             "csrc/cpu/dropout.cpp"],
                                     # -g0: Python's CFLAGS carry -g (twice the compile time); -fopenmp: at::parallel_for
                                     extra_compile_args=["-O3", "-g0", "-std=c++17", "-fopenmp", _torch_define()],
                                     extra_link_args=["-fopenmp"]))

@@ -386,13 +386,14 @@ void add_small_gemm(pybind11::module_& m);   // csrc/cpu/small_gemm.cpp
 void add_fpenv(pybind11::module_& m);        // csrc/cpu/fpenv.cpp
 void add_char_cnn(pybind11::module_& m);     // csrc/cpu/char_cnn.cpp
 void add_lstmp_loop(pybind11::module_& m);   // csrc/cpu/lstmp_loop.cpp
+void add_dropout(pybind11::module_& m);      // csrc/cpu/dropout.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "elmo_fast CPU kernels: the fused gate math of an LSTMP step (csrc/cpu/lstmp_cell.cpp), the sparse "
             "softmax rows' sum and Adagrad update (csrc/cpu/sparse_rows.cpp), the per-step products of few rows "
             "(csrc/cpu/small_gemm.cpp), denormal flushing (csrc/cpu/fpenv.cpp), the char CNN's max over windows and "
-            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp), a highway "
-            "layer's gate math (here)";
+            "its sparse backward (csrc/cpu/char_cnn.cpp), the LSTMP time loops (csrc/cpu/lstmp_loop.cpp), training's "
+            "dropout (csrc/cpu/dropout.cpp), a highway layer's gate math (here)";
   m.def("cell_forward", &elmo_cpu::cell_forward, "fused LSTMP cell forward", py::arg("z"), py::arg("c_prev"),
         py::arg("cell_clip"), py::arg("g"), py::arg("c_pre"), py::arg("c"), py::arg("tc"), py::arg("m"));
   m.def("cell_backward", &elmo_cpu::cell_backward, "fused LSTMP cell backward", py::arg("dm"), py::arg("dc"),
@@ -410,4 +411,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   add_fpenv(m);
   add_char_cnn(m);
   add_lstmp_loop(m);
+  add_dropout(m);
 }

@@ -5,7 +5,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .. import ops
 from .._backend import env_flag
@@ -67,7 +66,7 @@ class LSTMPStack(nn.Module):
         inp = x
         for layer in range(self.opts.n_layers):
             if dropout > 0.0 and self.training:
-                inp = F.dropout(inp, dropout, training=True)
+                inp = ops.dropout(inp, dropout)
             W = self.W_0[layer]
             h0, c0 = states[layer]
             y, hn, cn = ops.lstmp(

@@ -4,6 +4,7 @@ Every kernel in ``elmo_fast.kernels`` (Triton) and ``csrc/`` (CUDA) is tested ag
 Nothing here imports triton or the compiled extension.
 """
 from .char_cnn import char_cnn_reference, highway_reference, token_encoder_reference
+from .dropout import dropout_reference
 from .lstmp import lstmp_reference
 from .sampled_softmax import (
     expected_count_reference,
@@ -16,6 +17,7 @@ from .scalar_mix import scalar_mix_reference
 
 __all__ = [
     "char_cnn_reference",
+    "dropout_reference",
     "highway_reference",
     "token_encoder_reference",
     "lstmp_reference",

@@ -57,6 +57,7 @@ from ..determinism import deterministic
 from ..models.bilm import BiLM
 from ..options import ElmoOptions
 from ..modules.sampled_softmax import SampledSoftmaxLoss
+from ..ops.dropout import dropout as hashed_dropout
 from ..ops.softmax import log_uniform_sample
 from ..ops.lstmp import trusted_lengths
 from ..util import parse_device
@@ -330,8 +331,8 @@ class Trainer:
                                                       token_embedding_bwd=eb.flip(1) if bi else None)
         top_f, top_b = fwd[-1], (bwd[-1].flip(1) if bi else None)
         if training and p > 0:
-            top_f = F.dropout(top_f, p, training=True)
-            top_b = F.dropout(top_b, p, training=True) if bi else None
+            top_f = hashed_dropout(top_f, p)
+            top_b = hashed_dropout(top_b, p) if bi else None
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 

@@ -1,0 +1,62 @@
+"""Training's dropout (the biLM's LSTM inputs and top outputs, spec §6.4): ``dropout(x, p)``.
+
+On the CPU the mask is a hash of (seed, element index), ``elmo_fast.reference.dropout`` (the oracle, which says why),
+run by ``elmo_fast._cpu.dropout_apply`` where the extension is built and x is fp32 (the reference's torch ops
+otherwise: the same bits); the seed is drawn from torch's default CPU generator, so ``torch.manual_seed`` fixes the
+masks. On a GPU, and while ``torch.compile`` traces, it is ``torch.nn.functional.dropout``. One operator,
+``elmo_fast::dropout_hash``, with a fake and its gradient (the same operator on the upstream gradient, same seed).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.library import custom_op
+
+from ..cpu.ext import cpu_ext_for
+from ..reference.dropout import dropout_reference, dropout_threshold
+from ._library import qualname
+
+Tensor = torch.Tensor
+
+
+@custom_op(qualname("dropout_hash"), mutates_args=())
+def _dropout_op(x: Tensor, seed: Tensor, p: float) -> Tensor:
+    """x · m, m from (seed, index) (``elmo_fast.reference.dropout``); seed: a 0-d CPU int64 tensor."""
+    s = int(seed)  # a CPU tensor: no device synchronisation
+    ext = cpu_ext_for(x)
+    if ext is not None and hasattr(ext, "dropout_apply"):
+        y = torch.empty_like(x)
+        ext.dropout_apply(x, y, s, dropout_threshold(p), 1.0 / (1.0 - p))
+        return y
+    return dropout_reference(x, s, p)
+
+
+@_dropout_op.register_fake
+def _(x, seed, p):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.seed, ctx.p = inputs[1], inputs[2]
+
+
+def _backward(ctx, dy):
+    return _dropout_op(dy.contiguous(), ctx.seed, ctx.p), None, None
+
+
+_dropout_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Inverted dropout: each element kept with probability 1 - p and scaled by 1 / (1 - p) (as
+    ``F.dropout(x, p, training)``); x itself when not training or p == 0."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be a number in [0, 1], got {p!r}")
+    if not training or p == 0:
+        return x
+    if p == 1:
+        return x * 0.0  # every element dropped (a NaN stays NaN, as F.dropout's)
+    if x.device.type != "cpu" or x.numel() >= 2 ** 32 or torch.compiler.is_compiling():
+        return F.dropout(x, p, training=True)
+    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64)  # torch's default CPU generator
+    return _dropout_op(x.contiguous(), seed, float(p))

@@ -1,0 +1,124 @@
+"""Training's dropout (elmo_fast.ops.dropout): the extension's kernel (csrc/cpu/dropout.cpp) bit for bit against the
+reference (elmo_fast/reference/dropout.py) on fresh inputs and seeds, its masks' statistics, the operator's gradient,
+determinism under torch.manual_seed, and the fallbacks."""
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from elmo_fast import ops
+from elmo_fast.cpu.ext import cpu_ext
+from elmo_fast.reference.dropout import dropout_keep_reference, dropout_reference, dropout_threshold
+
+D = importlib.import_module("elmo_fast.ops.dropout")  # the module (elmo_fast.ops.dropout is also the function)
+ext = cpu_ext()
+needs_ext = pytest.mark.skipif(ext is None or not hasattr(ext, "dropout_apply"),
+                               reason="needs elmo_fast._cpu with csrc/cpu/dropout.cpp")
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(16, 20, 512), (3, 7), (1,), (40001,)])  # a vector tail, one element, odd sizes
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1e-9])
+@pytest.mark.parametrize("seed", [0, -5, 2 ** 40 + 17, 2 ** 63 - 1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_is_the_reference_bit_for_bit(shape, p, seed, threads):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(abs(seed) % 1000))
+    x.view(-1)[0] = float("nan")  # a NaN stays NaN, dropped or kept (x · 0)
+    y = torch.full_like(x, float("nan") if x.numel() > 1 else 7.0)  # an element the kernel does not write fails
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ext.dropout_apply(x, y, seed, dropout_threshold(p), 1.0 / (1.0 - p))
+    finally:
+        torch.set_num_threads(before)
+    want = dropout_reference(x, seed, p)
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.nan_to_num(), want.nan_to_num())
+    assert math.isnan(float(y.view(-1)[0]))
+
+
+@needs_ext
+def test_kernel_checks_its_arguments():
+    x = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="y must have x's shape"):
+        ext.dropout_apply(x, torch.zeros(5), 0, 10, 1.0)
+    with pytest.raises(RuntimeError, match=r"threshold must be in \[0, 2\^32\)"):
+        ext.dropout_apply(x, x, 0, 2 ** 32, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.dropout_apply(torch.zeros(4, 2).t(), torch.zeros(2, 4), 0, 10, 1.0)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_masks_look_random(p):
+    """The drop fraction within 5 sigma of p; the number dropped varies from seed to seed as a binomial count does
+    (a key mixed in before the index was would give every seed with the same high half the same count); neighbours,
+    and the same element under two seeds, uncorrelated."""
+    n = 1 << 18
+    sigma = math.sqrt(n * p * (1 - p))
+    counts = []
+    for seed in range(24):
+        dropped = int((~dropout_keep_reference(n, seed, p)).sum())
+        assert abs(dropped - n * p) < 5 * sigma, (seed, dropped)
+        counts.append(dropped)
+    spread = torch.tensor(counts, dtype=torch.float64).std()
+    assert 0.4 * sigma < spread < 2.0 * sigma, (counts, sigma)
+    k = dropout_keep_reference(n, 99, p).double() - (1 - p)
+    other = dropout_keep_reference(n, 100, p).double() - (1 - p)
+    var = p * (1 - p)
+    for a, b in ((k[1:], k[:-1]), (k[16:], k[:-16]), (k, other)):
+        assert abs(float((a * b).mean()) / var) < 5 / math.sqrt(n)
+
+
+def test_dropout_op_gradient_and_determinism():
+    x = torch.randn(4, 6, 8, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    y = ops.dropout(x, 0.3)
+    torch.manual_seed(3)
+    assert torch.equal(ops.dropout(x, 0.3), y)  # the seed comes from torch's generator
+    assert not torch.equal(ops.dropout(x, 0.3), y)  # and each call draws a fresh one
+    kept = y != 0
+    assert torch.allclose(y[kept], x[kept] / 0.7)
+    up = torch.randn_like(x)
+    (g,) = torch.autograd.grad(y, x, up)
+    assert torch.equal(g, torch.where(kept, up * (1.0 / (1.0 - 0.3)), 0.0))  # the same mask on the gradient
+    assert 0.15 < 1 - float(kept.double().mean()) < 0.45
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_extension_and_torch_ops_give_the_same_masks(monkeypatch, dtype):
+    """fp32 through the extension and fp32/fp64 through the reference's torch ops: one mask for one seed, so a
+    training run does not depend on whether the extension was built."""
+    x = torch.randn(5, 300, dtype=dtype)
+    torch.manual_seed(11)
+    a = ops.dropout(x, 0.25)
+    monkeypatch.setenv("ELMO_FAST_CPU_EXT", "0")
+    torch.manual_seed(11)
+    b = ops.dropout(x, 0.25)
+    assert torch.equal(a, b)
+
+
+def test_operator_opcheck():
+    x = torch.randn(3, 5, requires_grad=True)
+    torch.library.opcheck(D._dropout_op, (x, torch.tensor(123, dtype=torch.int64), 0.2))
+
+
+def test_edges_and_bad_probabilities():
+    x = torch.tensor([1.0, float("nan"), -2.0])
+    assert ops.dropout(x, 0.0) is x and ops.dropout(x, 0.5, training=False) is x
+    y = ops.dropout(x, 1.0)
+    assert y[0] == 0 and y[2] == 0 and math.isnan(float(y[1]))  # as F.dropout(p=1): x · 0
+    for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="dropout probability must be a number in"):
+            ops.dropout(x, bad)
+
+
+def test_a_traced_call_takes_torch_dropout(monkeypatch):
+    """While torch.compile traces (and on a GPU, by the same branch), F.dropout: no host seed in a graph."""
+    calls, real = [], F.dropout
+    monkeypatch.setattr(D.F, "dropout", lambda x, p, training: calls.append(p) or real(x, p, training))
+    monkeypatch.setattr(D.torch.compiler, "is_compiling", lambda: True)
+    ops.dropout(torch.ones(4), 0.5)
+    assert calls == [0.5]
