@@ -115,10 +115,16 @@ def test_edges_and_bad_probabilities():
             ops.dropout(x, bad)
 
 
-def test_a_traced_call_takes_torch_dropout(monkeypatch):
-    """While torch.compile traces (and on a GPU, by the same branch), F.dropout: no host seed in a graph."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_the_gpu_backends_take_torch_dropout(monkeypatch, backend):
+    """The GPU backends (and their CPU emulation under TRITON_INTERPRET=1) take F.dropout, as on a GPU: no host read
+    of a seed in their hot path; the CPU ones the hash."""
     calls, real = [], F.dropout
     monkeypatch.setattr(D.F, "dropout", lambda x, p, training: calls.append(p) or real(x, p, training))
-    monkeypatch.setattr(D.torch.compiler, "is_compiling", lambda: True)
-    ops.dropout(torch.ones(4), 0.5)
+    ops.dropout(torch.ones(4), 0.5, backend=backend)
     assert calls == [0.5]
+    for cpu_backend in ("cpu", "reference", "auto", None):
+        ops.dropout(torch.ones(4), 0.5, backend=cpu_backend)
+    assert calls == [0.5]
+    with pytest.raises(ValueError, match="is not a backend"):
+        ops.dropout(torch.ones(4), 0.5, backend="gpu")

@@ -66,7 +66,7 @@ class LSTMPStack(nn.Module):
         inp = x
         for layer in range(self.opts.n_layers):
             if dropout > 0.0 and self.training:
-                inp = ops.dropout(inp, dropout)
+                inp = ops.dropout(inp, dropout, backend=self.backend)
             W = self.W_0[layer]
             h0, c0 = states[layer]
             y, hn, cn = ops.lstmp(

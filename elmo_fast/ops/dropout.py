@@ -1,10 +1,13 @@
-"""Training's dropout (the biLM's LSTM inputs and top outputs, spec §6.4): ``dropout(x, p)``.
+"""Training's dropout (the biLM's LSTM inputs and top outputs, spec §6.4): ``dropout(x, p, backend=...)``.
 
-On the CPU the mask is a hash of (seed, element index), ``elmo_fast.reference.dropout`` (the oracle, which says why),
-run by ``elmo_fast._cpu.dropout_apply`` where the extension is built and x is fp32 (the reference's torch ops
-otherwise: the same bits); the seed is drawn from torch's default CPU generator, so ``torch.manual_seed`` fixes the
-masks. On a GPU, and while ``torch.compile`` traces, it is ``torch.nn.functional.dropout``. One operator,
-``elmo_fast::dropout_hash``, with a fake and its gradient (the same operator on the upstream gradient, same seed).
+For the CPU backends (``cpu``, ``reference``, and ``auto`` on CPU tensors) the mask is a hash of (seed, element
+index), ``elmo_fast.reference.dropout`` (the oracle, which says why), run by ``elmo_fast._cpu.dropout_apply`` where
+the extension is built and x is fp32 (the reference's torch ops otherwise: the same bits); the seed is drawn from
+torch's default CPU generator, so ``torch.manual_seed`` fixes the masks (under ``torch.compile`` too: the draw is in
+the graph, the operator opaque). The GPU backends (``triton``, ``cuda``, and their CPU emulation under
+TRITON_INTERPRET=1) take ``torch.nn.functional.dropout``, as on a GPU: no host read of a seed in their hot path.
+One operator, ``elmo_fast::dropout_hash``, with a fake and its gradient (the same operator on the upstream gradient
+with the same seed).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op
 
+from .._backend import check_backend_name
 from ..cpu.ext import cpu_ext_for
 from ..reference.dropout import dropout_reference, dropout_threshold
 from ._library import qualname
@@ -47,16 +51,18 @@ def _backward(ctx, dy):
 _dropout_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = None) -> Tensor:
     """Inverted dropout: each element kept with probability 1 - p and scaled by 1 / (1 - p) (as
-    ``F.dropout(x, p, training)``); x itself when not training or p == 0."""
+    ``F.dropout(x, p, training)``); x itself when not training or p == 0. ``backend``: the model's (module
+    docstring: which masks)."""
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be a number in [0, 1], got {p!r}")
     if not training or p == 0:
         return x
     if p == 1:
         return x * 0.0  # every element dropped (a NaN stays NaN, as F.dropout's)
-    if x.device.type != "cpu" or x.numel() >= 2 ** 32 or torch.compiler.is_compiling():
+    hashed = check_backend_name(backend) in ("auto", "cpu", "reference") and x.device.type == "cpu"
+    if not hashed or x.numel() >= 2 ** 32:
         return F.dropout(x, p, training=True)
     seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64)  # torch's default CPU generator
     return _dropout_op(x.contiguous(), seed, float(p))

@@ -331,8 +331,8 @@ class Trainer:
                                                       token_embedding_bwd=eb.flip(1) if bi else None)
         top_f, top_b = fwd[-1], (bwd[-1].flip(1) if bi else None)
         if training and p > 0:
-            top_f = hashed_dropout(top_f, p)
-            top_b = hashed_dropout(top_b, p) if bi else None
+            top_f = hashed_dropout(top_f, p, backend=self.cfg.backend)
+            top_b = hashed_dropout(top_b, p, backend=self.cfg.backend) if bi else None
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 
