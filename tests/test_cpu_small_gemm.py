@@ -204,3 +204,17 @@ def test_split_k_for_few_panels_and_a_long_k(threads, M, K, N, add):
         torch.set_num_threads(before)
     nt = min(threads, -(-K // 256))
     assert ext.small_mm_split_k_runs() - runs == int(K >= 4 * 256 * nt), "the split was (not) taken"
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_streamed_pack_over_two_threads(layout):
+    """64 panels of 1100 x 16 (4.5 MiB, streamed) split over two threads: each thread's part fenced before the join."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        K, N = 1100, 1024
+        w = torch.randn(K, N) if layout == "row-major" else torch.randn(N, K).t()
+        want = w.reshape(K, N // 16, 16).permute(1, 0, 2)
+        assert torch.equal(ext.pack_panels(w, 16), want)
+    finally:
+        torch.set_num_threads(before)

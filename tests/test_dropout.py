@@ -117,6 +117,7 @@ def test_edges_and_bad_probabilities():
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_the_gpu_backends_take_torch_dropout(monkeypatch, backend):
+    monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
     """The GPU backends (and their CPU emulation under TRITON_INTERPRET=1) take F.dropout, as on a GPU: no host read
     of a seed in their hot path; the CPU ones the hash."""
     calls, real = [], F.dropout
@@ -128,3 +129,47 @@ def test_the_gpu_backends_take_torch_dropout(monkeypatch, backend):
     assert calls == [0.5]
     with pytest.raises(ValueError, match="is not a backend"):
         ops.dropout(torch.ones(4), 0.5, backend="gpu")
+    monkeypatch.setenv("ELMO_FAST_BACKEND", "triton")  # auto follows the environment's backend
+    ops.dropout(torch.ones(4), 0.5)
+    assert calls == [0.5, 0.5]
+
+
+def test_hash_known_answers():
+    """murmur3's fmix32 at fixed points (independent of the kernel, which the reference is compared with)."""
+    from elmo_fast.reference.dropout import _fmix32
+
+    got = _fmix32(torch.tensor([0, 1, 0xFFFFFFFF], dtype=torch.int64)).tolist()
+    assert got == [0, 0x514E28B7, 0x81F16F39]
+
+
+@needs_ext
+def test_fp32_gradient_through_the_extension_and_a_transposed_input(monkeypatch):
+    monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
+    base = torch.randn(300, 7, requires_grad=True)
+    x = base.t()  # not contiguous
+    torch.manual_seed(5)
+    y = ops.dropout(x, 0.4)
+    mask = (y != 0).float() / 0.6
+    up = torch.randn(7, 300)
+    (g,) = torch.autograd.grad(y, base, up)
+    torch.testing.assert_close(g, (up * mask).t(), rtol=1e-6, atol=0)
+
+
+def test_p_next_to_one_drops_everything_and_numpy_probabilities_pass():
+    import numpy as np
+
+    x = torch.ones(1000)
+    assert torch.equal(ops.dropout(x, 1 - 1e-12), torch.zeros(1000))  # no biased survivor scaled by 1e12
+    torch.manual_seed(0)
+    y = ops.dropout(x, np.float32(0.25))
+    assert 0.15 < float((y == 0).float().mean()) < 0.35
+
+
+def test_the_seed_stays_on_the_cpu_under_another_default_device(monkeypatch):
+    monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
+    x = torch.ones(64)
+    with torch.device("meta"):
+        y = ops.dropout(x, 0.5)
+    assert y.device.type == "cpu" and set(y.unique().tolist()) <= {0.0, 2.0}
+    with pytest.raises(ValueError, match="seed must be a 0-d CPU int64 tensor"):
+        D._dropout_op(x, torch.tensor(5.0), 0.5)

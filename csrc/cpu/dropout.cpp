@@ -58,7 +58,7 @@ __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw"))) void dropout_run_a
 }
 #endif
 
-// x: a contiguous CPU float32 tensor of fewer than 2^32 elements; y: out, the same shape (may be x).
+// x: a contiguous CPU float32 tensor of fewer than 2^32 elements; y: out, the same shape, not x (restrict).
 void dropout_apply(const at::Tensor& x, const at::Tensor& y, int64_t seed, int64_t threshold, double scale) {
   elmo_cpu::check_f32(x, "x", x.dim(), true);
   elmo_cpu::check_f32(y, "y", x.dim(), true);

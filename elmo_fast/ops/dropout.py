@@ -11,6 +11,8 @@ with the same seed).
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch.library import custom_op
@@ -26,6 +28,9 @@ Tensor = torch.Tensor
 @custom_op(qualname("dropout_hash"), mutates_args=())
 def _dropout_op(x: Tensor, seed: Tensor, p: float) -> Tensor:
     """x · m, m from (seed, index) (``elmo_fast.reference.dropout``); seed: a 0-d CPU int64 tensor."""
+    if seed.device.type != "cpu" or seed.dtype != torch.int64 or seed.dim() != 0:
+        raise ValueError(f"dropout_hash: seed must be a 0-d CPU int64 tensor, got {seed.dtype} {tuple(seed.shape)} "
+                         f"on {seed.device}")
     s = int(seed)  # a CPU tensor: no device synchronisation
     ext = cpu_ext_for(x)
     if ext is not None and hasattr(ext, "dropout_apply"):
@@ -55,14 +60,17 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     """Inverted dropout: each element kept with probability 1 - p and scaled by 1 / (1 - p) (as
     ``F.dropout(x, p, training)``); x itself when not training or p == 0. ``backend``: the model's (module
     docstring: which masks)."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be a number in [0, 1], got {p!r}")
+    p = float(p)
     if not training or p == 0:
         return x
-    if p == 1:
-        return x * 0.0  # every element dropped (a NaN stays NaN, as F.dropout's)
+    if round(p * 2.0 ** 32) >= 2 ** 32:  # p = 1, or so close that no 32-bit hash would be kept: every element dropped
+        return x * 0.0  # (a NaN stays NaN, as F.dropout's)
     hashed = check_backend_name(backend) in ("auto", "cpu", "reference") and x.device.type == "cpu"
     if not hashed or x.numel() >= 2 ** 32:
         return F.dropout(x, p, training=True)
-    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64)  # torch's default CPU generator
-    return _dropout_op(x.contiguous(), seed, float(p))
+    # torch's default CPU generator, on the CPU whatever the default device (a meta or CUDA seed would reach the
+    # fake, or a device sync)
+    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64, device="cpu")
+    return _dropout_op(x.contiguous(), seed, p)

@@ -146,6 +146,7 @@ class TrainConfig:
         d = self.dropout
         if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0.0 <= d < 1.0:  # NaN fails the range too
             raise ConfigError(f"dropout must be in [0, 1), got {d!r}")
+        self.dropout = float(d)  # a plain float (a numpy one would not go to JSON)
         if self.projection_dim > self.lstm_dim:
             raise ConfigError(f"projection_dim ({self.projection_dim}) exceeds lstm_dim ({self.lstm_dim})")
         if (not isinstance(self.filters, (list, tuple)) or not self.filters
