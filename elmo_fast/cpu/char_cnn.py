@@ -51,8 +51,8 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         order = torch.argsort(kr, descending=True)
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
+        grad = _wants_grad(char_embed, *conv_weights, *conv_biases)
         sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (char_embed, *conv_weights, *conv_biases))
         if sparse:  # _ConvMax's arguments besides the bucket
             pv = [v[0].detach() for v in pad_vals]
             wb = [t for pair in zip(conv_weights, conv_biases) for t in pair]
@@ -90,11 +90,15 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
 _MAX_WINDOWS = 64  # conv_max's masks: one bit per window
 
 
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _sparse_backward(char_embed, conv_weights, conv_biases, L: int) -> bool:
     """Whether ``_ConvMax`` runs the buckets: a gradient is wanted, every tensor is fp32, every filter has at most 64
     windows over tokens of ``L`` characters, and the extension has the kernels."""
     tensors = [char_embed, *conv_weights, *conv_biases]
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+    if not _wants_grad(*tensors):
         return False
     if any(t.dtype != torch.float32 for t in tensors):
         return False

@@ -65,7 +65,7 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     p = float(p)
     if not training or p == 0:
         return x
-    if round(p * 2.0 ** 32) >= 2 ** 32:  # p = 1, or so close that no 32-bit hash would be kept: every element dropped
+    if dropout_threshold(p) >= 2 ** 32:  # p = 1, or so close that no 32-bit hash is kept: every element dropped
         return x * 0.0  # (a NaN stays NaN, as F.dropout's)
     hashed = check_backend_name(backend) in ("auto", "cpu", "reference") and x.device.type == "cpu"
     if not hashed or x.numel() >= 2 ** 32:

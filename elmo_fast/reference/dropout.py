@@ -39,8 +39,8 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_threshold(p: float) -> int:
-    """round(p · 2^32): hashes below it are dropped. p in [0, 1)."""
-    return min(int(round(p * 2.0 ** 32)), 2 ** 32 - 1)
+    """round(p · 2^32): hashes below it are dropped (2^32, for p = 1 or next to it: every one)."""
+    return int(round(p * 2.0 ** 32))
 
 
 def dropout_keep_reference(numel: int, seed: int, p: float, device=None) -> torch.Tensor:
