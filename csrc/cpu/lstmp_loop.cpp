@@ -172,11 +172,17 @@ void forward_loop(const std::vector<int64_t>& n, const std::vector<int64_t>& off
     if (!has_proj) {
       std::copy(m.data_ptr<float>(), m.data_ptr<float>() + r * P, h);
     } else {
-      const at::Tensor hp = save ? h_pre->narrow(0, o, r) : hp_scr.narrow(0, 0, r);
-      if (proj.has_value())
+      at::Tensor hp = save ? h_pre->narrow(0, o, r) : hp_scr.narrow(0, 0, r);
+      if (proj.has_value()) {
         elmo_cpu::small_mm(m, *proj, P, c10::nullopt, hp);
-      else
-        at::mm_out(const_cast<at::Tensor&>(hp), m, *proj_w);
+      } else {
+        // torch.mm into the scratch's aligned start, then copied: MKL's bits for a small product depend on where
+        // its output starts (an AMD EPYC, 2026-11-27), and the Python loop's product is a fresh tensor
+        at::Tensor fresh = hp_scr.narrow(0, 0, r);
+        at::mm_out(fresh, m, *proj_w);
+        if (save) hp.copy_(fresh);
+        hp = fresh;
+      }
       copy_clipped(hp.data_ptr<float>(), r * P, proj_clip, h);
     }
     const int64_t e = s + 1 < S ? n[s + 1] : 0;
