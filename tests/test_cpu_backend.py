@@ -552,8 +552,9 @@ def _run_softmax(fn, dt, trainable=(True, True, True), reduction="mean", sparse=
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_sampled_softmax_cpu_matches_reference(nan_poison, dtype, sparse, reduction):
-    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included."""
+def test_sampled_softmax_cpu_matches_reference(nan_poison, gemm_path, dtype, sparse, reduction):
+    """Forward and every gradient (hidden, weight and bias, sparse or dense), accidental hits included; products on
+    MKL and on oneDNN (dh's accumulating product included)."""
     from elmo_fast.reference.sampled_softmax import sampled_softmax_loss_reference
 
     kw = dict(reduction=reduction, sparse=sparse)
@@ -731,10 +732,11 @@ def _run_full(fn, dt, trainable=(True, True, True), reduction="mean", spread=1.0
 @pytest.mark.parametrize("dtype, spread", [(torch.float64, 1.0), (torch.float32, 1.0), (torch.bfloat16, 1.0),
                                            (torch.float16, 1.0), (torch.float64, 40.0), (torch.float32, 40.0)],
                          ids=["fp64", "fp32", "bf16", "fp16", "fp64-logits-far-apart", "fp32-logits-far-apart"])
-def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, dtype, spread, reduction, trainable):
+def test_full_softmax_cpu_matches_reference(monkeypatch, nan_poison, gemm_path, dtype, spread, reduction, trainable):
     """The full softmax over the vocabulary in chunks of 16 words (the last one ragged: V = 50): the loss and
-    every gradient asked for, against the reference; forward and backward each compute every chunk's logits once
-    (never N x V). (Not bf16 with logits in the hundreds: a bf16 logit is then rounded by up to 1.)"""
+    every gradient asked for, against the reference, products on MKL and on oneDNN; forward and backward each
+    compute every chunk's logits once (never N x V). (Not bf16 with logits in the hundreds: a bf16 logit is then
+    rounded by up to 1.)"""
     from elmo_fast.cpu import sampled_softmax as sm_module
     from elmo_fast.reference.sampled_softmax import full_softmax_nll_reference
 

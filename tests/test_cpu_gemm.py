@@ -120,3 +120,34 @@ def test_timings_round_trip(fresh):
     assert gemm._TIMES == {(512, 512, 2048, False, True, False, 2): (0.01, 0.02)}
     with pytest.raises(ValueError, match="a gemm timing row of 8 fields, expected 9"):
         gemm.restore_gemm_timings([rows[0][:8]])
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["mkl", "onednn"])
+@pytest.mark.parametrize("b_t", [False, True])
+@pytest.mark.parametrize("c_t", [False, True])
+@pytest.mark.parametrize("reuse", [False, True])
+def test_gemm_add_matches_the_fp64_sum(fresh, mode, b_t, c_t, reuse):
+    """``c + a · b`` on either library, with a transposed weight or addend: the fp64 sum to fp32 rounding. ``c`` is
+    left as it was, except that MKL sums into it in place when ``reuse`` says it is scratch."""
+    fresh.setenv("ELMO_FAST_CPU_GEMM", mode)
+    gen = torch.Generator().manual_seed(hash((mode, b_t, c_t, reuse)) % 2**31)
+    M, K, N = 37, 70, 129
+    a, b = _operands(M, K, N, False, b_t, gen)
+    c = torch.randn(N, M, generator=gen).t() if c_t else torch.randn(M, N, generator=gen)
+    before = c.clone()
+    want = c.double() + a.double() @ b.double()
+    got = gemm.gemm_add(c, a, b, reuse=reuse)
+    assert got.dtype == torch.float32 and got.shape == (M, N)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * K ** 0.5)
+    if reuse and mode == "mkl":
+        assert got.data_ptr() == c.data_ptr()
+    else:
+        assert got.data_ptr() != c.data_ptr() and torch.equal(c, before)
+
+
+def test_gemm_add_refuses_an_addend_of_another_shape(fresh):
+    a, b = torch.randn(4, 8), torch.randn(8, 16)
+    for c in (torch.randn(16), torch.randn(4, 16).double()):  # torch.addmm would broadcast the first
+        with pytest.raises(ValueError, match=r"gemm_add: c of .* expected \(4, 16\) torch.float32 \(no broadcast\)"):
+            gemm.gemm_add(c, a, b)

@@ -106,6 +106,21 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     return r if out is None else out.copy_(r)
 
 
+def gemm_add(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, reuse: bool = False) -> torch.Tensor:
+    """``c + a · b``, (M, N), through the library :func:`gemm` picks for ``a · b``: MKL sums into ``c`` (beta = 1;
+    in place with ``reuse``, which says ``c`` is the caller's scratch: no copy of it first), oneDNN adds ``c`` in
+    its product's epilogue (a binary post-op, ``c`` of any strides, a new tensor: ``c`` is left as it was). The
+    accumulating products of the backward passes (a residual's dx, the highway's dx, the softmax's dh) go through
+    here: on a CPU where MKL runs a slower code path (an AMD EPYC with AVX-512, 2026-11-27: a (320, 16384) by
+    (16384, 512) ``addmm`` 26 ms, oneDNN 13) they would otherwise stay on MKL."""
+    if c.shape != (a.shape[0], b.shape[1]) or c.dtype != a.dtype:
+        raise ValueError(f"gemm_add: c of {tuple(c.shape)} {c.dtype}, expected ({a.shape[0]}, {b.shape[1]}) {a.dtype}"
+                         " (no broadcast)")
+    if not uses_onednn(a, b, None):
+        return c.addmm_(a, b) if reuse else torch.addmm(c, a, b)
+    return torch.ops.mkldnn._linear_pointwise.binary(a.contiguous(), c, b.t(), None, "add")
+
+
 def gemm_timings() -> list[list]:
     """:func:`uses_onednn`'s measurements so far, as plain data (``[M, K and N buckets, a row-major, b row-major,
     bias, threads, t_mkl, t_onednn]`` rows) for a training checkpoint; :func:`restore_gemm_timings` puts them

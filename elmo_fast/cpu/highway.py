@@ -5,7 +5,7 @@ products stay in MKL/oneDNN (``gemm``, biases folded in); what is fused, in ``el
 lstmp_cell.cpp: ``highway_forward``/``highway_backward``), is the gate math around them: one pass forward (g and r
 written over the products' buffers, kept for backward) and one backward (the two products' gradients and x's direct
 one), where autograd through the reference runs ~7 passes forward and ~12 backward over (N, F). Backward: x's
-gradient is the direct term with the two products added in place (``addmm_``), each weight's gradient one GEMM.
+gradient is the direct term with the two products added (``gemm_add``), each weight's gradient one GEMM.
 fp32 with the extension only; anything else runs the reference.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.library import custom_op
 
 from ..ops._library import nothing, qualname
 from .ext import cpu_ext, cpu_ext_for
-from .gemm import gemm
+from .gemm import gemm, gemm_add
 
 Tensor = torch.Tensor
 
@@ -64,7 +64,7 @@ def _highway_backward(dy: Tensor, x: Tensor, g: Tensor, r: Tensor, w_carry: Tens
     dgp, dbp, dx = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
     cpu_ext_for(x).highway_backward(dy, x, g, r, dgp, dbp, dx)
     if need_x:
-        dx.addmm_(dgp, w_carry.t()).addmm_(dbp, w_transform.t())
+        dx = gemm_add(gemm_add(dx, dgp, w_carry.t(), reuse=True), dbp, w_transform.t(), reuse=True)
     xt = x.t()
     carry = (gemm(xt, dgp), dgp.sum(0)) if need_carry else (nothing(x), nothing(x))
     transform = (gemm(xt, dbp), dbp.sum(0)) if need_transform else (nothing(x), nothing(x))

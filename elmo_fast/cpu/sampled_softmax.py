@@ -25,7 +25,7 @@ from torch.library import custom_op
 
 from ..ops._library import nothing, qualname
 from .ext import denormals_flushed
-from .gemm import gemm
+from .gemm import gemm, gemm_add
 
 Tensor = torch.Tensor
 
@@ -102,7 +102,7 @@ def _backward_rows(grad, hidden, w_t, w_s, probs, p_true, reduction, need_h, nee
     g = grad.expand(N) / N if reduction == "mean" else grad.expand(N)  # d loss / d per-row loss
     d_samp = probs * g.unsqueeze(1)  # d loss / d logits: softmax - onehot(true), scaled
     d_true = p_true * g - g
-    dh = (d_true.unsqueeze(1) * w_t).addmm_(d_samp, w_s) if need_h else nothing(hidden)  # in place: no copy
+    dh = gemm_add(d_true.unsqueeze(1) * w_t, d_samp, w_s, reuse=True) if need_h else nothing(hidden)
     rows_w, rows_b = nothing(hidden), nothing(hidden)  # two tensors: an operator's outputs may not alias
     if need_w:  # d loss / d w_row = Σ_n d_n·hidden_n, written in place: contiguous, so autograd keeps it uncopied
         rows_w = hidden.new_empty(N + d_samp.shape[1], hidden.shape[1]) if out_w is None else out_w
@@ -346,7 +346,7 @@ def _full_softmax_backward(grad: Tensor, hidden: Tensor, weight: Tensor, bias: T
             d = _exp_floored_(_chunk_logits(hidden, weight, bias, v0, v1, buf).sub_(lse.unsqueeze(1)))
             d.mul_(g.unsqueeze(1))
             if need_h and dh.dtype == d.dtype:
-                dh.addmm_(d, weight[v0:v1])
+                dh = gemm_add(dh, d, weight[v0:v1], reuse=True)
             elif need_h:  # bf16 products, summed in fp32
                 dh.add_(d @ weight[v0:v1])
             if need_w:
