@@ -71,7 +71,15 @@ def test_cpu_lstmp_bench_times_a_variant_in_the_same_rounds():
     got = {(r["provider"], r["mode"]) for r in rows}
     assert {("cpu", "fwd+bwd"), ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd"),
             ("cpu[ELMO_FAST_CPU_TRAIN_PACK=0]", "fwd+bwd"), ("nn.LSTM", "fwd+bwd"), ("mm", "gemm")} <= got
-    assert all(r["speedup_vs_nn_lstm"] for r in rows if r["provider"] != "mm")
+    assert all(r["speedup_vs_nn_lstm"] for r in rows if r["mode"] != "gemm")
+    # the percentages: of torch.mm's rate, and of the faster of the two libraries' 2048^3 products
+    from elmo_fast.cpu.packed import onednn_enabled
+
+    gemms = {r["provider"]: r["gflops"] for r in rows if r["mode"] == "gemm"}
+    assert set(gemms) == ({"mm", "mm-onednn"} if onednn_enabled() else {"mm"})
+    for r in rows:
+        assert r["pct_of_mm"] == pytest.approx(100 * r["gflops"] / gemms["mm"], rel=2e-3, abs=0.1)
+        assert r["pct_of_best_gemm"] == pytest.approx(100 * r["gflops"] / max(gemms.values()), rel=2e-3, abs=0.1)
 
 
 def test_cpu_plot_draws_one_device_and_leaves_variants_out(monkeypatch, tmp_path):
