@@ -9,7 +9,8 @@ switch however it was turned on. While it is on:
 * ``elmo_fast.kernels._common.tuned`` launches the first of its candidate launch configurations instead of
   the one it timed fastest (timings differ from run to run, and the candidates' tiles round differently);
 * the ``cpu`` backend makes no timed choice: training's forward does not pack its weights
-  (``elmo_fast.cpu.packed.pack_pays``) and every large GEMM runs on MKL (``elmo_fast.cpu.gemm.uses_onednn``);
+  (``elmo_fast.cpu.packed.pack_pays``) and every large GEMM, plain or accumulating, runs on MKL
+  (``elmo_fast.cpu.gemm.uses_onednn``; unless ``ELMO_FAST_CPU_GEMM`` names a library, which is no timing either);
 * torch's CUDA ops on elmo_fast's paths take their deterministic implementations: ``index_add_`` (the
   sparse softmax rows, the token encoder's scatter back), the backward of ``index_select`` and ``gather``,
   ``scatter_``; elmo_fast calls none of the ops that torch refuses in this mode (README, "Determinism").

@@ -77,9 +77,10 @@ def test_cpu_lstmp_bench_times_a_variant_in_the_same_rounds():
 
     gemms = {r["provider"]: r["gflops"] for r in rows if r["mode"] == "gemm"}
     assert set(gemms) == ({"mm", "mm-onednn"} if onednn_enabled() else {"mm"})
+    slack = 0.06 + 10 / min(gemms.values())  # the rows' rates are rounded to 0.1 GFLOP/s, their shares to 0.1%
     for r in rows:
-        assert r["pct_of_mm"] == pytest.approx(100 * r["gflops"] / gemms["mm"], rel=2e-3, abs=0.1)
-        assert r["pct_of_best_gemm"] == pytest.approx(100 * r["gflops"] / max(gemms.values()), rel=2e-3, abs=0.1)
+        assert r["pct_of_mm"] == pytest.approx(100 * r["gflops"] / gemms["mm"], rel=2e-3, abs=slack)
+        assert r["pct_of_best_gemm"] == pytest.approx(100 * r["gflops"] / max(gemms.values()), rel=2e-3, abs=slack)
 
 
 def test_cpu_plot_draws_one_device_and_leaves_variants_out(monkeypatch, tmp_path):

@@ -1,4 +1,6 @@
 """elmo_fast.cpu.gemm: MKL or oneDNN per GEMM shape, measured once per process (issue 13)."""
+import zlib
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ def test_gemm_matches_the_fp64_product(fresh, mode, a_t, b_t, with_bias, into):
     """Either library, any operand layout, with or without a bias, into a new tensor or a strided ``out`` (filled
     with NaN first): the fp64 product to fp32 rounding."""
     fresh.setenv("ELMO_FAST_CPU_GEMM", mode)
-    gen = torch.Generator().manual_seed(hash((mode, a_t, b_t, with_bias, into)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mode, a_t, b_t, with_bias, into)).encode()))
     M, K, N = 37, 70, 129  # no dimension a multiple of a vector width
     a, b = _operands(M, K, N, a_t, b_t, gen)
     bias = torch.randn(N, generator=gen) if with_bias else None
@@ -131,7 +133,7 @@ def test_gemm_add_matches_the_fp64_sum(fresh, mode, b_t, c_t, reuse):
     """``c + a · b`` on either library, with a transposed weight or addend: the fp64 sum to fp32 rounding. ``c`` is
     left as it was, except that MKL sums into it in place when ``reuse`` says it is scratch."""
     fresh.setenv("ELMO_FAST_CPU_GEMM", mode)
-    gen = torch.Generator().manual_seed(hash((mode, b_t, c_t, reuse)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mode, b_t, c_t, reuse)).encode()))
     M, K, N = 37, 70, 129
     a, b = _operands(M, K, N, False, b_t, gen)
     c = torch.randn(N, M, generator=gen).t() if c_t else torch.randn(M, N, generator=gen)
@@ -151,3 +153,20 @@ def test_gemm_add_refuses_an_addend_of_another_shape(fresh):
     for c in (torch.randn(16), torch.randn(4, 16).double()):  # torch.addmm would broadcast the first
         with pytest.raises(ValueError, match=r"gemm_add: c of .* expected \(4, 16\) torch.float32 \(no broadcast\)"):
             gemm.gemm_add(c, a, b)
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["mkl", "onednn"])
+def test_gemm_add_takes_a_broadcast_addend_and_the_left_operand_as_addend(fresh, mode):
+    """A stride-0 (expanded) addend, and ``a`` itself as the addend (a square product): still the fp64 sum, and
+    neither input changed (without ``reuse``)."""
+    fresh.setenv("ELMO_FAST_CPU_GEMM", mode)
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(33, 33, generator=gen), torch.randn(33, 33, generator=gen)
+    row = torch.randn(1, 33, generator=gen).expand(33, 33)
+    for c in (row, a):
+        before_a, before_c = a.clone(), c.clone()
+        got = gemm.gemm_add(c, a, b)
+        torch.testing.assert_close(got.double(), before_c.double() + before_a.double() @ b.double(), rtol=1e-5,
+                                   atol=1e-4)
+        assert torch.equal(a, before_a) and torch.equal(c, before_c)

@@ -377,7 +377,7 @@ def _backward_through_time(dy, dh_n, dc_n, w_in, w_rec, w_stack, w_proj, h0, c0,
             carry_h[:n] = rec_t(dz[blk])
     dx, dw_in, dw_rec, dw_stack, db, dw_proj = (nothing(xs) for _ in range(6))
     if needs[0]:
-        dxs = gemm_add(dys, dz, w_in.t()) if residual else gemm(dz, w_in.t())
+        dxs = gemm_add(dys, dz, w_in.t(), reuse=True) if residual else gemm(dz, w_in.t())  # dys: packed above
         dx = plan.scatter(dxs, B, T).view(B, T, D)
     h_prev = torch.cat([plan.sort(h0), hs]).index_select(0, plan.hprev) if any(needs[1:4]) else None
     if needs[3]:
