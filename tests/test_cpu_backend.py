@@ -1108,3 +1108,64 @@ def test_model_pickles_after_cpu_inference(tmp_path):
     proc.join(timeout=60)
     assert proc.exitcode == 0
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_projection_cpu_matches_reference(nan_poison, gemm_path, layout):
+    """The token encoder's projection on the cpu backend (``elmo_fast::linear_cpu``, fp32; fp64 and the other
+    backends take torch.addmm, the reference) against the fp64 product, forward and every gradient, on MKL and on
+    oneDNN, with a row-major or a transposed input."""
+    from elmo_fast.cpu import linear as lin_module
+    from elmo_fast.ops import projection
+
+    g = torch.Generator().manual_seed(17)
+    N, F_, P_ = 37, 40, 24
+    x64 = torch.randn(F_, N, generator=g, dtype=torch.float64).t() if layout == "transposed" else \
+        torch.randn(N, F_, generator=g, dtype=torch.float64)
+    base = [x64, torch.randn(F_, P_, generator=g, dtype=torch.float64) * F_ ** -0.5,
+            torch.randn(P_, generator=g, dtype=torch.float64)]
+    up = torch.randn(N, P_, generator=g, dtype=torch.float64)
+    p64 = [t.clone().requires_grad_() for t in base]
+    ref64 = torch.addmm(p64[2], p64[0], p64[1])
+    gref64 = torch.autograd.grad(ref64, p64, up)
+    for dt, backend in ((torch.float32, "cpu"), (torch.float64, "cpu"), (torch.float32, "reference")):
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(lin_module, "_linear_op", lambda *a, real=lin_module._linear_op: calls.append(1) or real(*a))
+            ins = [t.to(dt).clone().requires_grad_() for t in base]
+            got = projection(ins[0], ins[1], ins[2], backend=backend)
+            ggot = torch.autograd.grad(got, ins, up.to(dt))
+        assert calls == ([1] if (dt, backend) == (torch.float32, "cpu") else [])
+        low = [t.to(dt).clone().requires_grad_() for t in base]
+        ref = torch.addmm(low[2], low[0], low[1])
+        gref = torch.autograd.grad(ref, low, up.to(dt))
+        assert_close_to_oracle(got, ref64, ref, "projection")
+        for k, (a, c, d) in enumerate(zip(ggot, gref64, gref)):
+            assert_close_to_oracle(a, c, d, f"projection grad {k}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "empty"])
+def test_linear_cpu_operators_pass_opcheck(layout):
+    """The projection's operators: fakes, schemas and autograd registration (torch.library.opcheck), with a
+    transposed input and with no rows."""
+    from elmo_fast.cpu import linear as lin
+
+    g = torch.Generator().manual_seed(12)
+    F_, P_, N = 24, 16, 0 if layout == "empty" else 37
+    x = torch.randn(F_, N, generator=g).t() if layout == "transposed" else torch.randn(N, F_, generator=g)
+    w, b = torch.randn(F_, P_, generator=g) * 0.2, torch.randn(P_, generator=g)
+    torch.library.opcheck(lin._linear_op, (x.clone().requires_grad_(), w.clone().requires_grad_(),
+                                           b.clone().requires_grad_()))
+    for needs in ((True, True, True), (False, True, False), (True, False, True)):
+        torch.library.opcheck(lin._linear_backward, (torch.randn(N, P_, generator=g), x, w, *needs))
+
+
+def test_projection_keeps_addmm_under_cpu_autocast():
+    """Under CPU autocast the projection is torch.addmm's, in the autocast dtype, as before the operator."""
+    from elmo_fast.ops import projection
+
+    x, w, b = torch.randn(5, 8), torch.randn(8, 4), torch.randn(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = projection(x, w, b, backend="cpu")
+        want = torch.addmm(b, x, w)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)

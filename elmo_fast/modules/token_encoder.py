@@ -84,7 +84,7 @@ class CharCNNTokenEncoder(nn.Module):
         for layer in self.highway:
             v = ops.highway(v, layer.W_carry, layer.b_carry, layer.W_transform, layer.b_transform, backend=be)
         if self.W_proj is not None:
-            v = torch.addmm(self.b_proj, v, self.W_proj)
+            v = ops.projection(v, self.W_proj, self.b_proj, backend=be)
         return v
 
     def forward(self, char_ids: torch.Tensor) -> torch.Tensor:

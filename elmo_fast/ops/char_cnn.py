@@ -6,6 +6,7 @@ import torch
 from ._library import CompositeOp, backend_for
 from ..cpu.char_cnn import char_cnn_cpu
 from ..cpu.highway import highway_cpu, highway_cpu_applies
+from ..cpu.linear import linear_cpu, linear_cpu_applies
 from ..reference.char_cnn import char_cnn_reference, highway_reference
 from . import _precision as prec
 
@@ -81,6 +82,15 @@ def highway(
         if be == "cpu" and highway_cpu_applies(rows, *args):
             return highway_cpu(rows, *args).view(x.shape)
         return _highway_reference_op(x, *args)
+
+
+def projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *, backend: str | None = "auto") -> torch.Tensor:
+    """The token encoder's projection, ``x · w + b`` for (N, F) ``x``: ``torch.addmm(b, x, w)`` (the reference),
+    except where the highway layers before it run on the cpu backend and the tensors are fp32 (no CPU autocast):
+    there the operator ``elmo_fast::linear_cpu``, whose products take the faster of MKL and oneDNN."""
+    if x.device.type == "cpu" and linear_cpu_applies(x, w, b) and backend_for(backend, x.device, "highway") == "cpu":
+        return linear_cpu(x, w, b)
+    return torch.addmm(b, x, w)
 
 
 # ----------------------------------------------------------------------------- composite paths as operators
