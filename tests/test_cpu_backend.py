@@ -1113,8 +1113,8 @@ def test_model_pickles_after_cpu_inference(tmp_path):
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_projection_cpu_matches_reference(nan_poison, gemm_path, layout):
     """The token encoder's projection on the cpu backend (``elmo_fast::linear_cpu``, fp32; fp64 and the other
-    backends take torch.addmm, the reference) against the fp64 product, forward and every gradient, on MKL and on
-    oneDNN, with a row-major or a transposed input."""
+    backends take torch.addmm, the reference) against the fp64 product, forward and every gradient (and with x, W
+    or b frozen, the others'), on MKL and on oneDNN, with a row-major or a transposed input."""
     from elmo_fast.cpu import linear as lin_module
     from elmo_fast.ops import projection
 
@@ -1128,19 +1128,24 @@ def test_projection_cpu_matches_reference(nan_poison, gemm_path, layout):
     p64 = [t.clone().requires_grad_() for t in base]
     ref64 = torch.addmm(p64[2], p64[0], p64[1])
     gref64 = torch.autograd.grad(ref64, p64, up)
-    for dt, backend in ((torch.float32, "cpu"), (torch.float64, "cpu"), (torch.float32, "reference")):
+    cases = [(torch.float32, "cpu", (True,) * 3), (torch.float64, "cpu", (True,) * 3),
+             (torch.float32, "reference", (True,) * 3),  # and, on the operator, each input frozen in turn
+             (torch.float32, "cpu", (False, True, True)), (torch.float32, "cpu", (True, False, True)),
+             (torch.float32, "cpu", (True, True, False))]
+    for dt, backend, wants in cases:
         calls = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(lin_module, "_linear_op", lambda *a, real=lin_module._linear_op: calls.append(1) or real(*a))
-            ins = [t.to(dt).clone().requires_grad_() for t in base]
+            ins = [t.to(dt).clone().requires_grad_(w) for t, w in zip(base, wants)]
             got = projection(ins[0], ins[1], ins[2], backend=backend)
-            ggot = torch.autograd.grad(got, ins, up.to(dt))
+            ggot = torch.autograd.grad(got, [t for t in ins if t.requires_grad], up.to(dt))
         assert calls == ([1] if (dt, backend) == (torch.float32, "cpu") else [])
         low = [t.to(dt).clone().requires_grad_() for t in base]
         ref = torch.addmm(low[2], low[0], low[1])
         gref = torch.autograd.grad(ref, low, up.to(dt))
         assert_close_to_oracle(got, ref64, ref, "projection")
-        for k, (a, c, d) in enumerate(zip(ggot, gref64, gref)):
+        wanted = [(c, d, k) for k, (c, d, w) in enumerate(zip(gref64, gref, wants)) if w]
+        for a, (c, d, k) in zip(ggot, wanted, strict=True):
             assert_close_to_oracle(a, c, d, f"projection grad {k}")
 
 

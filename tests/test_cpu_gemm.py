@@ -170,3 +170,17 @@ def test_gemm_add_takes_a_broadcast_addend_and_the_left_operand_as_addend(fresh,
         torch.testing.assert_close(got.double(), before_c.double() + before_a.double() @ b.double(), rtol=1e-5,
                                    atol=1e-4)
         assert torch.equal(a, before_a) and torch.equal(c, before_c)
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", ["mkl", "onednn"])
+def test_gemm_takes_a_strided_or_broadcast_bias(fresh, mode):
+    """A bias that is a strided view (oneDNN reads it as contiguous: it is made so) or of length 1 (broadcast, as
+    torch.addmm takes it: it stays on MKL): the fp64 sum either way."""
+    fresh.setenv("ELMO_FAST_CPU_GEMM", mode)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(5, 8, generator=gen), torch.randn(8, 24, generator=gen)
+    for bias in (torch.randn(48, generator=gen)[::2], torch.randn(1, generator=gen)):
+        got = gemm.gemm(a, b, bias)
+        torch.testing.assert_close(got.double(), a.double() @ b.double() + bias.double(), rtol=1e-5, atol=1e-5)
+    assert not gemm.uses_onednn(a, b, torch.randn(1))

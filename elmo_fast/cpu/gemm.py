@@ -37,9 +37,10 @@ def gemm_mode() -> str:
 
 def _applies(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """oneDNN's matmul can run this product: fp32 CPU matrices, none of them empty (it builds no kernel for an
-    empty dimension), a bias of the output's width or none."""
+    empty dimension), a bias of the output's width or none (a broadcast one, of length 1, stays on MKL)."""
     ts = (a, b) if bias is None else (a, b, bias)
-    return (packed.onednn_enabled() and a.dim() == 2 and b.dim() == 2 and (bias is None or bias.dim() == 1)
+    return (packed.onednn_enabled() and a.dim() == 2 and b.dim() == 2
+            and (bias is None or (bias.dim() == 1 and bias.shape[0] == b.shape[-1]))
             and a.numel() > 0 and b.numel() > 0
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in ts))
 
@@ -65,8 +66,10 @@ def _mkl(a, b, bias, out=None):
 
 
 def _onednn(a, b, bias):
-    # the linear's weight is (N, K): b's transposed view, read in place by its strides
-    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), bias, "none", [], "")
+    # the linear's weight is (N, K): b's transposed view, read in place by its strides; the bias is read as
+    # contiguous whatever its stride (a strided one gave wrong sums), so it is made so
+    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.t(), None if bias is None else bias.contiguous(),
+                                              "none", [], "")
 
 
 def uses_onednn(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -86,8 +86,9 @@ def highway(
 
 def projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *, backend: str | None = "auto") -> torch.Tensor:
     """The token encoder's projection, ``x · w + b`` for (N, F) ``x``: ``torch.addmm(b, x, w)`` (the reference),
-    except where the highway layers before it run on the cpu backend and the tensors are fp32 (no CPU autocast):
-    there the operator ``elmo_fast::linear_cpu``, whose products take the faster of MKL and oneDNN."""
+    except where ``backend`` resolves to the cpu backend (as for the highway layers before it) and the tensors are
+    fp32 CPU matrices (no CPU autocast): there the operator ``elmo_fast::linear_cpu``, whose products take the
+    faster of MKL and oneDNN. It has no double backward (as the cpu char CNN)."""
     if x.device.type == "cpu" and linear_cpu_applies(x, w, b) and backend_for(backend, x.device, "highway") == "cpu":
         return linear_cpu(x, w, b)
     return torch.addmm(b, x, w)
