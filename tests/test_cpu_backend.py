@@ -1112,9 +1112,9 @@ def test_model_pickles_after_cpu_inference(tmp_path):
 
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_projection_cpu_matches_reference(nan_poison, gemm_path, layout):
-    """The token encoder's projection on the cpu backend (``elmo_fast::linear_cpu``, fp32; fp64 and the other
-    backends take torch.addmm, the reference) against the fp64 product, forward and every gradient (and with x, W
-    or b frozen, the others'), on MKL and on oneDNN, with a row-major or a transposed input."""
+    """The token encoder's projection in training on the cpu backend (``elmo_fast::linear_cpu``, fp32; fp64, the
+    other backends and inference take torch.addmm, the reference) against the fp64 product, forward and every
+    gradient (and with x, W or b frozen, the others'), on MKL and on oneDNN, with a row-major or a transposed input."""
     from elmo_fast.cpu import linear as lin_module
     from elmo_fast.ops import projection
 
@@ -1140,6 +1140,10 @@ def test_projection_cpu_matches_reference(nan_poison, gemm_path, layout):
             got = projection(ins[0], ins[1], ins[2], backend=backend)
             ggot = torch.autograd.grad(got, [t for t in ins if t.requires_grad], up.to(dt))
         assert calls == ([1] if (dt, backend) == (torch.float32, "cpu") else [])
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:  # inference: torch.addmm (MKL), bit for bit
+            mp.setattr(lin_module, "_linear_op", lambda *a, real=lin_module._linear_op: calls.append(2) or real(*a))
+            assert torch.equal(projection(*ins, backend=backend), torch.addmm(ins[2], ins[0], ins[1]))
+        assert 2 not in calls
         low = [t.to(dt).clone().requires_grad_() for t in base]
         ref = torch.addmm(low[2], low[0], low[1])
         gref = torch.autograd.grad(ref, low, up.to(dt))
