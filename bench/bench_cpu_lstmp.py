@@ -41,6 +41,7 @@ import common  # noqa: E402
 from bench_lstmp import flop_per_token, fwd_bwd, make_chain, run_chain  # noqa: E402
 
 from elmo_fast.cpu import lstmp_cpu  # noqa: E402
+from elmo_fast.cpu.gemm import gemm  # noqa: E402
 from elmo_fast.cpu.memory import keep_freed_memory  # noqa: E402
 from elmo_fast.cpu.packed import PackedWeightCache, bf16_supported, onednn_enabled  # noqa: E402
 
@@ -79,8 +80,7 @@ def providers(B: int, T: int, variants=()):
     fwd = flop_per_token(D, H, P) * B * T
     out = {"mm": ("gemm", 2 * 2048**3, lambda: torch.mm(a, b))}
     if onednn_enabled():  # the same product through oneDNN's matmul: on some CPUs MKL's code path is not the fastest
-        out["mm-onednn"] = ("gemm", 2 * 2048**3, lambda: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [],
-                                                                                           ""))
+        out["mm-onednn"] = ("gemm", 2 * 2048**3, common.with_env(lambda: gemm(a, b), "ELMO_FAST_CPU_GEMM", "onednn"))
     out |= {
            "cpu fwd": ("fwd", fwd, no_grad(cpu)), "nn.LSTM fwd": ("fwd", fwd, no_grad(nn_lstm)),
            "cpu fwd+bwd": ("fwd+bwd", 3 * fwd, lambda: fwd_bwd(cpu, chain, up)),

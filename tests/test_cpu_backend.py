@@ -1169,11 +1169,13 @@ def test_linear_cpu_operators_pass_opcheck(layout):
         torch.library.opcheck(lin._linear_backward, (torch.randn(N, P_, generator=g), x, w, *needs))
 
 
-def test_projection_keeps_addmm_under_cpu_autocast():
-    """Under CPU autocast the projection is torch.addmm's, in the autocast dtype, as before the operator."""
+def test_projection_keeps_addmm_under_cpu_autocast(monkeypatch):
+    """Under CPU autocast the projection is torch.addmm's, in the autocast dtype, as before the operator (whose
+    products on oneDNN would come back fp32)."""
     from elmo_fast.ops import projection
 
-    x, w, b = torch.randn(5, 8), torch.randn(8, 4), torch.randn(4)
+    monkeypatch.setenv("ELMO_FAST_CPU_GEMM", "onednn")
+    x, w, b = (torch.randn(*s).requires_grad_() for s in ((5, 8), (8, 4), (4,)))  # training: else addmm anyway
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = projection(x, w, b, backend="cpu")
         want = torch.addmm(b, x, w)

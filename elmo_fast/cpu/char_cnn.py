@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops._library import wants_grad
 from ..reference.char_cnn import _activation
 from .ext import cpu_ext
 
@@ -51,7 +52,7 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
         order = torch.argsort(kr, descending=True)
         real, kr = real[order], kr[order].tolist()  # CPU tensors: host reads, no device sync
         pieces = []
-        grad = _wants_grad(char_embed, *conv_weights, *conv_biases)
+        grad = wants_grad(char_embed, *conv_weights, *conv_biases)
         sparse = _sparse_backward(char_embed, conv_weights, conv_biases, L)
         if sparse:  # _ConvMax's arguments besides the bucket
             pv = [v[0].detach() for v in pad_vals]
@@ -90,15 +91,11 @@ def char_cnn_cpu(char_ids, char_embed, conv_weights, conv_biases, activation: st
 _MAX_WINDOWS = 64  # conv_max's masks: one bit per window
 
 
-def _wants_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _sparse_backward(char_embed, conv_weights, conv_biases, L: int) -> bool:
     """Whether ``_ConvMax`` runs the buckets: a gradient is wanted, every tensor is fp32, every filter has at most 64
     windows over tokens of ``L`` characters, and the extension has the kernels."""
     tensors = [char_embed, *conv_weights, *conv_biases]
-    if not _wants_grad(*tensors):
+    if not wants_grad(*tensors):
         return False
     if any(t.dtype != torch.float32 for t in tensors):
         return False

@@ -10,16 +10,18 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from ..ops._library import nothing, qualname
+from ..ops._library import nothing, qualname, wants_grad
 from .gemm import gemm
 
 Tensor = torch.Tensor
 
 
 def linear_cpu_applies(x: Tensor, w: Tensor, b: Tensor) -> bool:
-    """Whether :func:`linear_cpu` runs these: 2-d fp32 CPU ``x`` and ``w``, a 1-d fp32 CPU ``b``, no CPU autocast
-    (under it ``torch.addmm`` takes the autocast dtype, and so does the projection)."""
-    return (x.dim() == 2 and w.dim() == 2 and b.dim() == 1 and not torch.is_autocast_enabled("cpu")
+    """Whether :func:`linear_cpu` runs these: a gradient wanted (training; inference keeps ``torch.addmm``, see
+    ``elmo_fast.ops.projection``), 2-d fp32 CPU ``x`` and ``w``, a 1-d fp32 CPU ``b``, no CPU autocast (under it
+    ``torch.addmm`` takes the autocast dtype, and so does the projection)."""
+    return (wants_grad(x, w, b) and x.dim() == 2 and w.dim() == 2 and b.dim() == 1
+            and not torch.is_autocast_enabled("cpu")
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (x, w, b)))
 
 
@@ -57,7 +59,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy):
     x, w = ctx.saved_tensors
     need = ctx.needs_input_grad
-    grads = _linear_backward(dy.contiguous(), x, w, need[0], need[1], need[2])
+    grads = _linear_backward(dy, x, w, need[0], need[1], need[2])
     return tuple(t if n else None for t, n in zip(grads, need))
 
 

@@ -41,7 +41,7 @@ from torch.library import custom_op
 from .ext import cpu_ext_for, denormals_flushed
 from .gemm import gemm, gemm_add, uses_onednn
 from .._backend import BackendUnavailableError
-from ..ops._library import nothing, qualname, tracing
+from ..ops._library import nothing, qualname, tracing, wants_grad
 from .packed import PackedLinear, PackedWeightCache, _Panels, bf16_supported, cache_by_id, pack_pays
 
 _SAVED = ("xs", "gates", "c_pre", "tc", "m_all", "h_pre", "hs")  # the packed buffers training keeps for backward
@@ -485,7 +485,7 @@ def lstmp_cpu(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None, 
                                       "torch's oneDNN (torch.ops.mkldnn._is_mkldnn_bf16_supported() is False "
                                       "here); unset ELMO_FAST_CPU_BF16 / cpu_bf16 to run in fp32")
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
-    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    train = wants_grad(*tensors)
     if train and bf16:
         raise ValueError("lstmp: bf16 on the cpu backend is for inference only; run it under torch.no_grad()")
     stack = _stack_of(w_in, w_rec) if train and not tracing(x) else None

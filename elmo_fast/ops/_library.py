@@ -73,6 +73,12 @@ class ThreadFlag:
             self._local.on = old
 
 
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will want a gradient of a call on ``tensors`` (None entries ignored): grad mode is on and
+    one of them requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def nothing(like: torch.Tensor) -> torch.Tensor:
     """The placeholder an operator returns for an output it did not compute (an operator cannot return None, nor
     an alias of an input or of another output): a fresh empty tensor of ``like``'s dtype and device."""

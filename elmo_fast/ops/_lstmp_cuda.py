@@ -18,7 +18,7 @@ import torch
 from torch.library import custom_op
 
 from .._backend import cuda_ext
-from ._library import nothing, qualname
+from ._library import nothing, qualname, wants_grad
 
 
 def unsupported_reason(
@@ -106,7 +106,7 @@ def lstmp_cuda(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip=None,
                reverse=False, residual=False):
     """Same contract as ``elmo_fast.ops.lstmp`` (returns y, h_n, c_n); shapes already validated there."""
     tensors = (x, w_in, w_rec, bias, w_proj, h0, c0)
-    train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    train = wants_grad(*tensors)
     out = _lstmp_cuda_op(*tensors, lengths, None if cell_clip is None else float(cell_clip),
                          None if proj_clip is None else float(proj_clip), float(forget_bias), bool(reverse),
                          bool(residual), train)

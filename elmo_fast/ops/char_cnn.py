@@ -91,8 +91,7 @@ def projection(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, *, backend: st
     products take the faster of MKL and oneDNN (no double backward, as the cpu char CNN). Inference keeps addmm
     (MKL): it is the token layer users compare with AllenNLP's, and oneDNN's fp32 sums over K = 2048 land 2-3x
     further from the exact product (max 5.2e-6 against 1.6e-6 at 244 x 2048 by 2048 x 512, AMD EPYC, 2026-11-27)."""
-    if (x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or b.requires_grad)
-            and linear_cpu_applies(x, w, b) and backend_for(backend, x.device, "highway") == "cpu"):
+    if linear_cpu_applies(x, w, b) and backend_for(backend, x.device, "highway") == "cpu":
         return linear_cpu(x, w, b)
     return torch.addmm(b, x, w)
 
