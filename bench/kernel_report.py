@@ -47,6 +47,8 @@ from triton.runtime.jit import MockTensor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import kernel_fit  # noqa: E402
+import lstmp_compile  # noqa: E402
 
 from elmo_fast.kernels import _common as KX  # noqa: E402
 from elmo_fast.kernels import char_cnn as KC  # noqa: E402
@@ -94,7 +96,7 @@ HBM = 3.35e12  # B/s
 PEAK_TC = 990e12  # dense bf16 with tensor cores
 PEAK_FMA = 67e12  # fp32 without tensor cores
 # launch terms: common.EAGER_LAUNCH_US / GRAPH_LAUNCH_US / TORCH_LAUNCH_US (measured on an H200)
-REGS_PER_SM, SMEM_PER_SM, SMEM_PER_BLOCK, MAX_WARPS, MAX_BLOCKS = 65536, 228 * 1024, 227 * 1024, 64, 32
+SMEM_PER_BLOCK = 227 * 1024
 
 
 def dt_name(dt: torch.dtype) -> str:
@@ -125,6 +127,7 @@ class Case:
     choice: int = 0  # which autotune candidate of that launch
     once: bool = False  # launched once per op call, not once per step (the sums' ``times`` does not apply)
     scratch: float = 0.0  # of ``bytes``: the LSTMP split-K partials (re-used every step; may stay in L2)
+    l2: float = 0.0  # LSTMP only: what its programs move through L2 (lstmp_compile.l2_bytes), for the calibrated model
     stats: dict = field(default_factory=dict)
 
     @property
@@ -249,23 +252,26 @@ def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train):
     s = min(3, T - 1)  # the step index (never specialised)
     out = []
     for name, lc in plan.items():
+        l2 = lstmp_compile.l2_bytes(name, lc, B, dtype)
         if name == "bwd_cell":  # the prologue launches before the first bwd_cell
-            out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, dict(HAS_PART=False), once=True))
-        out.append(_lstmp_entry(name.split("_")[0], lc, s))
+            out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, lstmp_compile.l2_bytes(
+                "bwd_reduce", plan["bwd_reduce"], B, dtype), dict(HAS_PART=False), once=True))
+        out.append(_lstmp_entry(name.split("_")[0], lc, s, l2))
     return out
 
 
-def _lstmp_entry(phase, lc, s, override=None, once=False) -> list[tuple]:
+def _lstmp_entry(phase, lc, s, l2, override=None, once=False) -> list[tuple]:
     meta = dict(lc.constexprs, **(override or {}), num_warps=lc.num_warps, num_stages=lc.num_stages)
     args = tuple(M(v) if isinstance(v, torch.dtype) else (s if n == "s" else v) for n, v in lc.args)
     scratch = 0 if override else lc.scratch_bytes  # the prologue reads no partials
     return [(phase, KX.Launch(lc.kernel, lc.grid, meta), args, float(lc.flops), float(lc.bytes + scratch), once,
-             float(scratch))]
+             float(scratch), float(l2 - lc.scratch_bytes + scratch))]
 
 
 def _cases(size: Size, op: str, dtype, built, variant="") -> list[Case]:
     return [Case(op, phase, size.name, dtype, launch, args, flops, nbytes, variant, slot=slot, choice=choice,
-                 once=bool(rest and rest[0]), scratch=rest[1] if len(rest) > 1 else 0.0)
+                 once=bool(rest and rest[0]), scratch=rest[1] if len(rest) > 1 else 0.0,
+                 l2=rest[2] if len(rest) > 2 else 0.0)
             for slot, entry in enumerate(built)
             for choice, (phase, launch, args, flops, nbytes, *rest) in enumerate(entry)]
 
@@ -376,13 +382,7 @@ def compile_all(cases: list[Case], jobs: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ model and rules
-def occupancy(st: dict) -> int:
-    """Programs per SM from registers (allocated per warp in units of 256), shared memory and warps."""
-    warps = st["warps"]
-    per_warp = -(-max(st["regs"], 1) * 32 // 256) * 256
-    by_regs = REGS_PER_SM // (per_warp * warps)
-    by_smem = SMEM_PER_SM // (st["smem"] + 1024) if st["smem"] else MAX_BLOCKS  # 1 KiB reserved per block
-    return min(by_regs, by_smem, MAX_WARPS // warps, MAX_BLOCKS)
+occupancy = kernel_fit.occupancy
 
 
 def tensor_cores(st: dict) -> bool:
@@ -405,6 +405,30 @@ def estimate_us(case: Case, scratch_in_l2: bool = False, graph: bool = False) ->
     busy = min(1.0, n / SMS) if n <= slots else n / (math.ceil(n / slots) * slots)
     nbytes = case.bytes - (case.scratch if scratch_in_l2 else 0.0)
     return common.launched_us(max(nbytes / HBM, case.flops / peak) / busy * 1e6, graph)
+
+
+# ms per chain (fwd, fwd+bwd) measured on the H200, 2026-11-26 (bench/results/gpu_h200.md, `bench_lstmp.py`, call 1):
+# elmo_fast with loop graphs (the code of c17f5ba), then cuDNN's nn.LSTM(512, 4096, proj_size=512), B rows x 20 steps.
+H200_CHAIN_MS = {("train B=384", "bf16"): (1.495, 4.208, 1.241, 3.110),
+                 ("train B=128", "bf16"): (0.665, 1.787, 0.837, 3.013),
+                 ("train B=384", "fp32"): (7.179, 27.710, 7.886, 21.614),
+                 ("train B=128", "fp32"): (2.955, 11.526, 3.162, 9.657)}
+
+
+def calibrated_gpu_us(case: Case) -> float | None:
+    """An LSTMP kernel's GPU time under the model calibrated on the H200's per-kernel timings (bench/kernel_fit.py:
+    L2 traffic, compulsory bytes and FLOPs at fitted rates, the compiled occupancy's idle SMs charged); None for the
+    other ops (no GPU timings of theirs to fit) and for a variant that did not compile."""
+    st = case.stats
+    if case.op != "lstmp" or "error" in st:
+        return None
+    return kernel_fit.calibrated_us(case.l2, case.bytes, case.flops, case.programs, occupancy(st),
+                                    kernel_fit.cls_of(dt_name(case.dtype)))
+
+
+def calibrated_us(case: Case, graph: bool = True) -> float:
+    """``calibrated_gpu_us`` with the launch terms of ``common.launched_us`` (LSTMP launches only)."""
+    return common.launched_us(calibrated_gpu_us(case), graph)
 
 
 GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",
@@ -550,8 +574,8 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
     for c in chosen(cases):
         by.setdefault((c.size, c.dtype, c.op, c.phase, c.variant), []).append(c)
 
-    def kern(size, dt, op, phase, variant="", times=1, graph=False, l2=False):
-        return sum(estimate_us(c, l2, graph) * (1 if c.once else times)
+    def kern(size, dt, op, phase, variant="", times=1, graph=False, l2=False, cal=False):
+        return sum((calibrated_us(c, graph) if cal else estimate_us(c, l2, graph)) * (1 if c.once else times)
                    for c in by.get((size.name, dt, op, phase, variant), []))
 
     def loop_graph_us(size, dt, phase):
@@ -570,6 +594,17 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
             step_l2 = kern(size, dt, "lstmp", "fwd", "fwd", graph=True, l2=True)
             row = dict(size=size.name, dtype=dt_name(dt), lstm_step_fwd_us=step, lstm_step_fwd_graph_us=step_g,
                        lstm_step_fwd_graph_l2_us=step_l2)
+            # calibrated (bench/kernel_fit.py), loop graphs: a step's kernels, and one chain call with the
+            # replay's own ops and the torch launches around the loop (cuBLAS GEMMs at the roofline)
+            row["lstm_step_fwd_cal_us"] = kern(size, dt, "lstmp", "fwd", "fwd", graph=True, cal=True)
+            row["chain_fwd_cal_us"] = (kern(size, dt, "lstmp", "fwd", "fwd", size.T, graph=True, cal=True)
+                                       + loop_graph_us(size, dt, "fwd") + torch_us(size, dt, ["lstmp/fwd"]))
+            if size.train:
+                row["lstm_step_fwd_bwd_cal_us"] = row["lstm_step_fwd_cal_us"] + kern(
+                    size, dt, "lstmp", "bwd", "fwd", graph=True, cal=True)
+                row["chain_fwd_bwd_cal_us"] = row["chain_fwd_cal_us"] + (
+                    kern(size, dt, "lstmp", "bwd", "fwd", size.T, graph=True, cal=True)
+                    + loop_graph_us(size, dt, "bwd") + torch_us(size, dt, ["lstmp/bwd"]))
             if size.train:
                 row["lstm_step_fwd_bwd_us"] = step + kern(size, dt, "lstmp", "bwd", "fwd")
                 row["lstm_step_fwd_bwd_graph_us"] = step_g + kern(size, dt, "lstmp", "bwd", "fwd", graph=True)
@@ -607,8 +642,8 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
 # ------------------------------------------------------------------------------------------ output
 COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice", "chosen", "config", "grid",
            "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm", "hgmma",
-           "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "violations", "variant_id",
-           "compile_s"]
+           "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "cal_gpu_us", "violations",
+           "variant_id", "compile_s"]
 _CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "num_")
 
 
@@ -624,6 +659,8 @@ def row_of(c: Case, picked: bool) -> dict:
         r.update({k: st[k] for k in ("regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "hgmma",
                                      "hmma", "ldgsts", "tma", "local", "atom")},
                  blocks_per_sm=occupancy(st), est_us=round(estimate_us(c), 2), compile_s=round(st["compile_s"], 1))
+        cal = calibrated_gpu_us(c)
+        r["cal_gpu_us"] = "" if cal is None else round(cal, 2)
     return r
 
 
@@ -696,6 +733,27 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                "upper bound, every other column) or as L2 traffic, not in the HBM term (the 'partials in L2' "
                "columns: the lower bound; an H100 has 50 MB of L2). The training step and tokens/s use the upper "
                "bound.", ""]
+        md += ["## The LSTMP chain under the calibrated model", "",
+               "`bench/kernel_fit.py`: the LSTMP kernels' L2 traffic, compulsory bytes and FLOPs at rates fitted to "
+               "the H200's per-kernel timings (bench/results/kernel_fit.md: 16-bit within x1.2 of the timed launches "
+               "rms, fp32 within x1.45; the roofline above was 2-12x short), loop graphs on, the ops around the loop "
+               "(cuBLAS GEMMs, the replay's refill) at the roofline. Beside it, what the H200 measured on 2026-11-26 "
+               "(bench/results/gpu_h200.md, call 1, the code of c17f5ba: before the backward cell kernel's wider "
+               "tiles) and cuDNN's `nn.LSTM(512, 4096, proj_size=512)` in the same run. One chain = 20 steps, "
+               "one layer, one direction.", "",
+               "| size | dtype | step fwd µs | step fwd+bwd µs | chain fwd ms | chain fwd+bwd ms | H200 chain fwd | "
+               "fwd+bwd | cuDNN fwd | fwd+bwd | fwd+bwd: calibrated / cuDNN |",
+               "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for srow in sums:
+            if "chain_fwd_bwd_cal_us" not in srow:
+                continue
+            meas = H200_CHAIN_MS.get((srow["size"], srow["dtype"]), ("",) * 4)
+            ratio = (f"{srow['chain_fwd_bwd_cal_us'] / 1e3 / meas[3]:.2f}" if meas[3] else "")
+            md.append("| " + " | ".join([srow["size"], srow["dtype"], f"{srow['lstm_step_fwd_cal_us']:.1f}",
+                                         f"{srow['lstm_step_fwd_bwd_cal_us']:.1f}",
+                                         f"{srow['chain_fwd_cal_us'] / 1e3:.3f}",
+                                         f"{srow['chain_fwd_bwd_cal_us'] / 1e3:.3f}", *map(str, meas), ratio]) + " |")
+        md += [""]
     bad = [r for r in rows if r["violations"]]
     md += ["## Rule violations", ""]
     pending = [r for r in bad if r["op"] in PENDING]
@@ -708,19 +766,22 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
     md += [""] + [f"- {k}: {v}" for k, v in {**FEW_PROGRAMS_OK, **NO_K_LOOP, **NOTES}.items()]
     md += ["", "## Variants", "",
            "Every launch of the workload, from the launchers' own configuration functions; '(candidate)' marks an "
-           "autotune candidate the model does not pick (the runtime times them on a GPU).", "",
+           "autotune candidate the model does not pick (the runtime times them on a GPU). 'est µs': the roofline as "
+           "launched eagerly; 'calibrated GPU µs': an LSTMP kernel's GPU time under bench/kernel_fit.py's model (no "
+           "launch term).", "",
            "| op | phase | size | dtype | kernel | config | grid | regs | spill st/ld | stack | smem | w | st | "
-           "blk/SM | HGMMA | HMMA | LDGSTS | TMA | local | GFLOP | MiB | est µs |",
-           "|" + "---|" * 22]
+           "blk/SM | HGMMA | HMMA | LDGSTS | TMA | local | GFLOP | MiB | est µs | calibrated GPU µs |",
+           "|" + "---|" * 23]
     for r in rows:
         if "regs" not in r:
             md.append(f"| {r['op']} | {r['phase']} | {r['size']} | {r['dtype']} | {r['label']} | "
-                      f"{r['config']} | {r['grid']} | {r['violations']} |" + " |" * 14)
+                      f"{r['config']} | {r['grid']} | {r['violations']} |" + " |" * 15)
             continue
         md.append(f"| {r['op']} | {r['phase']} | {r['size']} | {r['dtype']} | {r['label']} | "
                   f"{r['config']} | {r['grid']} | {r['regs']} | {r['spill_st']}/{r['spill_ld']} | {r['stack']} | "
                   f"{r['smem']} | {r['warps']} | {r['stages']} | {r['blocks_per_sm']} | {r['hgmma']} | {r['hmma']} | "
-                  f"{r['ldgsts']} | {r['tma']} | {r['local']} | {r['gflop']} | {r['mbytes']} | {r['est_us']} |")
+                  f"{r['ldgsts']} | {r['tma']} | {r['local']} | {r['gflop']} | {r['mbytes']} | {r['est_us']} | "
+                  f"{r.get('cal_gpu_us', '')} |")
     md_path = out_dir / "kernel_report.md"
     md_path.write_text("\n".join(md) + "\n")
     return md_path, csv_path

@@ -10,15 +10,18 @@ Variants: the original model (H=4096, P=512, T=20), inference at B = 1, 16, 64 a
 
 Per launch: registers, spill bytes, stack, shared memory (ptxas -v on triton's PTX for sm_90a), warps,
 stages, programs against the SMs, wgmma / mma.sync / cp.async / TMA instruction counts in the PTX, and the
-roofline estimate of performance.md: max(bytes / 3.35 TB/s, FLOPs / peak) (+ 3 µs per launch outside a CUDA
-graph); peak 990 TFLOP/s with 16-bit tensor cores, 67 TFLOP/s for the IEEE fp32 FMA path. ``bytes`` counts
-every operand once (the HBM term); ``L2`` is this tool's count of what the programs read in total (operands
-re-read by other tiles), shown to compare tilings, not part of the estimate.
+roofline estimate of performance.md: max(bytes / 3.35 TB/s, FLOPs / peak) (with the launch terms of
+``common.launched_us``); peak 990 TFLOP/s with 16-bit tensor cores, 67 TFLOP/s for the IEEE fp32 FMA path.
+``bytes`` counts every operand once (the HBM term); ``L2`` is this tool's count of what the programs read in total
+(operands re-read by other tiles). ``calibrated`` is the estimate of ``bench/kernel_fit.py``: L2 traffic,
+compulsory bytes and FLOPs at the rates fitted to the H200's per-kernel timings (16-bit: within a factor of
+~1.2 of every timed launch; the roofline was 2-12x short), the SMs a grid leaves idle charged.
 
 ``--search`` compiles candidate tiles, drops those that spill, lack tensor-core instructions (16-bit), lack
 async copies in a K loop, or launch fewer than ``sms`` programs at B >= 128 (when another candidate
-reaches it), ranks the rest by the estimate with fewer than ``sms`` programs charged as a partly idle GPU
-(time x sms / programs), then by L2 traffic, and prints the ``TUNED`` entries to paste into kernels/lstmp.py.
+reaches it), ranks the rest by the calibrated estimate (one program per SM assumed, so a last partial wave
+counts in full), then by L2 traffic, keeps the passing candidate with the fewest registers x warps of the first
+group, and prints the ``TUNED`` entries to paste into kernels/lstmp.py.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from triton.runtime.jit import MockTensor, create_function_from_signature  # noq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import kernel_fit  # noqa: E402
 
 from elmo_fast.kernels import lstmp as KL  # noqa: E402
 
@@ -118,13 +122,26 @@ def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H1
     return common.launched_us(_roofline_us(launch, low) * max(1.0, sms / programs(launch)), graph)
 
 
+RESIDENT = 32  # programs per SM when the compiled code is not known: the grid taken as resident at once
+
+
+def calibrated_us(name: str, launch: KL.Launch, B: int, dtype: torch.dtype, blocks_per_sm: int) -> float:
+    """GPU time of one launch under the model calibrated on the H200's per-kernel timings (``kernel_fit``): the
+    L2 traffic of the tiling, the compulsory bytes (partials included) and the FLOPs at fitted rates; a last
+    partial wave of ``blocks_per_sm`` programs per SM charged in full."""
+    return kernel_fit.calibrated_us(l2_bytes(name, launch, B, dtype), launch.bytes + launch.scratch_bytes,
+                                    launch.flops, programs(launch), blocks_per_sm,
+                                    kernel_fit.cls_of(dtype_name(dtype)))
+
+
 def l2_bytes(name: str, launch: KL.Launch, B: int, dtype: torch.dtype) -> int:
     """What the programs move through L2 in total: operands re-read by other tiles and the partials too."""
     isz = dtype.itemsize
     m_tiles, n_tiles = launch.grid[0], launch.grid[1]
     extra = launch.scratch_bytes
     if name in ("fwd_cell", "bwd_cell"):  # A (B x P) read by every H slice, the weight by every row block
-        extra += (n_tiles - 1) * B * P * isz + (m_tiles - 1) * 4 * H * P * isz
+        W = 4 * H * P if name == "fwd_cell" else H * P  # w_rec (P x 4H) or w_proj (H x P)
+        extra += (n_tiles - 1) * B * P * isz + (m_tiles - 1) * W * isz
     elif name in ("fwd_proj", "bwd_rec"):
         K = H if name == "fwd_proj" else 4 * H
         extra += (n_tiles - 1) * B * K * isz + (m_tiles - 1) * K * P * isz
@@ -190,13 +207,15 @@ def report(md_path: str | None) -> int:
                      f"{r['spill_st']}/{r['spill_ld']}", r["stack"], r["smem"] // 1024, r["wgmma"], r["mma"],
                      f"{r['cp_async']}/{r['tma']}", f"{launch.bytes / 1e6:.2f}",
                      f"{l2_bytes(name, launch, B, dtype) / 1e6:.1f}", f"{launch.flops / 1e9:.2f}",
-                     f"{estimate_us(launch, low):.2f}", f"{filled_us(launch, low):.2f}"]
+                     f"{estimate_us(launch, low):.2f}", f"{filled_us(launch, low):.2f}",
+                     f"{calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r)):.2f}"]
             rows.append("| " + " | ".join(map(str, cells)) + " |")
             print(rows[-1], flush=True)
             bad += rule_violations(name, launch, r, B, low)
     head = ("| kernel | dtype | B | mode | tile BMxBNxBK | warps/stages | grid=programs | regs | spill st/ld B | "
-            "stack B | smem KiB | wgmma | mma | cp.async/TMA | MB | L2 MB | GFLOP | est µs | filled µs |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "stack B | smem KiB | wgmma | mma | cp.async/TMA | MB | L2 MB | GFLOP | est µs | filled µs | "
+            "calibrated µs |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = ["## Every launch (after)", "", head, *rows, "",
              "## Estimates per step (µs): rule in a CUDA graph / rule outside one (+3 µs a launch) / filled in a graph",
              "", "| dtype | B | mode | fwd step | bwd step | chain call (graph / no graph) |",
@@ -275,23 +294,31 @@ def candidates(name: str, B: int, low: bool) -> list[KL.Tile]:
 
 
 def _prekey(name, dtype, B, tile):
-    """Compile-free ranking: the programs rule at B >= 128, the SM-fill-charged estimate, then L2 traffic."""
+    """Compile-free ranking: the programs rule at B >= 128, the calibrated estimate (``calibrated_us``: until
+    2026-11-27 the SM-fill-charged roofline, which the H200 found 2-12x short and blind to the L2 traffic that set
+    the measured times; every program of the grid taken as resident, so only a grid of fewer than ``sms`` programs
+    is charged for idle SMs: occupancy needs the compiled code), then L2 traffic."""
     launch = plan(dtype, B, True, {name: tile})[name]
-    return (B >= 128 and programs(launch) < KL.H100.sms, round(filled_us(launch, dtype != torch.float32), 2),
-            l2_bytes(name, launch, B, dtype))
+    return (B >= 128 and programs(launch) < KL.H100.sms,
+            round(calibrated_us(name, launch, B, dtype, blocks_per_sm=RESIDENT), 2), l2_bytes(name, launch, B, dtype))
 
 
-def search() -> int:
+def search(kernels=KL.KERNELS, batches=KL.BATCHES, dtypes=(torch.bfloat16, torch.float32)) -> int:
     """Per (dtype, B, kernel): candidates in order of the compile-free key (programs rule, estimate, L2
-    traffic); compile group by group and keep the first group's passing candidate with the fewest registers."""
+    traffic); compile group by group and keep the passing candidate (no rule broken, no spill) with the best
+    calibrated estimate at its compiled occupancy, then the fewest registers x warps. The compile-free estimate
+    takes every program as resident, so it bounds the compiled one from below: the search stops at the first
+    group whose key is above the best compiled estimate found."""
     work = tempfile.mkdtemp(prefix="lstmp_ptxas_")
     chosen = {}
-    for dtype, B in itertools.product((torch.bfloat16, torch.float32), KL.BATCHES):
+    for dtype, B in itertools.product(dtypes, batches):
         low = dtype != torch.float32
-        for name in KL.KERNELS:
+        for name in kernels:
             prekey = functools.partial(_prekey, name, dtype, B)
             best = None
             for key, group in itertools.groupby(sorted(candidates(name, B, low), key=prekey), key=prekey):
+                if best and (key[0] or key[1] > best[1][0]):
+                    break
                 for tile in group:
                     launch = plan(dtype, B, True, {name: tile})[name]
                     try:
@@ -302,10 +329,10 @@ def search() -> int:
                     bad = rule_violations(name, launch, r, B, low) + (["spills"] if r["spill_st"] else [])
                     print(f"  {name} {dtype_name(dtype)} B={B} {tile} key={key} regs={r['regs']} "
                           f"spill={r['spill_st']} wgmma={r['wgmma']} mma={r['mma']} {'; '.join(bad)}", flush=True)
-                    if not bad and (best is None or r["regs"] * r["warps"] < best[1]):
-                        best = (tile, r["regs"] * r["warps"])
-                if best:
-                    break
+                    rank = (round(calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r)), 2),
+                            r["regs"] * r["warps"])
+                    if not bad and (best is None or rank < best[1]):
+                        best = (tile, rank)
             chosen[(name, "16bit" if low else "fp32", B)] = best[0]
             print(f"{name} {dtype_name(dtype)} B={B}: {best[0]}", flush=True)
     print("\nTUNED = {")
@@ -319,9 +346,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--md", help="write the markdown tables here")
     ap.add_argument("--search", action="store_true", help="compile candidate tiles and print TUNED")
+    ap.add_argument("--kernels", nargs="*", default=list(KL.KERNELS), choices=KL.KERNELS, help="--search: these only")
+    ap.add_argument("--batches", nargs="*", type=int, default=list(KL.BATCHES), help="--search: these only")
+    ap.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"], choices=["bf16", "fp32"],
+                    help="--search: these only")
     a = ap.parse_args()
     triton.knobs.cache.dir = os.path.join(tempfile.gettempdir(), "lstmp_compile_cache")
-    return search() if a.search else report(a.md)
+    if a.search:
+        dts = [{"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in a.dtypes]
+        return search(a.kernels, a.batches, dts)
+    return report(a.md)
 
 
 if __name__ == "__main__":

@@ -376,32 +376,34 @@ def _bwd_cell_kernel(
         dm = tl.load(dhpre_ptr + tok[:, None] * P + rh[None, :], mask=vm, other=0.0)
 
     zp = z_ptr + tok[:, None] * G + rh[None, :]
-    gi = _sigmoid(tl.load(zp, mask=vm, other=0.0).to(ACC))
-    gj = tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
-    gf = _sigmoid(tl.load(zp + 2 * H, mask=vm, other=0.0).to(ACC))
-    go = _sigmoid(tl.load(zp + 3 * H, mask=vm, other=0.0).to(ACC))
+    dzp = dz_ptr + tok[:, None] * G + rh[None, :]
+    ddt = dz_ptr.dtype.element_ty
+    # one gate at a time, each stored as soon as it is known: fewer whole tiles live at once (sm_90a, B=384: 78
+    # registers at 128x16 where loading all four gates first took 144, and 64x64 compiles without spills)
     cpre = tl.load(cpre_ptr + tok[:, None] * H + rh[None, :], mask=vm, other=0.0)
-    # c_{t-1}: the (clipped) cell of the previous step of this row, or c0 at the row's first step.
-    cp = tl.load(cpre_ptr + ptok[:, None] * H + rh[None, :], mask=vm & (s > 0), other=0.0)
     cc = cpre
     if HAS_CELL_CLIP:
-        cp = _clamp(cp, cell_clip)
         cc = _clamp(cpre, cell_clip)
-    c0 = tl.load(c0_ptr + rb[:, None] * H + rh[None, :], mask=vm & (s == 0), other=0.0).to(ACC)
-    c_prev = tl.where(s > 0, cp, c0)
-
     tc = tanh(cc)
+    go = _sigmoid(tl.load(zp + 3 * H, mask=vm, other=0.0).to(ACC))
+    tl.store(dzp + 3 * H, tl.where(vm, dm * tc * go * (1.0 - go), 0.0).to(ddt), mask=am)
     dcptr = dc_ptr + rb[:, None] * H + rh[None, :]
     dc = tl.load(dcptr, mask=vm, other=0.0) + dm * go * (1.0 - tc * tc)
     if HAS_CELL_CLIP:
         dc = tl.where(_in_clip(cpre, cell_clip), dc, 0.0)
+    gf = _sigmoid(tl.load(zp + 2 * H, mask=vm, other=0.0).to(ACC))
     tl.store(dcptr, dc * gf, mask=vm)
-    dzp = dz_ptr + tok[:, None] * G + rh[None, :]
-    ddt = dz_ptr.dtype.element_ty
+    # c_{t-1}: the (clipped) cell of the previous step of this row, or c0 at the row's first step.
+    cp = tl.load(cpre_ptr + ptok[:, None] * H + rh[None, :], mask=vm & (s > 0), other=0.0)
+    if HAS_CELL_CLIP:
+        cp = _clamp(cp, cell_clip)
+    c0 = tl.load(c0_ptr + rb[:, None] * H + rh[None, :], mask=vm & (s == 0), other=0.0).to(ACC)
+    c_prev = tl.where(s > 0, cp, c0)
+    tl.store(dzp + 2 * H, tl.where(vm, dc * c_prev * gf * (1.0 - gf), 0.0).to(ddt), mask=am)
+    gi = _sigmoid(tl.load(zp, mask=vm, other=0.0).to(ACC))
+    gj = tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
     tl.store(dzp, tl.where(vm, dc * gj * gi * (1.0 - gi), 0.0).to(ddt), mask=am)
     tl.store(dzp + H, tl.where(vm, dc * gi * (1.0 - gj * gj), 0.0).to(ddt), mask=am)
-    tl.store(dzp + 2 * H, tl.where(vm, dc * c_prev * gf * (1.0 - gf), 0.0).to(ddt), mask=am)
-    tl.store(dzp + 3 * H, tl.where(vm, dm * tc * go * (1.0 - go), 0.0).to(ddt), mask=am)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -476,7 +478,10 @@ BATCHES = (1, 16, 64, 128, 384)  # the listed sizes; TUNED has one entry per (ke
 # (kernel, "16bit" | "fp32", batch) -> Tile. Chosen by `bench/lstmp_compile.py --search` for sm_90a at
 # H=4096, P=512 (results and rules: bench/results/lstmp_compile.md). A batch uses the entry of the
 # smallest listed size >= B (the largest beyond 384). Inference sizes also carry training entries (and the
-# other way round) so any B works in both modes.
+# other way round) so any B works in both modes. The 16-bit bwd_cell entries at 128 and 384 come from the search's
+# calibrated ranking (2026-11-27, bench/kernel_fit.py: L2 traffic set the H200's timings), once the kernel's epilogue
+# stopped holding every gate tile at once (wider tiles compiled without spills; 128x16 before, 164 -> 101 MB of L2
+# traffic a step at 384); the others were its roofline ranking's and are its calibrated ranking's picks too at B >= 128.
 TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
     ("fwd_proj", "16bit", 1): Tile(16, 32, 32, 4, 4),
@@ -499,13 +504,13 @@ TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 128): Tile(128, 16, 32, 4, 4),
     ("fwd_proj", "16bit", 128): Tile(64, 64, 32, 4, 4),
     ("fwd_reduce", "16bit", 128): Tile(16, 16, 0, 4, 1),
-    ("bwd_cell", "16bit", 128): Tile(128, 16, 32, 4, 4),
+    ("bwd_cell", "16bit", 128): Tile(32, 64, 32, 8, 4),
     ("bwd_rec", "16bit", 128): Tile(64, 128, 32, 4, 4),
     ("bwd_reduce", "16bit", 128): Tile(16, 16, 0, 4, 1),
     ("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4),
     ("fwd_proj", "16bit", 384): Tile(128, 128, 32, 4, 4),
     ("fwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
-    ("bwd_cell", "16bit", 384): Tile(128, 16, 64, 8, 4),
+    ("bwd_cell", "16bit", 384): Tile(64, 64, 32, 8, 4),
     ("bwd_rec", "16bit", 384): Tile(128, 256, 32, 8, 4),
     ("bwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
     ("fwd_cell", "fp32", 1): Tile(16, 16, 16, 4, 4),

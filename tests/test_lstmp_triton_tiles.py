@@ -171,6 +171,29 @@ def test_gpu_plan_split_counts_fp64(gpu_plan, name):
     assert_close(got, ref, TOL[torch.float64], f"[{name}] ")
 
 
+@pytest.mark.parametrize("size", [128, 384])
+def test_tuned_backward_cell_tile(gpu_plan, monkeypatch, size):
+    """The 16-bit backward cell kernel's GPU tile at B = ``size`` (TUNED, wider than 16 columns since its epilogue
+    stores each gate as soon as it is known) at a shape that crosses each of its tile edges (rows, H columns, K =
+    P), the other kernels at a small tile: outputs and every gradient against the fp64 reference."""
+    mod = _mod()
+    tile = mod.TUNED[("bwd_cell", "16bit", size)]
+    gpu_plan(8, mod.Tile(16, 16, 16, warps=4, stages=2))
+    tuned = collections.defaultdict(lambda: mod.Tile(16, 16, 16, warps=4, stages=2))
+    tuned.update({("bwd_cell", cls, b): tile for cls in ("16bit", "fp32") for b in mod.BATCHES})
+    monkeypatch.setattr(mod, "TUNED", tuned)
+    shape = dict(ODD, B=tile.BM + 3, H=tile.BN + 3, P=tile.BK + 3, lengths=[3, 0, 1, 2, 3, 3, 1] * 20)
+    shape["lengths"] = shape["lengths"][: shape["B"]]
+    plan = mod.launch_plan(shape["B"], shape["T"], shape["H"], shape["P"], torch.float64, training=True,
+                           target=mod.device_target(None))
+    assert plan["bwd_cell"].tile == tile and plan["bwd_cell"].grid == (2, 2)
+    case = make_case(**{**shape, "residual": True})
+    fl = flags(reverse=True, residual=True)
+    want = run(reference, case, torch.float64, fl, upstream_grads(7))
+    got = run(kernel, case, torch.float64, fl, upstream_grads(7))
+    assert_close(got, want, TOL[torch.float64], f"[bwd_cell {tile}] ")
+
+
 def test_deterministic_bitwise(gpu_plan):
     """No atomics: two runs with 3 and 10 K splits give the same bits, forward and every gradient (the second with
     every grid run backwards: a result that depended on program order would differ)."""
