@@ -227,7 +227,8 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
 
 
 KERNEL_FIELDS = ["date", "op", "kernel", "B", "T", "dtype", "mode", "grid", "tile", "us_p50", "us_p20", "us_p80",
-                 "est_us", "ratio", "bytes", "flops", "device", "torch", "triton", "cuda", "commit", "command"]
+                 "est_us", "ratio", "cal_us", "cal_ratio", "bytes", "flops", "device", "torch", "triton", "cuda",
+                 "commit", "command"]
 
 
 def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float32), T=20, dims=ELMO,
@@ -265,9 +266,10 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
                     grid="x".join(map(str, launch.grid)), tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}",
                     us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                     est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops,
+                    **_calibrated([(name, launch)], B, dtype, p50),
                 ))
                 print(f"{name:>10} {rows[-1]['dtype']:>8} B={B:<3}: {p50 * 1e3:8.2f} us, estimate {est:6.2f} us, "
-                      f"ratio {rows[-1]['ratio']}", flush=True)
+                      f"ratio {rows[-1]['ratio']}, calibrated {rows[-1]['cal_us']} us", flush=True)
             del c, args, bufs, plan
     return rows
 
@@ -304,7 +306,7 @@ def _plan_with(name, tile, B, T, dtype, device, dims) -> dict:
         reverse=TRAIN_FLAGS["reverse"], residual=TRAIN_FLAGS["residual"])
 
 
-def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes) -> dict:
+def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes, cal) -> dict:
     p50, p20, p80 = times
     t = launch.tile
     return dict(meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -313,7 +315,8 @@ def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes) -> d
                 tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" fused" if t.fused else "")
                 + (" (tuned)" if tuned else ""),
                 us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
-                est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops)
+                est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops,
+                **_calibrated(cal, B, dtype, p50))
 
 
 def _split_alternatives():
@@ -367,7 +370,8 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
                                              f"result (max |diff| {(got - first).abs().max().item():.3g})")
                     est = _estimate_us(pl[gemm], dtype) + _estimate_us(pl[reduce], dtype)
                     rows.append(_tile_row(meta, f"{gemm}+{reduce}", pl[gemm], tile is None, B, T, dtype, times, est,
-                                          pl[gemm].bytes + pl[reduce].bytes + 2 * pl[gemm].scratch_bytes))
+                                          pl[gemm].bytes + pl[reduce].bytes + 2 * pl[gemm].scratch_bytes,
+                                          [(gemm, pl[gemm]), (reduce, pl[reduce])]))
                     print(f"{gemm:>8}+reduce {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
                           f"S={pl[gemm].grid[2]:<3}: {times[0] * 1e3:8.2f} us (estimate, partials in HBM "
                           f"{est:6.2f})", flush=True)
@@ -452,12 +456,27 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                     times = common.time_ms(lambda launch=launch, b=b: KL._run(launch, b, s), device)
                     restore()
                     est = _estimate_us(launch, dtype)
-                    rows.append(_tile_row(meta, name, launch, tile is None, B, T, dtype, times, est, launch.bytes))
+                    rows.append(_tile_row(meta, name, launch, tile is None, B, T, dtype, times, est, launch.bytes,
+                                          [(name, launch)]))
                     print(f"{name:>8} {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
                           f"grid {rows[-1]['grid']:<8}: {times[0] * 1e3:8.2f} us (estimate {est:6.2f})", flush=True)
                 del saved
             del bufs, bbufs, plan, bplan
     return rows
+
+
+def _calibrated(launches, B, dtype, p50_ms) -> dict:
+    """``cal_us``: launches timed together by do_bench under the calibrated model (bench/kernel_fit.py): its timing
+    floor once, plus each launch's GPU time, every program taken as resident; ``cal_ratio`` = measured / that. The
+    rows a GPU lease adds here are what the next fit reads."""
+    import kernel_fit
+    import lstmp_compile
+
+    cls = kernel_fit.cls_of("fp32" if dtype == torch.float32 else "bf16")
+    cal = kernel_fit.FIT[cls]["floor_us"] + sum(lstmp_compile.calibrated_us(name, launch, B, dtype,
+                                                                            lstmp_compile.RESIDENT)
+                                                for name, launch in launches)
+    return dict(cal_us=f"{cal:.2f}", cal_ratio=f"{p50_ms * 1e3 / cal:.2f}")
 
 
 def _estimate_us(launch, dtype) -> float:

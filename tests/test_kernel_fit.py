@@ -106,3 +106,18 @@ def test_busy_and_occupancy(kf):
     assert t == pytest.approx(dict(l2=1e6, hbm=1e6, mma=1e6), rel=1e-2)
     assert kf.calibrated_us(3.22e6, 0, 0, 66, 1, "16bit") == pytest.approx(2.0, rel=1e-2)
     assert math.isclose(kf.calibrated_us(0, 0, 67e12 * 0.423, 132, 1, "fp32"), 1e6, rel_tol=1e-2)
+
+
+def test_gpu_rows_carry_the_calibrated_estimate(kf):
+    """bench_lstmp's per-kernel and sweep rows (GPU only) carry ``cal_us`` = the timing floor once plus each timed
+    launch's calibrated GPU time, so a lease's rows check the model directly."""
+    import bench_lstmp
+    import lstmp_compile as LC
+
+    assert {"cal_us", "cal_ratio"} <= set(bench_lstmp.KERNEL_FIELDS)
+    pl = LC.plan(torch.bfloat16, 384, True)
+    pair = [("bwd_rec", pl["bwd_rec"]), ("bwd_reduce", pl["bwd_reduce"])]
+    want = kf.FIT["16bit"]["floor_us"] + sum(LC.calibrated_us(n, lc, 384, torch.bfloat16, LC.RESIDENT)
+                                             for n, lc in pair)
+    got = bench_lstmp._calibrated(pair, 384, torch.bfloat16, p50_ms=want / 1e3 * 2)
+    assert float(got["cal_us"]) == pytest.approx(want, abs=0.01) and got["cal_ratio"] == "2.00"
