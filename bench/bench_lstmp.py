@@ -403,8 +403,7 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     ranked = sorted(lstmp_compile.candidates(name, B, dtype != torch.float32),
                     key=functools.partial(lstmp_compile._prekey, name, dtype, B))
     twin = (dataclasses.replace(tuned, fused=not tuned.fused),) if name == "fwd_cell" else ()
-    size = next((b for b in KL.BATCHES if b >= B), KL.BATCHES[-1])
-    old = REPLACED.get((name, "16bit" if dtype != torch.float32 else "fp32", size))
+    old = REPLACED.get((name, "16bit" if dtype != torch.float32 else "fp32", KL.tuned_size(B)))
     extra = twin + ((KL.Tile(*old),) if old else ())
     # twin and predecessor take the place of the last candidates: a sweep's launches (and its minutes on a leased GPU)
     # stay the same
@@ -467,14 +466,14 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
 
 def _calibrated(launches, B, dtype, p50_ms) -> dict:
     """``cal_us``: launches timed together by do_bench under the calibrated model (bench/kernel_fit.py): its timing
-    floor once, plus each launch's GPU time, every program taken as resident; ``cal_ratio`` = measured / that. The
-    rows a GPU lease adds here are what the next fit reads."""
+    floor once, plus each launch's GPU time with every program taken as resident (the occupancy is not known here:
+    kernel_report charges it from the compiled code, a few % at most on the tuned tiles); ``cal_ratio`` = measured /
+    that. A refit joins these rows with the compile stats of their code (kernel_fit.build_rows)."""
     import kernel_fit
     import lstmp_compile
 
     cls = kernel_fit.cls_of("fp32" if dtype == torch.float32 else "bf16")
-    cal = kernel_fit.FIT[cls]["floor_us"] + sum(lstmp_compile.calibrated_us(name, launch, B, dtype,
-                                                                            lstmp_compile.RESIDENT)
+    cal = kernel_fit.FIT[cls]["floor_us"] + sum(lstmp_compile.calibrated_us(name, launch, B, dtype, None)
                                                 for name, launch in launches)
     return dict(cal_us=f"{cal:.2f}", cal_ratio=f"{p50_ms * 1e3 / cal:.2f}")
 

@@ -400,10 +400,8 @@ def estimate_us(case: Case, scratch_in_l2: bool = False, graph: bool = False) ->
     if "error" in st:  # did not compile: never the preferred candidate, and no estimate to add up
         return math.inf
     peak = PEAK_TC if tensor_cores(st) else PEAK_FMA
-    n = case.programs
-    slots = SMS * max(occupancy(st), 1)
-    busy = min(1.0, n / SMS) if n <= slots else n / (math.ceil(n / slots) * slots)
     nbytes = case.bytes - (case.scratch if scratch_in_l2 else 0.0)
+    busy = kernel_fit.busy(case.programs, occupancy(st))
     return common.launched_us(max(nbytes / HBM, case.flops / peak) / busy * 1e6, graph)
 
 
@@ -427,8 +425,10 @@ def calibrated_gpu_us(case: Case) -> float | None:
 
 
 def calibrated_us(case: Case, graph: bool = True) -> float:
-    """``calibrated_gpu_us`` with the launch terms of ``common.launched_us`` (LSTMP launches only)."""
-    return common.launched_us(calibrated_gpu_us(case), graph)
+    """``calibrated_gpu_us`` with the launch terms of ``common.launched_us`` (LSTMP launches only; inf for a variant
+    that did not compile, as ``estimate_us``)."""
+    gpu = calibrated_gpu_us(case)
+    return math.inf if gpu is None else common.launched_us(gpu, graph)
 
 
 GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",

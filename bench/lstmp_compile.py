@@ -17,11 +17,11 @@ roofline estimate of performance.md: max(bytes / 3.35 TB/s, FLOPs / peak) (with 
 compulsory bytes and FLOPs at the rates fitted to the H200's per-kernel timings (16-bit: within a factor of
 ~1.2 of every timed launch; the roofline was 2-12x short), the SMs a grid leaves idle charged.
 
-``--search`` compiles candidate tiles, drops those that spill, lack tensor-core instructions (16-bit), lack
-async copies in a K loop, or launch fewer than ``sms`` programs at B >= 128 (when another candidate
-reaches it), ranks the rest by the calibrated estimate (one program per SM assumed, so a last partial wave
-counts in full), then by L2 traffic, keeps the passing candidate with the fewest registers x warps of the first
-group, and prints the ``TUNED`` entries to paste into kernels/lstmp.py.
+``--search`` compiles candidate tiles in the order of their calibrated estimate with every program resident (no
+compile needed), then of their L2 traffic; drops those that spill, lack tensor-core instructions (16-bit), lack
+async copies in a K loop, or launch fewer than ``sms`` programs at B >= 128; keeps the one with the best calibrated
+estimate at its compiled occupancy (then the fewest registers), stopping once the order's estimates pass that; and
+prints the ``TUNED`` entries to paste into kernels/lstmp.py (``--kernels``, ``--batches``, ``--dtypes``: a part).
 """
 from __future__ import annotations
 
@@ -122,13 +122,11 @@ def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H1
     return common.launched_us(_roofline_us(launch, low) * max(1.0, sms / programs(launch)), graph)
 
 
-RESIDENT = 32  # programs per SM when the compiled code is not known: the grid taken as resident at once
-
-
-def calibrated_us(name: str, launch: KL.Launch, B: int, dtype: torch.dtype, blocks_per_sm: int) -> float:
+def calibrated_us(name: str, launch: KL.Launch, B: int, dtype: torch.dtype, blocks_per_sm: int | None) -> float:
     """GPU time of one launch under the model calibrated on the H200's per-kernel timings (``kernel_fit``): the
-    L2 traffic of the tiling, the compulsory bytes (partials included) and the FLOPs at fitted rates; a last
-    partial wave of ``blocks_per_sm`` programs per SM charged in full."""
+    L2 traffic of the tiling, the compulsory bytes (partials included) and the FLOPs at fitted rates; the SMs a last
+    partial wave of ``blocks_per_sm`` programs per SM leaves idle charged (``None``: every program resident at once,
+    the lower bound for any occupancy)."""
     return kernel_fit.calibrated_us(l2_bytes(name, launch, B, dtype), launch.bytes + launch.scratch_bytes,
                                     launch.flops, programs(launch), blocks_per_sm,
                                     kernel_fit.cls_of(dtype_name(dtype)))
@@ -300,15 +298,15 @@ def _prekey(name, dtype, B, tile):
     is charged for idle SMs: occupancy needs the compiled code), then L2 traffic."""
     launch = plan(dtype, B, True, {name: tile})[name]
     return (B >= 128 and programs(launch) < KL.H100.sms,
-            round(calibrated_us(name, launch, B, dtype, blocks_per_sm=RESIDENT), 2), l2_bytes(name, launch, B, dtype))
+            round(calibrated_us(name, launch, B, dtype, blocks_per_sm=None), 2), l2_bytes(name, launch, B, dtype))
 
 
 def search(kernels=KL.KERNELS, batches=KL.BATCHES, dtypes=(torch.bfloat16, torch.float32)) -> int:
     """Per (dtype, B, kernel): candidates in order of the compile-free key (programs rule, estimate, L2
     traffic); compile group by group and keep the passing candidate (no rule broken, no spill) with the best
-    calibrated estimate at its compiled occupancy, then the fewest registers x warps. The compile-free estimate
-    takes every program as resident, so it bounds the compiled one from below: the search stops at the first
-    group whose key is above the best compiled estimate found."""
+    calibrated estimate at its compiled occupancy, then the fewest registers a thread (headroom against spills),
+    then the fewest registers x warps. The compile-free estimate takes every program as resident, so it bounds the
+    compiled one from below: the search stops at the first group whose key is above the best compiled estimate."""
     work = tempfile.mkdtemp(prefix="lstmp_ptxas_")
     chosen = {}
     for dtype, B in itertools.product(dtypes, batches):
@@ -329,7 +327,7 @@ def search(kernels=KL.KERNELS, batches=KL.BATCHES, dtypes=(torch.bfloat16, torch
                     bad = rule_violations(name, launch, r, B, low) + (["spills"] if r["spill_st"] else [])
                     print(f"  {name} {dtype_name(dtype)} B={B} {tile} key={key} regs={r['regs']} "
                           f"spill={r['spill_st']} wgmma={r['wgmma']} mma={r['mma']} {'; '.join(bad)}", flush=True)
-                    rank = (round(calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r)), 2),
+                    rank = (round(calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r)), 2), r["regs"],
                             r["regs"] * r["warps"])
                     if not bad and (best is None or rank < best[1]):
                         best = (tile, rank)

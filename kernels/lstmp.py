@@ -481,7 +481,8 @@ BATCHES = (1, 16, 64, 128, 384)  # the listed sizes; TUNED has one entry per (ke
 # other way round) so any B works in both modes. The 16-bit bwd_cell entries at 128 and 384 come from the search's
 # calibrated ranking (2026-11-27, bench/kernel_fit.py: L2 traffic set the H200's timings), once the kernel's epilogue
 # stopped holding every gate tile at once (wider tiles compiled without spills; 128x16 before, 164 -> 101 MB of L2
-# traffic a step at 384); the others were its roofline ranking's and are its calibrated ranking's picks too at B >= 128.
+# traffic a step at 384). The other 16-bit entries at 128 and 384 are the roofline ranking's; each ties with the
+# calibrated search's pick (same estimate; its tie-break, fewest registers, takes other warps or BK there): kept.
 TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
     ("fwd_proj", "16bit", 1): Tile(16, 32, 32, 4, 4),
@@ -566,12 +567,16 @@ def _low(dtype: torch.dtype) -> bool:
 FUSED_GATES = {"16bit": True, "fp32": False}
 
 
+def tuned_size(B: int) -> int:
+    """The listed size whose ``TUNED`` entries a batch of B rows uses: the smallest >= B (the largest beyond it)."""
+    return next((b for b in BATCHES if b >= B), BATCHES[-1])
+
+
 def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
     """The tile of ``kernel`` at batch ``B``: ``TUNED``'s (the interpreter's fixed one under it), with the forward cell
     kernel's design from ``FUSED_GATES``, so the interpreter runs the GPU's design for each operand dtype."""
     cls = "16bit" if _low(dtype) else "fp32"
-    size = next((b for b in BATCHES if b >= B), BATCHES[-1])
-    t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, size)]
+    t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, tuned_size(B))]
     return replace(t, fused=_fused(kernel, _low(dtype))) if kernel == "fwd_cell" else t
 
 

@@ -93,12 +93,18 @@ def test_l2_bytes_counts_each_cell_kernels_own_weight():
 
 
 def test_busy_and_occupancy(kf):
-    """Fewer programs than SMs use that share of the GPU; a last partial wave idles its slots; occupancy is the
+    """Fewer programs than SMs use that share of the GPU; a last partial wave idles its slots, but never more than with
+    fewer programs resident (the share does not fall as occupancy rises); ``None``: all resident. Occupancy is the
     tightest of registers (per warp, in 256s), shared memory (+1 KiB a block) and warps."""
     assert kf.busy(66, 1) == 0.5
     assert kf.busy(264, 1) == 1.0
     assert kf.busy(384, 1) == pytest.approx(384 / 396)
-    assert kf.busy(384, 32) == 1.0
+    assert kf.busy(384, 2) == pytest.approx(384 / 396)  # 384 / 528 alone: a second slot per SM cannot make it worse
+    assert kf.busy(400, 3) == pytest.approx(400 / 528) and kf.busy(400, 4) == 1.0  # 400 / 792 alone at 3
+    assert kf.busy(384, 32) == kf.busy(384, None) == 1.0
+    for n in (100, 133, 384, 768, 6144):
+        shares = [kf.busy(n, k) for k in range(1, 33)]
+        assert shares == sorted(shares) and shares[-1] <= kf.busy(n, None)
     assert kf.occupancy(dict(regs=128, smem=0, warps=8)) == 2
     assert kf.occupancy(dict(regs=64, smem=100 * 1024, warps=4)) == 2
     assert kf.occupancy(dict(regs=32, smem=0, warps=4)) == 16
@@ -110,14 +116,23 @@ def test_busy_and_occupancy(kf):
 
 def test_gpu_rows_carry_the_calibrated_estimate(kf):
     """bench_lstmp's per-kernel and sweep rows (GPU only) carry ``cal_us`` = the timing floor once plus each timed
-    launch's calibrated GPU time, so a lease's rows check the model directly."""
+    launch's calibrated GPU time with every program resident, so a lease's rows check the model directly."""
     import bench_lstmp
     import lstmp_compile as LC
 
+    from elmo_fast.kernels import lstmp as KL
+
     assert {"cal_us", "cal_ratio"} <= set(bench_lstmp.KERNEL_FIELDS)
-    pl = LC.plan(torch.bfloat16, 384, True)
-    pair = [("bwd_rec", pl["bwd_rec"]), ("bwd_reduce", pl["bwd_reduce"])]
-    want = kf.FIT["16bit"]["floor_us"] + sum(LC.calibrated_us(n, lc, 384, torch.bfloat16, LC.RESIDENT)
-                                             for n, lc in pair)
-    got = bench_lstmp._calibrated(pair, 384, torch.bfloat16, p50_ms=want / 1e3 * 2)
-    assert float(got["cal_us"]) == pytest.approx(want, abs=0.01) and got["cal_ratio"] == "2.00"
+    lc = LC.plan(torch.bfloat16, 384, True)["bwd_cell"]
+    assert lc.tile == KL.Tile(64, 64, 32, 8, 4) and LC.l2_bytes("bwd_cell", lc, 384, torch.bfloat16) == 100_663_296
+    # 5.56 µs of floor + the compulsory 54.9 MB at 1.62 TB/s (the L2 term, 100.7 MB at 3.22 TB/s, is 2.7 µs
+    # shorter; the FLOP term far shorter), 384 programs all resident
+    hbm = lc.bytes + lc.scratch_bytes
+    assert hbm == pytest.approx(54.92e6, rel=1e-3)
+    want = 5.56 + max(100_663_296 / 3.22e12, hbm / 1.62e12) * 1e6
+    got = bench_lstmp._calibrated([("bwd_cell", lc)], 384, torch.bfloat16, p50_ms=2 * want / 1e3)
+    assert float(got["cal_us"]) == pytest.approx(want, abs=0.01)
+    assert got["cal_ratio"] == "2.00"
+    pair = [("bwd_rec", LC.plan(torch.bfloat16, 384, True)["bwd_rec"]), ("bwd_cell", lc)]
+    two = float(bench_lstmp._calibrated(pair, 384, torch.bfloat16, 1.0)["cal_us"])
+    assert two == pytest.approx(float(got["cal_us"]) + LC.calibrated_us(*pair[0], 384, torch.bfloat16, None), abs=0.02)
