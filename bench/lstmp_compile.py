@@ -215,7 +215,8 @@ def report(md_path: str | None) -> int:
             "calibrated µs |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = ["## Every launch (after)", "", head, *rows, "",
-             "## Estimates per step (µs): rule in a CUDA graph / rule outside one (+3 µs a launch) / filled in a graph",
+             "## Estimates per step (µs): rule in a CUDA graph / rule outside one (an eager launch: max(kernel, "
+             "42 µs)) / filled in a graph",
              "", "| dtype | B | mode | fwd step | bwd step | chain call (graph / no graph) |",
              "|---|---|---|---|---|---|"]
     for dtype, B, training in VARIANTS:
