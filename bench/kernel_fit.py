@@ -14,7 +14,7 @@ The calibrated model, per launch, GPU time only (the launch terms stay ``common.
 
     calibrated_us = max(L2 bytes / BW_L2, compulsory bytes / BW_HBM, FLOPs / (peak x eff)) / busy
 
-with ``busy`` the share of SMs a grid keeps busy (``busy``), and ``BW_L2``, ``BW_HBM``, ``eff`` fitted per
+with ``busy`` the share of SMs a grid keeps busy (``busy()``), and ``BW_L2``, ``BW_HBM``, ``eff`` fitted per
 operand class (16-bit; fp32 on the FMA path) to the measured rows by least squares on log(time), together with a
 constant per-launch ``floor_us`` that ``do_bench`` adds to a lone launch (the timing floor of an empty-ish kernel:
 not counted in the sums, which use the launch terms). The 16-bit tensor-core efficiency is not fitted: no
@@ -208,7 +208,8 @@ def fit(rows: list[dict], cls: str) -> dict:
 
 
 def leave_one_out(rows: list[dict], cls: str) -> list[tuple[dict, float]]:
-    """Each row predicted by the constants fitted to the class's other rows: (row, predicted / measured)."""
+    """Each of the class's fitted rows predicted by the constants fitted without it (fp32's HBM rate then comes from
+    all 16-bit rows): (row, predicted / measured)."""
     mine = [r for r in rows if cls_of(r["dtype"]) == cls and r["kernel"] in FIT_KERNELS]
     out = []
     for r in mine:
