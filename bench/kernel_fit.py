@@ -50,7 +50,10 @@ OLD_REPORT = ("43df509", "bench/results/kernel_report.csv")  # compile stats of 
 SMS = 132
 PEAK = {"16bit": 990e12, "fp32": 67e12}
 FIELDS = ["kernel", "B", "dtype", "mode", "tile", "grid", "programs", "blocks_per_sm", "regs", "tensor_cores",
-          "flops", "hbm_bytes", "l2_bytes", "measured_us", "roofline_us"]
+          "flops", "hbm_bytes", "l2_bytes", "measured_us", "roofline_us",
+          # where the timing ran (the H200 row's own record) and where the compile stats come from
+          "device", "torch", "triton", "cuda", "commit", "date", "command", "compile_stats"]
+PROVENANCE = ("device", "torch", "triton", "cuda", "commit", "date", "command")
 FIT_KERNELS = ("fwd_cell", "fwd_proj", "bwd_cell", "bwd_rec")
 
 # Fitted by ``fit(load_rows(), cls)`` (tests/test_kernel_fit.py checks that a refit gives these back).
@@ -160,7 +163,10 @@ def build_rows() -> list[dict]:
                         programs=LC.programs(lc), blocks_per_sm=int(st["blocks_per_sm"]), regs=int(st["regs"]),
                         tensor_cores=int(int(st["hgmma"]) + int(st["hmma"]) > 0), flops=lc.flops,
                         hbm_bytes=lc.bytes + lc.scratch_bytes, l2_bytes=LC.l2_bytes(name, lc, B, dtype),
-                        measured_us=float(r["us_p50"]), roofline_us=float(r["est_us"])))
+                        measured_us=float(r["us_p50"]), roofline_us=float(r["est_us"]),
+                        **{k: r[k] for k in PROVENANCE},
+                        compile_stats=f"sm_90a, compiled without a GPU: {OLD_REPORT[1]} of {OLD_REPORT[0]} "
+                                      f"(code {st['commit']})"))
     return out
 
 
@@ -226,11 +232,14 @@ def rms_of_ratios(ratios) -> float:
 # ------------------------------------------------------------------------------------------ report
 def report(rows: list[dict]) -> str:
     env = common.environment()
+    ran = sorted({", ".join(f"{k} {r[k]}" for k in PROVENANCE if k != "date") for r in rows})
+    days = sorted({r["date"][:10] for r in rows})
     lines = ["# The LSTMP kernels' model, calibrated on the H200's per-kernel timings", "",
-             f"Command: `python bench/kernel_fit.py` at `{env['commit']}` ({env['date']}); rows: "
-             f"`{ROWS_CSV.relative_to(common.ROOT)}` (the H200 rows of gpu_h200_rows.jsonl, bench `lstmp_kernels`, "
-             "joined with the compile stats of the code that ran). Nothing new was measured: the fit reads the "
-             "timings of 2026-11-26. Model and method: the docstring of `bench/kernel_fit.py`.", "",
+             f"Command: `python bench/kernel_fit.py` at `{env['commit']}` ({env['date']}, {env['device']}: a fit, "
+             f"nothing timed here). Rows: `{ROWS_CSV.relative_to(common.ROOT)}`, the per-kernel timings of "
+             f"gpu_h200_rows.jsonl (bench `lstmp_kernels`, {', '.join(days)}; {'; '.join(ran)}) joined with "
+             f"the compile stats of the code that ran ({rows[0]['compile_stats']}). Model and method: the docstring "
+             "of `bench/kernel_fit.py`.", "",
              "| class | floor µs | BW_L2 TB/s | BW_HBM TB/s | FLOP efficiency | rms log error: roofline | fitted | "
              "leave-one-out (max) |", "|---|---|---|---|---|---|---|---|"]
     notes = {"16bit": ("", " (not fitted)"), "fp32": (" (the 16-bit rate)", "")}

@@ -32,6 +32,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import csv  # noqa: E402
 import io  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
@@ -252,11 +253,10 @@ def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train):
     s = min(3, T - 1)  # the step index (never specialised)
     out = []
     for name, lc in plan.items():
-        l2 = lstmp_compile.l2_bytes(name, lc, B, dtype)
-        if name == "bwd_cell":  # the prologue launches before the first bwd_cell
-            out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, lstmp_compile.l2_bytes(
-                "bwd_reduce", plan["bwd_reduce"], B, dtype), dict(HAS_PART=False), once=True))
-        out.append(_lstmp_entry(name.split("_")[0], lc, s, l2))
+        if name == "bwd_cell":  # the prologue launches before the first bwd_cell: no partials to read
+            out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, plan["bwd_reduce"].bytes, dict(HAS_PART=False),
+                                    once=True))
+        out.append(_lstmp_entry(name.split("_")[0], lc, s, lstmp_compile.l2_bytes(name, lc, B, dtype)))
     return out
 
 
@@ -265,7 +265,7 @@ def _lstmp_entry(phase, lc, s, l2, override=None, once=False) -> list[tuple]:
     args = tuple(M(v) if isinstance(v, torch.dtype) else (s if n == "s" else v) for n, v in lc.args)
     scratch = 0 if override else lc.scratch_bytes  # the prologue reads no partials
     return [(phase, KX.Launch(lc.kernel, lc.grid, meta), args, float(lc.flops), float(lc.bytes + scratch), once,
-             float(scratch), float(l2 - lc.scratch_bytes + scratch))]
+             float(scratch), float(l2))]
 
 
 def _cases(size: Size, op: str, dtype, built, variant="") -> list[Case]:
@@ -405,12 +405,18 @@ def estimate_us(case: Case, scratch_in_l2: bool = False, graph: bool = False) ->
     return common.launched_us(max(nbytes / HBM, case.flops / peak) / busy * 1e6, graph)
 
 
-# ms per chain (fwd, fwd+bwd) measured on the H200, 2026-11-26 (bench/results/gpu_h200.md, `bench_lstmp.py`, call 1):
-# elmo_fast with loop graphs (the code of c17f5ba), then cuDNN's nn.LSTM(512, 4096, proj_size=512), B rows x 20 steps.
-H200_CHAIN_MS = {("train B=384", "bf16"): (1.495, 4.208, 1.241, 3.110),
-                 ("train B=128", "bf16"): (0.665, 1.787, 0.837, 3.013),
-                 ("train B=384", "fp32"): (7.179, 27.710, 7.886, 21.614),
-                 ("train B=128", "fp32"): (2.955, 11.526, 3.162, 9.657)}
+def h200_chain_ms(path: Path = kernel_fit.H200_ROWS) -> dict:
+    """(size, dtype) -> ms per chain (fwd, fwd+bwd of elmo_fast with loop graphs; the same of cuDNN's
+    nn.LSTM(512, 4096, proj_size=512)), B rows x 20 steps, from the H200's committed rows (2026-11-26, bench `lstmp`,
+    `bench_lstmp.py`, call 1: the code of c17f5ba) at the training sizes of the report."""
+    got: dict = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("bench") == "lstmp" and r.get("call") == "call 1" and r["provider"] in ("triton", "cudnn"):
+            key = (f"train B={r['B']}", {"bfloat16": "bf16", "float32": "fp32"}[r["dtype"]])
+            got.setdefault(key, {})[(r["provider"], r["mode"])] = float(r["ms_p50"])
+    return {k: tuple(v[(p, m)] for p in ("triton", "cudnn") for m in ("fwd", "fwd+bwd"))
+            for k, v in got.items() if len(v) == 4 and k[0] in {s.name for s in SIZES if s.train}}
 
 
 def calibrated_gpu_us(case: Case) -> float | None:
@@ -672,9 +678,11 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path = out_dir / "kernel_report.csv"
     with open(csv_path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS + ["triton", "torch", "commit", "command"], extrasaction="ignore")
+        w = csv.DictWriter(fh, fieldnames=COLUMNS + ["target", "compiled_on", "date", "triton", "torch", "commit",
+                                                     "command"], extrasaction="ignore")
         w.writeheader()
-        w.writerows({**r, **env} for r in rows)
+        where = dict(target="sm_90a (H100 model): compiled, no GPU ran it", compiled_on=env["device"])
+        w.writerows({**r, **env, **where} for r in rows)
     md = [f"# Kernel report{' (CI subset)' if subset else ''}: elmo_fast Triton kernels compiled for an H100 "
           "(sm_90a), no GPU",
           "",
@@ -737,17 +745,19 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                "`bench/kernel_fit.py`: the LSTMP kernels' L2 traffic, compulsory bytes and FLOPs at rates fitted to "
                "the H200's per-kernel timings (bench/results/kernel_fit.md: 16-bit within x1.2 of the timed launches "
                "rms, fp32 within x1.45; the roofline above was 2-12x short), loop graphs on, the ops around the loop "
-               "(cuBLAS GEMMs, the replay's refill) at the roofline. Beside it, what the H200 measured on 2026-11-26 "
-               "(bench/results/gpu_h200.md, call 1, the code of c17f5ba: before the backward cell kernel's wider "
+               "(cuBLAS GEMMs, the replay's refill) at the roofline. Beside it, what one NVIDIA H200 measured on "
+               "2026-11-26 (torch 2.11.0+cu130, triton 3.6.0, CUDA 13.0; gpu_h200_rows.jsonl, bench `lstmp`, "
+               "`python3 bench/bench_lstmp.py`, call 1, the code of c17f5ba: before the backward cell kernel's wider "
                "tiles) and cuDNN's `nn.LSTM(512, 4096, proj_size=512)` in the same run. One chain = 20 steps, "
                "one layer, one direction.", "",
                "| size | dtype | step fwd µs | step fwd+bwd µs | chain fwd ms | chain fwd+bwd ms | H200 chain fwd | "
                "fwd+bwd | cuDNN fwd | fwd+bwd | fwd+bwd: calibrated / cuDNN |",
                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        chains = h200_chain_ms()
         for srow in sums:
             if "chain_fwd_bwd_cal_us" not in srow:
                 continue
-            meas = H200_CHAIN_MS.get((srow["size"], srow["dtype"]), ("",) * 4)
+            meas = chains.get((srow["size"], srow["dtype"]), ("",) * 4)
             ratio = (f"{srow['chain_fwd_bwd_cal_us'] / 1e3 / meas[3]:.2f}" if meas[3] else "")
             md.append("| " + " | ".join([srow["size"], srow["dtype"], f"{srow['lstm_step_fwd_cal_us']:.1f}",
                                          f"{srow['lstm_step_fwd_bwd_cal_us']:.1f}",

@@ -31,6 +31,9 @@ def rows(kf):
 def test_rows_are_the_h200_kernel_rows(kf, rows):
     """One row per per-kernel timing of the H200 run (4 batch sizes x 2 dtypes x 3 or 6 kernels)."""
     assert len(rows) == 36
+    assert {(r["device"], r["torch"], r["cuda"], r["commit"], r["date"][:10]) for r in rows} == {
+        ("NVIDIA H200", "2.11.0+cu130", "13.0", "2bde5e4", "2026-11-26")}  # each row says where it ran
+    assert all(r["compile_stats"].startswith("sm_90a") for r in rows)
     assert {(r["kernel"], r["dtype"]) for r in rows if r["B"] == 384} == {
         (k, d) for k in ("fwd_cell", "fwd_proj", "fwd_reduce", "bwd_cell", "bwd_rec", "bwd_reduce")
         for d in ("bf16", "fp32")}

@@ -151,6 +151,16 @@ def test_report_subset_compiles_for_sm90(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert {"_char_cnn_fwd_kernel", "_highway_fused_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel"} <= kernels
     assert all(r["regs"] and int(r["regs"]) > 0 for r in rows)
+    assert all(r["target"].startswith("sm_90a") and r["compiled_on"] and r["commit"] for r in rows)  # where from
+
+
+def test_the_h200_chains_come_from_the_committed_rows():
+    """The measured chains the calibrated table sets beside its estimates are the H200's rows (gpu_h200.md's table)."""
+    import kernel_report
+
+    got = kernel_report.h200_chain_ms()
+    assert set(got) == {(f"train B={b}", d) for b in (128, 384) for d in ("bf16", "fp32")}
+    assert got[("train B=384", "bf16")] == (1.4947, 4.2078, 1.2407, 3.11)  # triton fwd, fwd+bwd; cuDNN fwd, fwd+bwd
 
 
 def test_tuned_times_each_candidate_once_per_key_and_keeps_the_fastest(monkeypatch):
