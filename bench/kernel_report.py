@@ -129,6 +129,7 @@ class Case:
     once: bool = False  # launched once per op call, not once per step (the sums' ``times`` does not apply)
     scratch: float = 0.0  # of ``bytes``: the LSTMP split-K partials (re-used every step; may stay in L2)
     l2: float = 0.0  # LSTMP only: what its programs move through L2 (lstmp_compile.l2_bytes), for the calibrated model
+    repeat: int = 1  # launched this many times in a row per op call, the same variant (the full softmax's chunks)
     stats: dict = field(default_factory=dict)
 
     @property
@@ -141,7 +142,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.kernel}{' ' + self.variant if self.variant else ''}"
+        return (f"{self.kernel}{' ' + self.variant if self.variant else ''}"
+                + (f" (x{self.repeat} launches)" if self.repeat > 1 else ""))
 
 
 def M(dt):  # a tensor argument of dtype dt
@@ -230,17 +232,19 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
                               N, P_, C, cps), lambda lc: (gemm, (N * P_ + C * P_) * e + C * 12))]
     if train:
         flags["sub_target"] = not sampled
-        dh, cps = KS.dh_launch(N, C, P_, dtype, target, num_splits=num_splits, **flags)
+        cw = KS.dlogit_columns(N, C, e)
         inputs = (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32))
+        for w in sorted({cw, C % cw} - {0}, reverse=True):  # full chunks, then a partial last one
+            dl = KS.dlogit_launch(N, w, P_, dtype, target, **flags)
+            count = C // cw if w == cw else 1
 
-        def cost(lc):  # the logits are recomputed once per P chunk; dH partials are added in a torch pass
-            chunks = lc.grid[1]
-            part = lc.grid[2] * N * P_ * 4 * (2 if lc.grid[2] > 1 else 1) if lc.kernel is dh.kernel else C * P_ * 4
-            return (chunks + 1) * gemm, (N * P_ + C * P_) * e + part
+            def cost(lc, w=w):  # the logit tile once; dlogit written in the operand dtype, the bias partials fp32
+                return 2.0 * N * w * P_, (N * P_ + w * P_) * e + N * w * e + lc.grid[0] * w * 4
 
-        out.append(_entry("bwd", dh, inputs + (M(FP32), N, P_, C, cps), cost))
-        out.append(_entry("bwd", KS.dw_launch(N, C, P_, dtype, target, **flags),
-                          inputs + (M(FP32), M(FP32), N, P_, C), cost))
+
+            flops, nbytes = cost(dl)
+            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), flops, nbytes, False, 0.0, 0.0,
+                         count)])
     return out
 
 
@@ -271,7 +275,7 @@ def _lstmp_entry(phase, lc, s, l2, override=None, once=False) -> list[tuple]:
 def _cases(size: Size, op: str, dtype, built, variant="") -> list[Case]:
     return [Case(op, phase, size.name, dtype, launch, args, flops, nbytes, variant, slot=slot, choice=choice,
                  once=bool(rest and rest[0]), scratch=rest[1] if len(rest) > 1 else 0.0,
-                 l2=rest[2] if len(rest) > 2 else 0.0)
+                 l2=rest[2] if len(rest) > 2 else 0.0, repeat=rest[3] if len(rest) > 3 else 1)
             for slot, entry in enumerate(built)
             for choice, (phase, launch, args, flops, nbytes, *rest) in enumerate(entry)]
 
@@ -439,7 +443,7 @@ def calibrated_us(case: Case, graph: bool = True) -> float:
 
 GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",
              "_mm_kernel",
-             "_softmax_lse_fwd_kernel", "_softmax_dh_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel",
+             "_softmax_lse_fwd_kernel", "_softmax_dlogit_kernel", "_fwd_cell_kernel",
              "_bwd_cell_kernel", "_splitk_kernel"}
 # Kernels that may launch fewer than 132 programs at B >= 128, and why (none today).
 FEW_PROGRAMS_OK: dict[str, str] = {}
@@ -540,7 +544,13 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
         ops["sampled_softmax/fwd"] = [TorchOp("sampler: log-uniform draws, first-occurrence dedup (V scratch)",
                                               0, 3 * V * 8, 15, False),
                                       TorchOp("offsets, split LSE merge, loss", 0, nt * 16 + S * 16, 10, False)]
-        ops["sampled_softmax/bwd"] = [TorchOp("true-class column, unique/index_add rows, sparse grads", 0,
+        ops["sampled_softmax/bwd"] = [gemm("dH = dlogit·W_s (cuBLAS, fp32 out)", nt, P, S, dt),
+                                      gemm("dW_s = dlogitᵀ·H (cuBLAS, fp32 out)", S, P, nt, dt),
+                                      TorchOp("gather W_s rows, sum the bias partials", 0,
+                                              2 * S * P * es(dt) + KS.dlogit_launch(
+                                                  nt, S, P, dt, KX.H100, gather=True, mask_hits=True,
+                                                  sub_target=False).grid[0] * S * 4, 2, False),
+                                      TorchOp("true-class column, unique/index_add rows, sparse grads", 0,
                                               4 * nt * P * 4, 15, False)]
         ops["optimizer/step"] = [TorchOp("grad norm + dense Adagrad over 93.6M params (fp32 state)", 0,
                                          6 * N_PARAMS * 4, 8 * 40, False),
@@ -582,7 +592,7 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
 
     def kern(size, dt, op, phase, variant="", times=1, graph=False, l2=False, cal=False):
         return sum((calibrated_us(c, graph) if cal else estimate_us(c, l2, graph)) * (1 if c.once else times)
-                   for c in by.get((size.name, dt, op, phase, variant), []))
+                   * c.repeat for c in by.get((size.name, dt, op, phase, variant), []))
 
     def loop_graph_us(size, dt, phase):
         return sum(o.estimate_us() for o in loop_graph_ops(size, dt)[f"lstmp/{phase}"])

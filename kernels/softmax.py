@@ -8,14 +8,15 @@ The same kernels serve both ops. A "column" is a candidate class: for the sample
   P, masks accidental hits, and keeps an online log-sum-exp (running max m, running sum l_sum, fp32) over its
   column range. Split 0 also computes the target logit ``h · w_y + off_y`` by a gathered dot. The (N × S) or
   (N × V) logits never leave registers; the host combines the per-split (m, l_sum) (a few numbers per row).
-* Backward recomputes logit tiles and forms ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for
-  the full softmax) in registers, in two kernels that each own their outputs (no atomics; deterministic):
-  ``_softmax_dh_kernel`` — grid (row blocks, P chunks, column splits) — accumulates ``dH = dlogit · W_c`` over
-  its split's columns in registers and writes one partial dH per split, which the host adds in split order;
-  ``_softmax_dw_kernel`` — grid (column blocks, P chunks) — accumulates ``dW_c = dlogitᵀ · H`` and
-  ``db_c = Σ_n dlogit`` over all rows. Each program recomputes the logits of its tiles, once per P chunk
-  (P / BLOCK_P times): about twice the FLOPs of the atomic-add design (the Cut-Cross-Entropy pattern), which
-  has every row block add into the same dW rows (thousands of same-address atomics for the full softmax).
+* Backward, per chunk of columns (all S sampled columns at once; the full softmax's V in chunks of at most
+  ``DLOGIT_BYTES``): ``_softmax_dlogit_kernel`` — grid (row blocks, column blocks) — recomputes each logit tile
+  once and writes ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for the full softmax) in the
+  operand dtype, with the bias gradient's fp32 column sums per row block; then two cuBLAS GEMMs,
+  ``dH += dlogit · W_chunk`` and ``dW_chunk = dlogitᵀ · H``, accumulate in fp32. One writer per element, partials
+  added in a fixed order: deterministic, no atomics. The logits are computed twice in all (forward, backward),
+  against 1 + 2 x (P chunks) times in the design before (a dH and a dW kernel that each recomputed them in
+  64 x 64 tiles), for the chunk's N x columns in HBM (at the training shape 7,680 x 8,192 in bf16: 120 MiB
+  written once and read by the two GEMMs).
 
 The P loop of every logit tile is a ``range`` over the constexpr P: an scf.for that the compiler
 software-pipelines (``num_stages``), and a plain Python loop under ``TRITON_INTERPRET=1``; loops with a runtime
@@ -26,9 +27,11 @@ gather/scatter done on the host side in torch. The weight gradient is naturally 
 ``sampled_ids ∪ targets`` — and comes out as a sparse COO tensor with ``sparse_grad=True`` (uncoalesced, so
 that no host sync sizes it: repeated rows are pre-summed in fp32 into their first entry, the others are 0).
 
-Numerics: dots accumulate in fp32 (fp32 inputs use IEEE fp32 dots, not TF32); log-sum-exp, softmax and the
-gradient buffers are fp32; outputs are cast to the input dtype at the end. Accidental hits get −FLT_MAX in the
-max and exactly zero probability, like TF's additive −FLT_MAX.
+Numerics: dots accumulate in fp32 (fp32 inputs use IEEE fp32 dots, not TF32; the backward's two GEMMs are
+torch.mm, which follows ``torch.backends.cuda.matmul.allow_tf32``, off unless the user turns it on); log-sum-exp,
+softmax and the gradient buffers are fp32, dlogit is rounded to the operand dtype for the GEMMs; outputs are
+cast to the input dtype at the end. Accidental hits get −FLT_MAX in the max and exactly zero probability, like
+TF's additive −FLT_MAX.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of, triton_operator, tuned
+from elmo_fast.kernels._common import Launch, Target, dot_flags, pow2_between, target_of, triton_operator
 from elmo_fast.kernels._common import dot_acc
 from elmo_fast.ops._library import nothing
 
@@ -103,64 +106,28 @@ def _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, 
 
 
 @triton.jit
-def _softmax_dh_kernel(
+def _softmax_dlogit_kernel(
     H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
-    DH,  # output: (SPLITS, N, P) fp32, one partial sum per column split
-    N, P: tl.constexpr, C, cols_per_split,
+    DL, DB,  # outputs: (N, CW) in the operand dtype, (row blocks, CW) fp32
+    N, P: tl.constexpr, c0, CW,
     GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Grid (row blocks, P chunks, column splits): DH[split, rows, chunk] = Σ_{split's columns} dlogit · W[c, chunk].
-
-    Every element is written by exactly one program, in a fixed column order: deterministic, no atomics."""
+    """Grid (row blocks, column blocks) over the CW columns c0 .. c0 + CW: DL[n, j] = dlogit[n, c0 + j] rounded to
+    the operand dtype (the GEMM operand backward multiplies with), DB[row block, j] = the row block's fp32 sum of
+    dlogit[:, c0 + j] (the bias gradient's partial, before rounding). One writer per element: deterministic."""
     rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N)
-    pc = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = pc < P
-    c_begin = tl.program_id(2) * cols_per_split
-    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
-    c0 = 0
-    while c0 < cols_per_split:  # runtime bound: a while loop (the interpreter takes no runtime range bounds)
-        cols, col_ok, cid = _split_cols(COL_IDS, c_begin, c0, cols_per_split, C, BLOCK_C, GATHER)
-        d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P, MASK_HITS, SUB_TARGET,
-                         BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
-        w = tl.load(W + cid[:, None] * P + pc[None, :], mask=col_ok[:, None] & p_ok[None, :], other=0.0)
-        acc = dot_acc(d.to(W.dtype.element_ty), w, acc, UPCAST, IEEE)
-        c0 += BLOCK_C
-    out = DH + tl.program_id(2).to(tl.int64) * N * P + rows64[:, None] * P + pc[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & p_ok[None, :])
-
-
-@triton.jit
-def _softmax_dw_kernel(
-    H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
-    DWC, DOFF,  # outputs: (C, P) fp32 by column position, (C,) fp32
-    N, P: tl.constexpr, C,
-    GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Grid (column blocks, P chunks): DWC[cols, chunk] = Σ_n dlogitᵀ · H[n, chunk] over all rows, in row order;
-    the programs of chunk 0 also write DOFF[cols] = Σ_n dlogit. Deterministic, no atomics."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    cols64 = cols.to(tl.int64)
-    cid = _cols_of(COL_IDS, cols64, col_ok, GATHER)
-    pc = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = pc < P
-    acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)
-    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    r0 = 0
-    while r0 < N:
-        rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, r0 + tl.arange(0, BLOCK_N), N)
-        d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols64, cid, col_ok, P, MASK_HITS,
-                         SUB_TARGET, BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
-        h = tl.load(H + rows64[:, None] * P + pc[None, :], mask=row_ok[:, None] & p_ok[None, :], other=0.0)
-        acc = dot_acc(tl.trans(d.to(H.dtype.element_ty)), h, acc, UPCAST, IEEE)
-        db += tl.sum(d, axis=0)
-        r0 += BLOCK_N
-    tl.store(DWC + cols64[:, None] * P + pc[None, :], acc, mask=col_ok[:, None] & p_ok[None, :])
-    tl.store(DOFF + cols64, db, mask=col_ok & (tl.program_id(1) == 0))
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = offs < CW
+    cols = c0 + offs
+    cid = _cols_of(COL_IDS, cols, col_ok, GATHER)
+    d = _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, P, MASK_HITS, SUB_TARGET,
+                     BLOCK_N, BLOCK_C, BLOCK_K, UPCAST, IEEE)
+    offs64 = offs.to(tl.int64)
+    tl.store(DL + rows64[:, None] * CW + offs64[None, :], d.to(DL.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(DB + tl.program_id(0).to(tl.int64) * CW + offs64, tl.sum(d, axis=0), mask=col_ok)
 
 
 @triton.jit
@@ -217,28 +184,18 @@ def _softmax_lse_fwd_kernel(
 # host side
 # ------------------------------------------------------------------------------------------------------------
 
-def _fwd_tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
+def _tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
+    """The logit tile of the forward and of the backward's dlogit kernel (one K loop over P per tile). 16-bit:
+    128 x 128 (sm_90a: 241 registers in the forward, 223 in the dlogit kernel, no spill; the forward's 64 x 128
+    before had 184): a tile's K loop reads (BLOCK_N + BLOCK_C) x P operands for BLOCK_N x BLOCK_C x P products,
+    so 128 x 128 moves a third fewer bytes through L2 per FLOP than 64 x 128 and half of what 64 x 64 moved. fp32
+    (IEEE products on the FMA units, operands in registers) keeps 64 x 128 (128 registers in the dlogit kernel)."""
     if target.interpret:  # small tiles keep the numpy emulation fast and exercise the masks
         return dict(BLOCK_N=pow2_between(N, 16, 16), BLOCK_C=pow2_between(C, 16, 32),
                     BLOCK_K=pow2_between(P, 16, 16), num_warps=4, num_stages=1)
-    return dict(BLOCK_N=pow2_between(N, 16, 64), BLOCK_C=pow2_between(C, 16, 128),
-                BLOCK_K=pow2_between(P, 16, 32 if dtype == torch.float32 else 64), num_warps=8, num_stages=3)
-
-
-def _bwd_tiles(P: int, dtype: torch.dtype, target: Target, dw: bool) -> list[dict]:
-    """Backward tiles (the autotune space of ``_softmax_dw_kernel``; ``_softmax_dh_kernel`` has one: its partial
-    buffers depend on the grid). A program holds a logit tile (BLOCK_N, BLOCK_C) and a P chunk of BLOCK_P
-    columns of dH or dW; the logits are recomputed once per chunk (P / BLOCK_P times). fp32 (IEEE products on
-    the FMA units, operands in registers) takes narrow column tiles; its dW kernel holds all of P=512 with 16
-    warps, which its dH kernel cannot without spilling (kernel report)."""
-    if target.interpret:
-        return [dict(BLOCK_N=16, BLOCK_C=16, BLOCK_K=16, BLOCK_P=pow2_between(P, 16, 16), num_warps=4,
-                     num_stages=1)]
-    if dtype == torch.float32:
-        return [dict(BLOCK_N=64, BLOCK_C=16, BLOCK_K=32, BLOCK_P=pow2_between(P, 16, 512 if dw else 256),
-                     num_warps=16 if dw else 8, num_stages=3)]
-    t = dict(BLOCK_N=64, BLOCK_C=64, BLOCK_K=64, BLOCK_P=pow2_between(P, 16, 256), num_warps=8)
-    return [dict(t, num_stages=3), dict(t, num_stages=4)] if dw else [dict(t, num_stages=3)]
+    wide = dtype != torch.float32
+    return dict(BLOCK_N=pow2_between(N, 16, 128 if wide else 64), BLOCK_C=pow2_between(C, 16, 128),
+                BLOCK_K=pow2_between(P, 16, 64 if wide else 32), num_warps=8, num_stages=3)
 
 
 def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
@@ -254,30 +211,46 @@ def lse_fwd_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *
                    num_splits: int | None = None) -> tuple[Launch, int]:
     """``_softmax_lse_fwd_kernel`` over N rows and C columns, and its columns per split: the columns are split
     (split-K over columns, partial log-sum-exps combined on the host) so few row blocks still fill the GPU."""
-    t = _fwd_tiles(N, C, P, dtype, target)
+    t = _tiles(N, C, P, dtype, target)
     row_blocks = triton.cdiv(N, t["BLOCK_N"])
     splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), row_blocks, target, num_splits)
     return Launch(_softmax_lse_fwd_kernel, (row_blocks, splits), dict(
         GATHER=gather, MASK_HITS=mask_hits, **dot_flags(dtype, target), **t)), per_split * t["BLOCK_C"]
 
 
-def dh_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
-              sub_target: bool, num_splits: int | None = None) -> tuple[Launch, int]:
-    """``_softmax_dh_kernel`` (grid: row blocks x P chunks x column splits) and its columns per split."""
-    t = _bwd_tiles(P, dtype, target, dw=False)[0]
-    grid01 = (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(P, t["BLOCK_P"]))
-    splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), grid01[0] * grid01[1], target, num_splits)
-    return Launch(_softmax_dh_kernel, (*grid01, splits), dict(
-        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t)), \
-        per_split * t["BLOCK_C"]
-
-
-def dw_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
-              sub_target: bool) -> list[Launch]:
-    """``_softmax_dw_kernel`` (grid: column blocks x P chunks), one launch per autotune candidate."""
-    return [Launch(_softmax_dw_kernel, (triton.cdiv(C, t["BLOCK_C"]), triton.cdiv(P, t["BLOCK_P"])), dict(
+def dlogit_launch(N: int, CW: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
+                  sub_target: bool) -> Launch:
+    """``_softmax_dlogit_kernel`` over N rows and a chunk of CW columns (grid: row blocks x column blocks)."""
+    t = _tiles(N, CW, P, dtype, target)
+    return Launch(_softmax_dlogit_kernel, (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(CW, t["BLOCK_C"])), dict(
         GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
-        for t in _bwd_tiles(P, dtype, target, dw=True)]
+
+
+DLOGIT_BYTES = 256 << 20  # the most the backward's dlogit chunk (N x columns, operand dtype) may take
+
+
+def dlogit_columns(N: int, C: int, itemsize: int, budget: int = DLOGIT_BYTES) -> int:
+    """Columns per backward chunk: all C when N x C fits ``budget`` bytes (the sampled softmax: 7680 x 8192 in
+    bf16 is 120 MiB), else the most that fit, a multiple of 128 (the full softmax: never N x V at once)."""
+    fit = budget // max(1, N * itemsize)
+    return C if fit >= C else max(128, fit // 128 * 128)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 accumulation and an fp32 result. fp32 operands: torch.mm (IEEE unless the user turned
+    on TF32 for matmuls). 16-bit operands on CUDA: cuBLAS with an fp32 output (``out_dtype``) where this torch
+    build has it, else its 16-bit output widened (one more rounding); on CPU (the interpreter's tests): the
+    fp32 product of the widened operands, the same sums."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        if _MM_OUT_DTYPE:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.mm(a, b).float()
+    return torch.mm(a.float(), b.float())
+
+
+_MM_OUT_DTYPE = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
 
 
 def _check_inputs(hidden, weight, bias):
@@ -311,26 +284,40 @@ def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_
 
 
 def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits: bool, sub_target: bool,
-                 num_splits: int | None = None):
+                 chunk_cols: int | None = None):
     """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns.
 
-    Deterministic: dW and d_off have one writer per element; dH is summed over ``num_splits`` column splits
-    (default: enough to fill the GPU) as partial buffers added in split order."""
+    Per chunk of columns (``dlogit_columns``, or ``chunk_cols``): ``_softmax_dlogit_kernel`` writes the chunk's
+    dlogit in the operand dtype and the bias gradient's per-row-block fp32 partials; two cuBLAS GEMMs give
+    dH += dlogit · W_chunk and dW_chunk = dlogitᵀ · H (fp32 accumulation, ``_mm_f32``). Deterministic: one
+    writer per element, chunks and row-block partials added in order, no atomics."""
     N, P = hidden.shape
     C = col_off.numel()
     target = target_of(hidden.device)
     gather = col_ids is not None
     ids = col_ids if gather else col_off
     flags = dict(gather=gather, mask_hits=mask_hits, sub_target=sub_target)
-    launch, cols_per_split = dh_launch(N, C, P, hidden.dtype, target, num_splits=num_splits, **flags)
-    dh = torch.empty((launch.grid[2], N, P), dtype=torch.float32, device=hidden.device)
-    launch(hidden, weight, ids, col_off, targets, lse, g, dh, N, P, C, cols_per_split)
-    dh = dh[0] if launch.grid[2] == 1 else dh.sum(0)
-    dwc = torch.empty((C, P), dtype=torch.float32, device=hidden.device)
-    doff = torch.empty((C,), dtype=torch.float32, device=hidden.device)
-    key = (triton.next_power_of_2(N), C, P, hidden.dtype, *flags.values())  # rows bucketed
-    tuned(dw_launch(N, C, P, hidden.dtype, target, **flags), key,
-          hidden, weight, ids, col_off, targets, lse, g, dwc, doff, N, P, C)
+    cw = min(C, chunk_cols or dlogit_columns(N, C, hidden.dtype.itemsize))
+    rows = dlogit_launch(N, cw, P, hidden.dtype, target, **flags).grid[0]
+    dl_buf = torch.empty((N * cw,), dtype=hidden.dtype, device=hidden.device)
+    db_buf = torch.empty((rows * cw,), dtype=torch.float32, device=hidden.device)
+    dh = dwc = doff = None
+    for c0 in range(0, C, cw):
+        w = min(cw, C - c0)
+        dl, db = dl_buf[:N * w].view(N, w), db_buf[:rows * w].view(rows, w)
+        dlogit_launch(N, w, P, hidden.dtype, target, **flags)(hidden, weight, ids, col_off, targets, lse, g,
+                                                               dl, db, N, P, c0, w)
+        w_chunk = weight.index_select(0, col_ids[c0:c0 + w]) if gather else weight[c0:c0 + w]
+        part = _mm_f32(dl, w_chunk)
+        dh = part if dh is None else dh.add_(part)
+        if w == C:  # one chunk (the sampled softmax): the products are the outputs
+            dwc, doff = _mm_f32(dl.t(), hidden), db.sum(0)
+            continue
+        if dwc is None:
+            dwc = torch.empty((C, P), dtype=torch.float32, device=hidden.device)
+            doff = torch.empty((C,), dtype=torch.float32, device=hidden.device)
+        dwc[c0:c0 + w] = _mm_f32(dl.t(), hidden)
+        doff[c0:c0 + w] = db.sum(0)
     return dh, dwc, doff
 
 

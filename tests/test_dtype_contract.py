@@ -108,8 +108,7 @@ def test_softmax_autocast_runs_bf16_variant(sampled, device):
             loss = ops.full_softmax_nll(hidden, targets, W, b, backend="triton")
         loss.backward()
     _assert_bf16_variant(counts, "_softmax_lse_fwd_kernel", ["H", "W"])
-    _assert_bf16_variant(counts, "_softmax_dh_kernel", ["H", "W"], fp32=["DH"])
-    _assert_bf16_variant(counts, "_softmax_dw_kernel", ["H", "W"], fp32=["DWC"])
+    _assert_bf16_variant(counts, "_softmax_dlogit_kernel", ["H", "W", "DL"], fp32=["DB"])
     _grads_are_fp32([W, b])
 
 

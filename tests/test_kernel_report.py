@@ -149,7 +149,7 @@ def test_report_subset_compiles_for_sm90(tmp_path):
     with open(tmp_path / "kernel_report.csv") as fh:
         rows = list(csv.DictReader(fh))
     kernels = {r["kernel"] for r in rows}
-    assert {"_char_cnn_fwd_kernel", "_highway_fused_kernel", "_softmax_dw_kernel", "_fwd_cell_kernel"} <= kernels
+    assert {"_char_cnn_fwd_kernel", "_highway_fused_kernel", "_softmax_dlogit_kernel", "_fwd_cell_kernel"} <= kernels
     assert all(r["regs"] and int(r["regs"]) > 0 for r in rows)
     assert all(r["target"].startswith("sm_90a") and r["compiled_on"] and r["commit"] for r in rows)  # where from
 

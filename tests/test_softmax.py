@@ -335,12 +335,13 @@ def nan_empty(monkeypatch):
 
 @pytest.mark.triton
 @requires_triton
-@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("chunk", [None, 16, 40])
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
-def test_softmax_grad_two_pass_reduction(nan_empty, sampled, splits):
-    """The deterministic backward: dH summed over column splits (partial buffers, second pass in split order),
-    dW/db with one writer per element, P in chunks; shapes cross every tile (N 37, P 40, C 45/70, accidental
-    hits), fp32 against an fp64 formula, and a second run, with every grid run backwards, is bitwise equal."""
+def test_softmax_grad_chunked_dlogit_and_gemms(nan_empty, sampled, chunk):
+    """The deterministic backward: per column chunk (all columns, or 16 / 40 at a time: the last chunk partial)
+    the dlogit kernel's tile and bias partials, dH accumulated over the chunks, dW per chunk; shapes cross every
+    tile (N 37, P 40, C 45/70, accidental hits), fp32 against an fp64 formula, and a second run, with every grid
+    run backwards, is bitwise equal."""
     from elmo_fast.kernels.softmax import softmax_grad
 
     N, P, V, S = 37, 40, 70, 45
@@ -357,9 +358,9 @@ def test_softmax_grad_two_pass_reduction(nan_empty, sampled, splits):
     dev = triton_device()
     args = tuple(t if t is None else t.to(dev, torch.float32 if t.is_floating_point() else t.dtype)
                  for t in (hidden, weight, ids if sampled else None, off, targets, lse, g))
-    out = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, num_splits=splits)
+    out = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, chunk_cols=chunk)
     with programs_backwards() if dev == "cpu" else contextlib.nullcontext():
-        again = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, num_splits=splits)
+        again = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, chunk_cols=chunk)
     for name, got, want, rep in zip(("dH", "dW", "db"), out, (d @ weight[cid], d.t() @ hidden, d.sum(0)), again):
         torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(got, rep), f"{name} is not deterministic"
