@@ -128,7 +128,8 @@ class Case:
     choice: int = 0  # which autotune candidate of that launch
     once: bool = False  # launched once per op call, not once per step (the sums' ``times`` does not apply)
     scratch: float = 0.0  # of ``bytes``: the LSTMP split-K partials (re-used every step; may stay in L2)
-    l2: float = 0.0  # LSTMP only: what its programs move through L2 (lstmp_compile.l2_bytes), for the calibrated model
+    l2: float = 0.0  # what its programs move through L2 (LSTMP: lstmp_compile.l2_bytes, for the calibrated model;
+    # softmax: softmax_l2_bytes); 0 where not modelled
     repeat: int = 1  # launched this many times in a row per op call, the same variant (the full softmax's chunks)
     stats: dict = field(default_factory=dict)
 
@@ -221,6 +222,15 @@ def highway_cases(M_, F, dtype, target, *, train):
     return out
 
 
+def softmax_l2_bytes(lc, N: int, C: int, P_: int, e: int, written: float = 0.0) -> float:
+    """What a softmax kernel's programs move through L2: each logit tile's K loop reads its BLOCK_N rows of H and
+    its BLOCK_C rows of W, P wide (the re-reads of one tiling: every row block reads every column tile's weights
+    and the other way round), plus ``written``."""
+    m = lc.meta
+    tiles = triton.cdiv(N, m["BLOCK_N"]) * triton.cdiv(C, m["BLOCK_C"])
+    return tiles * (m["BLOCK_N"] + m["BLOCK_C"]) * P_ * e + written
+
+
 def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
     """The launches of the sampled (C = S samples) or the full (C = V) softmax."""
     e = es(dtype)
@@ -228,8 +238,9 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
     fw, cps = KS.lse_fwd_launch(N, C, P_, dtype, target, num_splits=num_splits, **flags)
     ids = M(I64) if sampled else M(FP32)
     gemm = 2.0 * N * C * P_
-    out = [_entry("fwd", fw, (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32), M(FP32), M(FP32),
-                              N, P_, C, cps), lambda lc: (gemm, (N * P_ + C * P_) * e + C * 12))]
+    out = [[("fwd", fw, (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32), M(FP32), M(FP32), N, P_, C,
+                         cps), gemm, (N * P_ + C * P_) * e + C * 12, False, 0.0,
+             softmax_l2_bytes(fw, N, C, P_, e, fw.grid[1] * N * 8))]]
     if train:
         flags["sub_target"] = not sampled
         cw = KS.dlogit_columns(N, C, e)
@@ -243,8 +254,8 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
 
 
             flops, nbytes = cost(dl)
-            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), flops, nbytes, False, 0.0, 0.0,
-                         count)])
+            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), flops, nbytes, False, 0.0,
+                         softmax_l2_bytes(dl, N, w, P_, e, N * w * e + dl.grid[0] * w * 4), count)])
     return out
 
 
@@ -421,6 +432,17 @@ def h200_chain_ms(path: Path = kernel_fit.H200_ROWS) -> dict:
             got.setdefault(key, {})[(r["provider"], r["mode"])] = float(r["ms_p50"])
     return {k: tuple(v[(p, m)] for p in ("triton", "cudnn") for m in ("fwd", "fwd+bwd"))
             for k, v in got.items() if len(v) == 4 and k[0] in {s.name for s in SIZES if s.train}}
+
+
+def h200_softmax_ms(path: Path = kernel_fit.H200_ROWS) -> float:
+    """The H200's sampled softmax forward+backward (bf16, the training shape), Triton (the softmax bench ran in the
+    lease's call 2), in ms."""
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if (r.get("bench"), r.get("op"), r.get("provider"), r.get("dtype"), r.get("call")) == (
+                "softmax", "sampled_softmax", "triton", "bfloat16", "call 2"):
+            return float(r["ms_p50"])
+    return math.nan
 
 
 def calibrated_gpu_us(case: Case) -> float | None:
@@ -655,6 +677,36 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
     return rows
 
 
+def softmax_l2_table(cases: list[Case]) -> list[str]:
+    """The sampled softmax's Triton kernels by their L2 traffic (``softmax_l2_bytes``) beside the roofline, at
+    the training sizes."""
+    md = ["## The sampled softmax's L2 traffic", "",
+          "One sampled-softmax call (N = B x T rows, S = 8192 samples, P = 512), its Triton kernels: the bytes their "
+          "programs move through L2 (each logit tile's K loop reads its rows of H and of W) and that traffic at the "
+          "L2 rate fitted to the LSTMP kernels for the operand class (bench/kernel_fit.py: "
+          f"{kernel_fit.FIT['16bit']['bw_l2'] / 1e12:.2f} TB/s 16-bit, {kernel_fit.FIT['fp32']['bw_l2'] / 1e12:.2f} "
+          "fp32; not fitted to these kernels: their time if they are bound the same way). Backward's two cuBLAS "
+          "GEMMs are outside (`torch_ops`, at the roofline). The H200 measured the design before this one (dH and "
+          "dW kernels that each recomputed the logits, 64 x 64 tiles) at "
+          f"{h200_softmax_ms():.2f} ms forward+backward, bf16, B=384 (gpu_h200_rows.jsonl, bench `softmax`, "
+          "provider triton, call 2).", "",
+          "| size | dtype | fwd L2 GB | bwd (dlogit) L2 GB | fwd+bwd roofline µs | fwd+bwd at the L2 rate µs |",
+          "|---|---|---|---|---|---|"]
+    for size in [s for s in SIZES if s.train]:
+        for dt in DTYPES:
+            rate = kernel_fit.FIT[kernel_fit.cls_of(dt_name(dt))]["bw_l2"]
+            cs = [c for c in cases if c.op == "sampled_softmax" and c.size == size.name and c.dtype == dt
+                  and c.choice == 0]
+            if not cs:
+                continue
+            fwd = sum(c.l2 * c.repeat for c in cs if c.phase == "fwd")
+            bwd = sum(c.l2 * c.repeat for c in cs if c.phase == "bwd")
+            est = sum(estimate_us(c, graph=True) * c.repeat for c in cs)
+            md.append(f"| {size.name} | {dt_name(dt)} | {fwd / 1e9:.2f} | {bwd / 1e9:.2f} | {est:.0f} | "
+                      f"{(fwd + bwd) / rate * 1e6:.0f} |")
+    return md + [""]
+
+
 # ------------------------------------------------------------------------------------------ output
 COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice", "chosen", "config", "grid",
            "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm", "hgmma",
@@ -774,6 +826,7 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                                          f"{srow['chain_fwd_cal_us'] / 1e3:.3f}",
                                          f"{srow['chain_fwd_bwd_cal_us'] / 1e3:.3f}", *map(str, meas), ratio]) + " |")
         md += [""]
+        md += softmax_l2_table(cases)
     bad = [r for r in rows if r["violations"]]
     md += ["## Rule violations", ""]
     pending = [r for r in bad if r["op"] in PENDING]

@@ -139,6 +139,28 @@ def test_lstmp_launches_match_report(spy, dtype, reverse, residual):
                                           train=True))
 
 
+
+def test_softmax_l2_bytes_and_chunks_by_hand():
+    """The sampled softmax's dlogit launch at the training shape (bf16, 128 x 128 tiles): 60 x 64 tiles each read
+    (128 + 128) rows of 512, then dlogit (7680 x 8192, 2 bytes) and 60 x 8192 fp32 bias partials are written; the
+    full softmax's backward covers V in whole chunks plus one partial chunk."""
+    import kernel_report
+
+    from elmo_fast.kernels import softmax as KS
+    from elmo_fast.kernels._common import H100
+
+    built = kernel_report.softmax_cases(7680, 8192, 512, torch.bfloat16, H100, sampled=True, train=True)
+    (fwd,), (bwd,) = built
+    assert bwd[1].kernel is KS._softmax_dlogit_kernel and bwd[1].grid == (60, 64)
+    assert bwd[7] == 60 * 64 * 256 * 512 * 2 + 7680 * 8192 * 2 + 60 * 8192 * 4 and bwd[8] == 1
+    assert fwd[7] == 60 * 64 * 256 * 512 * 2 + fwd[1].grid[1] * 7680 * 8
+    V = 793471
+    full = kernel_report.softmax_cases(7680, V, 512, torch.bfloat16, H100, sampled=False, train=True)[1:]
+    cw = KS.dlogit_columns(7680, V, 2)
+    assert cw * 7680 * 2 <= KS.DLOGIT_BYTES and cw % 128 == 0
+    assert sum(e[0][-1] * e[0][2][-1] for e in full) == V  # launches x columns each
+
+
 def test_report_subset_compiles_for_sm90(tmp_path):
     """One variant of every kernel function compiled for sm_90a without a GPU (about a minute on 2 cores)."""
     pytest.importorskip("triton")

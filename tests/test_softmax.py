@@ -327,6 +327,23 @@ def test_full_softmax_column_splits(splits):
     torch.testing.assert_close(tgt.double().cpu(), logits.gather(1, targets[:, None])[:, 0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("N, C", [(7680, 8192), (2560, 8192), (2048, 793471), (1280, 793471)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_forward_column_splits_fill_the_waves(N, C, dtype):
+    """The GPU forward's default column splits (the report's target, 132 SMs): at least 2 programs an SM, every
+    split non-empty, and the last wave of one program an SM nearly full (at the training shape exactly 5 waves)."""
+    from elmo_fast.kernels._common import H100
+    from elmo_fast.kernels.softmax import lse_fwd_launch
+
+    lc, per_split = lse_fwd_launch(N, C, 512, dtype, H100, gather=C < 10**5, mask_hits=C < 10**5)
+    rows, splits = lc.grid
+    n = rows * splits
+    assert n >= 2 * H100.sms and (splits - 1) * per_split < C <= splits * per_split
+    assert n / (-(-n // H100.sms) * H100.sms) >= 0.9
+    if (N, C, dtype) == (7680, 8192, torch.bfloat16):
+        assert n == 5 * H100.sms
+
+
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty returns NaN-filled tensors: an output element a kernel never writes fails the test."""
