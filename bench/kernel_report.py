@@ -439,8 +439,9 @@ def h200_softmax_ms(path: Path = kernel_fit.H200_ROWS) -> float:
     lease's call 2), in ms."""
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if (r.get("bench"), r.get("op"), r.get("provider"), r.get("dtype"), r.get("call")) == (
-                "softmax", "sampled_softmax", "triton", "bfloat16", "call 2"):
+        if (r.get("bench"), r.get("op"), r.get("provider"), r.get("dtype"), r.get("call"), r.get("mode"),
+                r.get("shape")) == ("softmax", "sampled_softmax", "triton", "bfloat16", "call 2", "fwd+bwd",
+                                    "N=7680,S=8192,P=512,V=793471"):
             return float(r["ms_p50"])
     return math.nan
 
@@ -709,8 +710,8 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ output
 COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice", "chosen", "config", "grid",
-           "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm", "hgmma",
-           "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "cal_gpu_us", "violations",
+           "launches", "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm",
+           "hgmma", "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "cal_gpu_us", "violations",
            "variant_id", "compile_s"]
 _CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "num_")
 
@@ -720,7 +721,8 @@ def row_of(c: Case, picked: bool) -> dict:
     cfg = " ".join(f"{k}={v}" for k, v in c.launch.meta.items() if k.startswith(_CONFIG_KEYS))
     r = dict(op=c.op, phase=c.phase, size=c.size, dtype=dt_name(c.dtype), kernel=c.kernel, variant=c.variant,
              label=c.label + ("" if picked else " (candidate)"), slot=c.slot, choice=c.choice,
-             chosen=int(picked), config=cfg, grid="x".join(map(str, c.launch.grid)), programs=c.programs,
+             chosen=int(picked), config=cfg, grid="x".join(map(str, c.launch.grid)), launches=c.repeat,
+             programs=c.programs,
              gflop=round(c.flops / 1e9, 3), mbytes=round(c.bytes / 2**20, 2), variant_id=st.get("variant_id"),
              violations="; ".join(violations(c)))
     if "error" not in st:

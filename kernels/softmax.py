@@ -19,8 +19,8 @@ The same kernels serve both ops. A "column" is a candidate class: for the sample
   written once and read by the two GEMMs).
 
 The P loop of every logit tile is a ``range`` over the constexpr P: an scf.for that the compiler
-software-pipelines (``num_stages``), and a plain Python loop under ``TRITON_INTERPRET=1``; loops with a runtime
-bound (columns of a split, rows) stay ``while`` loops, which the interpreter needs.
+software-pipelines (``num_stages``), and a plain Python loop under ``TRITON_INTERPRET=1``; the forward's loop
+over its split's columns (a runtime bound) stays a ``while`` loop, which the interpreter needs.
 
 For the sampled loss the true-class column is not a tile column: its gradient ``g_n (p_true − 1)`` is an O(N·P)
 gather/scatter done on the host side in torch. The weight gradient is naturally sparse — rows
@@ -28,12 +28,15 @@ gather/scatter done on the host side in torch. The weight gradient is naturally 
 that no host sync sizes it: repeated rows are pre-summed in fp32 into their first entry, the others are 0).
 
 Numerics: dots accumulate in fp32 (fp32 inputs use IEEE fp32 dots, not TF32; the backward's two GEMMs are
-torch.mm, which follows ``torch.backends.cuda.matmul.allow_tf32``, off unless the user turns it on); log-sum-exp,
-softmax and the gradient buffers are fp32, dlogit is rounded to the operand dtype for the GEMMs; outputs are
-cast to the input dtype at the end. Accidental hits get −FLT_MAX in the max and exactly zero probability, like
-TF's additive −FLT_MAX.
+cuBLAS, which follows ``torch.backends.cuda.matmul.allow_tf32``, off unless the user turns it on); log-sum-exp,
+softmax and the gradient buffers are fp32, dlogit is rounded to the operand dtype for the GEMMs (to nearest even
+in compiled code; the interpreter, which has no bf16 of its own, truncates every fp32 -> bf16 store, in every
+kernel, even with ``fp_downcast_rounding="rtne"``: triton 3.6); outputs are cast to the input dtype at the end.
+Accidental hits get −FLT_MAX in the max and exactly zero probability, like TF's additive −FLT_MAX.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -186,10 +189,11 @@ def _softmax_lse_fwd_kernel(
 
 def _tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
     """The logit tile of the forward and of the backward's dlogit kernel (one K loop over P per tile). 16-bit:
-    128 x 128 (sm_90a: 241 registers in the forward, 223 in the dlogit kernel, no spill; the forward's 64 x 128
-    before had 184): a tile's K loop reads (BLOCK_N + BLOCK_C) x P operands for BLOCK_N x BLOCK_C x P products,
-    so 128 x 128 moves a third fewer bytes through L2 per FLOP than 64 x 128 and half of what 64 x 64 moved. fp32
-    (IEEE products on the FMA units, operands in registers) keeps 64 x 128 (128 registers in the dlogit kernel)."""
+    128 x 128 (sm_90a: 204-241 registers in the forward, 182-234 in the dlogit kernel across the report's
+    variants, no spill; the forward's 64 x 128 before had 127-184). A tile's K loop reads (BLOCK_N + BLOCK_C) x P
+    operands for BLOCK_N x BLOCK_C x P products, so 128 x 128 moves a third fewer bytes through L2 per FLOP than
+    64 x 128 and half of what 64 x 64 moved. fp32 (IEEE products on the FMA units, operands in registers) keeps
+    64 x 128 (128 registers in the dlogit kernel)."""
     if target.interpret:  # small tiles keep the numpy emulation fast and exercise the masks
         return dict(BLOCK_N=pow2_between(N, 16, 16), BLOCK_C=pow2_between(C, 16, 32),
                     BLOCK_K=pow2_between(P, 16, 16), num_warps=4, num_stages=1)
@@ -251,19 +255,27 @@ def dlogit_columns(N: int, C: int, itemsize: int, budget: int = DLOGIT_BYTES) ->
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with fp32 accumulation and an fp32 result. fp32 operands: torch.mm (IEEE unless the user turned
-    on TF32 for matmuls). 16-bit operands on CUDA: cuBLAS with an fp32 output (``out_dtype``) where this torch
-    build has it, else its 16-bit output widened (one more rounding); on CPU (the interpreter's tests): the
-    fp32 product of the widened operands, the same sums."""
+    on TF32 for matmuls). 16-bit operands on CUDA: cuBLAS with an fp32 output, as a batch of one
+    (``bmm(..., out_dtype=float32)``: torch.compile traces it, where its ``mm`` twin failed to in torch 2.8-2.9,
+    pytorch#163275) where this torch build has it (2.8 on), else the 16-bit product widened (one more rounding);
+    on CPU (the interpreter's tests): the fp32 product of the widened operands, the same sums."""
     if a.dtype == torch.float32:
         return torch.mm(a, b)
     if a.is_cuda:
-        if _MM_OUT_DTYPE:
-            return torch.mm(a, b, out_dtype=torch.float32)
+        if _BMM_OUT_DTYPE:
+            return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32)[0]
         return torch.mm(a, b).float()
     return torch.mm(a.float(), b.float())
 
 
-_MM_OUT_DTYPE = torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA")
+def _has_cuda_kernel(op: str, overload: str) -> bool:
+    """Whether ``aten::op.overload`` exists in this torch and has a CUDA kernel (False on older versions)."""
+    if not hasattr(getattr(torch.ops.aten, op), overload):
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}.{overload}", "CUDA")
+
+
+_BMM_OUT_DTYPE = _has_cuda_kernel("bmm", "dtype")
 
 
 def _check_inputs(hidden, weight, bias):
@@ -310,6 +322,11 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
     gather = col_ids is not None
     ids = col_ids if gather else col_off
     flags = dict(gather=gather, mask_hits=mask_hits, sub_target=sub_target)
+    if chunk_cols is not None and (not isinstance(chunk_cols, int) or chunk_cols < 1):
+        raise ValueError(f"softmax_grad: chunk_cols is a positive number of columns, got {chunk_cols!r}")
+    if N == 0 or C == 0:  # nothing to launch: the sums over no rows or no columns
+        zeros = functools.partial(torch.zeros, dtype=torch.float32, device=hidden.device)
+        return zeros((N, P)), zeros((C, P)), zeros((C,))
     cw = min(C, chunk_cols or dlogit_columns(N, C, hidden.dtype.itemsize))
     rows = dlogit_launch(N, cw, P, hidden.dtype, target, **flags).grid[0]
     dl_buf = torch.empty((N * cw,), dtype=hidden.dtype, device=hidden.device)

@@ -159,6 +159,34 @@ def test_bilm_exports(tiny_model):
         assert torch.equal(got["mask"], want["mask"])
 
 
+# ---------------------------------------------------------------------------------------- the softmax losses
+@pytest.mark.triton
+@pytest.mark.skipif(not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softmax_losses_compile_whole_and_match_eager(dtype):
+    """The Triton sampled and full softmax, forward and backward, in one compiled graph. On a GPU torch.compile
+    traces the operators, the backward's fp32-output GEMMs (``_mm_f32``) included (under the interpreter the
+    operators stay opaque: the plumbing only)."""
+    dev = triton_device()
+    gen = torch.Generator().manual_seed(0)
+    V, P, N, S = 50, 16, 12, 10
+    h, W, b = (torch.randn(*shape, generator=gen).to(dev, dtype).requires_grad_() for shape in ((N, P), (V, P), (V,)))
+    t = torch.randint(0, V, (N,), generator=gen).to(dev)
+    ids, tries = elmo_fast.ops.log_uniform_sample(S, V, generator=gen)
+    ids = ids.to(dev)
+
+    def loss(h, W, b):
+        return (elmo_fast.ops.sampled_softmax_loss(h, t, W, b, ids, tries, backend="triton")
+                + elmo_fast.ops.full_softmax_nll(h, t, W, b, backend="triton"))
+
+    _no_breaks(loss, h, W, b)
+    want = [loss(h, W, b)]
+    want += torch.autograd.grad(want[0], (h, W, b))
+    got = [torch.compile(loss, fullgraph=True, backend="aot_eager")(h, W, b)]
+    got += torch.autograd.grad(got[0], (h, W, b))
+    _close(got, want, atol=0)  # the same kernels and GEMMs in the same order
+
+
 # ---------------------------------------------------------------------------------------- the trainer's step
 @pytest.fixture
 def trainer(tmp_path):

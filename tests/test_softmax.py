@@ -383,6 +383,68 @@ def test_softmax_grad_chunked_dlogit_and_gemms(nan_empty, sampled, chunk):
         assert torch.equal(got, rep), f"{name} is not deterministic"
 
 
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("chunk", [None, 16])
+@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
+def test_softmax_grad_bf16_products_are_fp32(sampled, chunk):
+    """bf16 operands: dlogit is rounded to bf16 once (as the kernel stores it: to nearest even on a GPU, truncated
+    by the interpreter, which has no bf16 of its own), and the two GEMMs sum its products in fp32 into fp32
+    outputs: dH, dW and db match the fp64 products of that rounded dlogit to ~1e-7 of their largest entry. A 16-bit
+    GEMM output (one more rounding) is off by ~2e-3 and fails."""
+    from elmo_fast.kernels.softmax import softmax_grad
+
+    N, P, V, S = 37, 40, 70, 45
+    hidden, targets, weight, bias, ids, _ = _problem(N, P, V, S, hits=5 if sampled else 0, seed=3)
+    hidden, weight = (t.to(torch.bfloat16).double() for t in (hidden, weight))
+    cid = ids if sampled else torch.arange(V)
+    off = (torch.randn(cid.numel(), dtype=torch.float64) * 0.3).float().double()
+    logits = hidden @ weight[cid].t() + off
+    keep = cid[None, :] != targets[:, None] if sampled else torch.ones_like(logits, dtype=torch.bool)
+    lse = torch.logsumexp(logits.masked_fill(~keep, -math.inf), 1).float().double()
+    g = torch.rand(N, dtype=torch.float64).float().double()
+    d = torch.where(keep, torch.exp(logits - lse[:, None]), 0.0) * g[:, None]
+    if not sampled:
+        d -= torch.nn.functional.one_hot(targets, V) * g[:, None]
+    dev = triton_device()
+    if dev == "cpu":
+        rounded = (d.float().view(torch.int32) & ~0xFFFF).view(torch.float32).double()
+    else:
+        rounded = d.to(torch.bfloat16).double()
+    args = (hidden.to(dev, torch.bfloat16), weight.to(dev, torch.bfloat16), ids.to(dev) if sampled else None,
+            off.to(dev, torch.float32), targets.to(dev), lse.to(dev, torch.float32), g.to(dev, torch.float32))
+    out = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, chunk_cols=chunk)
+    # on a GPU an fp32 logit may round to the other bf16 neighbour now and then (~3e-4 of the largest entry each)
+    tol = 1e-5 if dev == "cpu" else 5e-4
+    for name, got, want in zip(("dH", "dW", "db"), out, (rounded @ weight[cid], rounded.t() @ hidden, d.sum(0))):
+        assert got.dtype == torch.float32, name
+        err = (got.double().cpu() - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), (name, err)
+
+
+@pytest.mark.triton
+@requires_triton
+def test_softmax_grad_empty_shapes_and_bad_chunks():
+    """No rows or no columns: zero gradients of the right shapes, no launch; a chunk width that is not a positive
+    number of columns is refused by name."""
+    from elmo_fast.kernels.softmax import softmax_grad
+
+    dev = triton_device()
+    f32 = dict(dtype=torch.float32, device=dev)
+    w, off = torch.randn(6, 8, **f32), torch.zeros(6, **f32)
+    for N, C in ((0, 6), (3, 0)):
+        h, t = torch.randn(N, 8, **f32), torch.zeros(N, dtype=torch.long, device=dev)
+        dh, dw, db = softmax_grad(h, w[:C], None, off[:C], t, torch.zeros(N, **f32), torch.ones(N, **f32),
+                                  mask_hits=False, sub_target=True)
+        assert dh.shape == (N, 8) and dw.shape == (C, 8) and db.shape == (C,)
+        assert not (dh.any() or dw.any() or db.any())
+    h, t = torch.randn(3, 8, **f32), torch.zeros(3, dtype=torch.long, device=dev)
+    for bad in (0, -4, 2.5):
+        with pytest.raises(ValueError, match="chunk_cols"):
+            softmax_grad(h, w, None, off, t, torch.zeros(3, **f32), torch.ones(3, **f32), mask_hits=False,
+                         sub_target=True, chunk_cols=bad)
+
+
 def test_ops_validate_inputs():
     hidden, targets, weight, bias, ids, tries = _problem(4, 8, 30, 5)
     with pytest.raises(ValueError, match="hidden"):
