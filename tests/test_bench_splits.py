@@ -68,8 +68,9 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch, sweep
 
 
 def test_the_gpu_short_list_comes_from_the_compile_search():
-    """The tuned tile, for the forward cell kernel the same tile in the other design and for a retuned kernel the tile
-    it replaced, each in place of the last of the ``top`` other candidates (in the tuned design)."""
+    """The tuned tile, for the forward cell kernel the same tile in the other design, for a retuned kernel the tile
+    it replaced, and the occupancy probe, each in place of the last of the ``top`` other candidates (in the tuned
+    design)."""
     import dataclasses
 
     import bench_lstmp
@@ -80,7 +81,9 @@ def test_the_gpu_short_list_comes_from_the_compile_search():
     tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
     assert tiles[0] is None and tiles[1] == dataclasses.replace(tuned, fused=not tuned.fused) and len(tiles) == 5
     assert len(set(tiles[2:])) == 3 and tuned not in tiles[2:] and all(t.fused == tuned.fused for t in tiles[2:])
+    assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("fwd_cell", "16bit", 384)], fused=tuned.fused)
     tiles = bench_lstmp._tile_alternatives("bwd_cell", 384, torch.bfloat16, top=4)
     assert tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
     assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("bwd_cell", "16bit", 384)])  # the tile the tuned one replaced
+    assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("bwd_cell", "16bit", 384)])  # 3 programs an SM
     assert KL._tile("bwd_cell", 384, torch.bfloat16, KL.H100) not in tiles[1:]
