@@ -434,14 +434,14 @@ def h200_chain_ms(path: Path = kernel_fit.H200_ROWS) -> dict:
             for k, v in got.items() if len(v) == 4 and k[0] in {s.name for s in SIZES if s.train}}
 
 
-def h200_softmax_ms(path: Path = kernel_fit.H200_ROWS) -> float:
-    """The H200's sampled softmax forward+backward (bf16, the training shape), Triton (the softmax bench ran in the
-    lease's call 2), in ms."""
+def h200_softmax_ms(op: str = "sampled_softmax", mode: str = "fwd+bwd",
+                    shape: str = "N=7680,S=8192,P=512,V=793471", path: Path = kernel_fit.H200_ROWS) -> float:
+    """The H200's Triton softmax time in ms (bf16; the softmax bench ran in the lease's call 2): by default the
+    sampled softmax forward+backward at the training shape."""
     for line in path.read_text().splitlines():
         r = json.loads(line)
         if (r.get("bench"), r.get("op"), r.get("provider"), r.get("dtype"), r.get("call"), r.get("mode"),
-                r.get("shape")) == ("softmax", "sampled_softmax", "triton", "bfloat16", "call 2", "fwd+bwd",
-                                    "N=7680,S=8192,P=512,V=793471"):
+                r.get("shape")) == ("softmax", op, "triton", "bfloat16", "call 2", mode, shape):
             return float(r["ms_p50"])
     return math.nan
 
@@ -688,9 +688,14 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
           f"{kernel_fit.FIT['16bit']['bw_l2'] / 1e12:.2f} TB/s 16-bit, {kernel_fit.FIT['fp32']['bw_l2'] / 1e12:.2f} "
           "fp32; not fitted to these kernels: their time if they are bound the same way). Backward's two cuBLAS "
           "GEMMs are outside (`torch_ops`, at the roofline). The H200 measured the design before this one (dH and "
-          "dW kernels that each recomputed the logits, 64 x 64 tiles) at "
+          "dW kernels that each recomputed the logits, 64 x 64 tiles: by the same count 11.6 GB at B=384 bf16, the "
+          "forward 1.5 and each backward kernel 5.0, from that design's grids) at "
           f"{h200_softmax_ms():.2f} ms forward+backward, bf16, B=384 (gpu_h200_rows.jsonl, bench `softmax`, "
-          "provider triton, call 2).", "",
+          f"provider triton, call 2): {11.58e9 / h200_softmax_ms() / 1e9:.1f} TB/s of this count, near the LSTMP "
+          "rate. Its full-softmax forward (N=2,048, 64 x 128 tiles: 32 x 6,199 tiles, 39.0 GB by this count) took "
+          f"{h200_softmax_ms('full_softmax_nll', 'fwd', 'N=2048,P=512,V=793471'):.2f} ms, "
+          f"{39.0e9 / h200_softmax_ms('full_softmax_nll', 'fwd', 'N=2048,P=512,V=793471') / 1e9:.1f} TB/s: the rate "
+          "is a kernel's, not the GPU's.", "",
           "| size | dtype | fwd L2 GB | bwd (dlogit) L2 GB | fwd+bwd roofline µs | fwd+bwd at the L2 rate µs |",
           "|---|---|---|---|---|---|"]
     for size in [s for s in SIZES if s.train]:

@@ -213,7 +213,7 @@ def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) 
 
     if requested is not None or target.interpret:
         return split(2 if requested is None else requested)
-    sms = target.sms
+    sms, programs = target.sms, max(1, programs)  # no rows: an empty grid either way
     best = None
     for want in range(triton.cdiv(2 * sms, programs), triton.cdiv(8 * sms, programs) + 1):
         got = split(want)
