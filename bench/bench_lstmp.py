@@ -396,11 +396,10 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     """None (the tuned tile), for ``fwd_cell`` the tuned tile in the other design (``Tile.fused``: one dot over the
     gate-interleaved weight, or one per gate; chosen from compiled code alone, kernels/lstmp.FUSED_GATES), the tile
     the tuned one replaced (``REPLACED``), the occupancy probe (``PROBES``, in the tuned design), and the first other
-    candidates of ``bench/lstmp_compile.py``'s search
-    in its compile-free order (programs rule, calibrated estimate, L2 traffic), in the tuned tile's design, up to
-    ``top`` alternatives in all: the compile-time model's short list, for the clock to rank. On the H200
-    (2026-11-26) the cell kernels ran at 3.5-4.4x their roofline estimates at B=384 bf16 and were two thirds of a
-    step; the calibrated model (x1.2 on those timings) has not yet met a GPU."""
+    candidates of ``bench/lstmp_compile.py``'s search in its compile-free order (programs rule, calibrated estimate,
+    L2 traffic), in the tuned tile's design, up to ``top`` alternatives in all: the compile-time model's short list,
+    for the clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their roofline estimates at
+    B=384 bf16 and were two thirds of a step; the calibrated model (x1.2 on those timings) has not yet met a GPU."""
     import dataclasses
     import functools
 
