@@ -10,6 +10,8 @@
   appends CSV rows (device, versions, git commit, command) to ``$ELMO_FAST_BENCH_CSV``, else
   build/bench/softmax.csv, or the committed bench/results/softmax.csv with ``ELMO_FAST_BENCH_RECORD=1``
   (bench/common.py). Correctness is checked first; no speedup is printed on a mismatch.
+  Then each Triton kernel alone (``kernel_rows``: time, the kernel report's L2 count, that count over the time) to
+  ``softmax_kernels.csv``: the per-kernel data the LSTMP model was fitted to, for the softmax's kernels.
   Also runnable as ``python bench/bench_softmax.py``.
 
 FLOP counts (multiply-add = 2): sampled forward 2·N·(S+1)·P, backward 2× that (dH and dW); full softmax
@@ -147,6 +149,71 @@ def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) 
     return rows
 
 
+KERNEL_FIELDS = ["date", "op", "kernel", "mode", "shape", "dtype", "grid", "tile", "us_p50", "us_p20", "us_p80",
+                 "l2_gb", "l2_tbps", "device", "torch", "triton", "cuda", "commit", "command"]
+
+
+def kernel_rows(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16, device="cuda",
+                reps=5) -> list[dict]:
+    """Each softmax Triton kernel alone, on the buffers the op builds: the sampled forward and the backward's dlogit
+    kernel at the training shape, the full forward at the evaluation shape. Per kernel its time, the bytes its
+    programs move through L2 by the kernel report's count (``kernel_report.softmax_l2_bytes``) and that count
+    over the time (``l2_tbps``): the softmax's counterpart of the per-kernel LSTMP timings bench/kernel_fit.py
+    was fitted to (there 3.22 TB/s; the H200's full-softmax forward of the design before ran at 5.2). Under
+    the interpreter (CPU tensors) the same code runs with a plain clock: a smoke run, not numbers."""
+    import kernel_report
+
+    from elmo_fast.kernels import softmax as KS
+    from elmo_fast.kernels._common import target_of
+
+    dev = torch.device(device)
+    tg = target_of(dev)
+    e = torch.empty((), dtype=dtype).element_size()
+    f32 = dict(dtype=torch.float32, device=dev)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dtype": str(dtype).replace("torch.", "")}
+    rows = []
+
+    def timed(op, mode, shape, launch, args, l2):
+        p50, p20, p80 = common.time_ms(lambda: launch(*args), dev, reps)
+        m = launch.meta
+        rows.append({**meta, "op": op, "kernel": launch.kernel.__name__, "mode": mode, "shape": shape,
+                     "grid": "x".join(map(str, launch.grid)),
+                     "tile": f"{m['BLOCK_N']}x{m['BLOCK_C']}x{m['BLOCK_K']} w{m['num_warps']} s{m['num_stages']}",
+                     "us_p50": f"{p50 * 1e3:.2f}", "us_p20": f"{p20 * 1e3:.2f}", "us_p80": f"{p80 * 1e3:.2f}",
+                     "l2_gb": f"{l2 / 1e9:.4g}", "l2_tbps": f"{l2 / (p50 * 1e-3) / 1e12:.3g}"})
+
+    hidden, targets, weight, _, ids, _ = make_problem(N_s, P, V, S, dtype, dev)
+    off, true_off = torch.zeros(S, **f32), torch.zeros(N_s, **f32)
+    fw, cps = KS.lse_fwd_launch(N_s, S, P, dtype, tg, gather=True, mask_hits=True)
+    out_m, out_l = torch.empty((fw.grid[1], N_s), **f32), torch.empty((fw.grid[1], N_s), **f32)
+    args = (hidden, weight, ids, off, targets, true_off, out_m, out_l, torch.empty(N_s, **f32), N_s, P, S, cps)
+    shape = f"N={N_s},S={S},P={P}"
+    timed("sampled_softmax", "fwd", shape, fw, args,
+          kernel_report.softmax_l2_bytes(fw, N_s, S, P, e, fw.grid[1] * N_s * 8))
+    fw(*args)
+    lse = torch.logsumexp(out_m + torch.log(out_l), dim=0)
+    dl = KS.dlogit_launch(N_s, S, P, dtype, tg, gather=True, mask_hits=True, sub_target=False)
+    args = (hidden, weight, ids, off, targets, lse, torch.full((N_s,), 1.0 / N_s, **f32),
+            torch.empty((N_s, S), dtype=dtype, device=dev), torch.empty((dl.grid[0], S), **f32), N_s, P, 0, S)
+    timed("sampled_softmax", "bwd", shape, dl, args,
+          kernel_report.softmax_l2_bytes(dl, N_s, S, P, e, N_s * S * e + dl.grid[0] * S * 4))
+    del hidden, targets, weight, ids, args
+
+    hidden, targets, weight, bias, _, _ = make_problem(N_f, P, V, 0, dtype, dev)
+    off = bias.float()
+    fw, cps = KS.lse_fwd_launch(N_f, V, P, dtype, tg, gather=False, mask_hits=False)
+    args = (hidden, weight, off, off, targets, off[targets], torch.empty((fw.grid[1], N_f), **f32),
+            torch.empty((fw.grid[1], N_f), **f32), torch.empty(N_f, **f32), N_f, P, V, cps)
+    timed("full_softmax_nll", "fwd", f"N={N_f},P={P},V={V}", fw, args,
+          kernel_report.softmax_l2_bytes(fw, N_f, V, P, e, fw.grid[1] * N_f * 8))
+    return rows
+
+
+def write_kernel_rows(rows: list[dict]) -> Path:
+    return common.append_rows("softmax_kernels", rows, KERNEL_FIELDS, os.environ.get("ELMO_FAST_BENCH_KERNEL_CSV"))
+
+
 def _print(rows):
     for r in rows:
         print(f"{r['op']:>17} {r['mode']:>8} {r['provider']:>19} {r['ms_p50']:>9} ms {r['tflops']:>6} TFLOP/s "
@@ -159,6 +226,13 @@ def _print(rows):
                 print(f"speedup {op} {mode} {prov}: {t / by[(op, mode, prov)]:.2f}x over unfused torch")
 
 
+def _print_kernels(rows):
+    for r in rows:
+        print(f"{r['op']:>17} {r['mode']:>4} {r['kernel']:>24} {r['tile']:>20} grid {r['grid']:>8}: "
+              f"{r['us_p50']:>9} us, L2 {r['l2_gb']} GB -> {r['l2_tbps']} TB/s  [{r['device']}]")
+    print(f"kernel rows appended to {write_kernel_rows(rows)}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_softmax_real_sizes():
@@ -166,6 +240,7 @@ def test_gpu_softmax_real_sizes():
     path = write_rows(rows)
     _print(rows)
     print(f"rows appended to {path}")
+    _print_kernels(kernel_rows())
 
 
 if __name__ == "__main__":
@@ -174,3 +249,4 @@ if __name__ == "__main__":
     rows = run_gpu()
     _print(rows)
     print(f"rows appended to {write_rows(rows)}")
+    _print_kernels(kernel_rows())
