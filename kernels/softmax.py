@@ -208,6 +208,8 @@ def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) 
     on a tie; at least 2 programs an SM where a split count gives them): at the training shape, 60 row blocks x 11
     splits = 5 x 132 programs."""
     def split(want: int) -> tuple[int, int]:
+        if n_tiles == 0:  # no columns: one split of none (its log-sum-exp is -inf)
+            return 1, 0
         per = triton.cdiv(n_tiles, max(1, min(int(want), n_tiles)))
         return triton.cdiv(n_tiles, per), per  # no empty split
 
