@@ -190,14 +190,14 @@ def kernel_rows(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat
     args = (hidden, weight, ids, off, targets, true_off, out_m, out_l, torch.empty(N_s, **f32), N_s, P, S, cps)
     shape = f"N={N_s},S={S},P={P}"
     timed("sampled_softmax", "fwd", shape, fw, args,
-          kernel_report.softmax_l2_bytes(fw, N_s, S, P, e, fw.grid[1] * N_s * 8))
+          kernel_report.softmax_l2_bytes(fw, N_s, S, P, e))
     fw(*args)
     lse = torch.logsumexp(out_m + torch.log(out_l), dim=0)
     dl = KS.dlogit_launch(N_s, S, P, dtype, tg, gather=True, mask_hits=True, sub_target=False)
     args = (hidden, weight, ids, off, targets, lse, torch.full((N_s,), 1.0 / N_s, **f32),
             torch.empty((N_s, S), dtype=dtype, device=dev), torch.empty((dl.grid[0], S), **f32), N_s, P, 0, S)
     timed("sampled_softmax", "bwd", shape, dl, args,
-          kernel_report.softmax_l2_bytes(dl, N_s, S, P, e, N_s * S * e + dl.grid[0] * S * 4))
+          kernel_report.softmax_l2_bytes(dl, N_s, S, P, e))
     del hidden, targets, weight, ids, args
 
     hidden, targets, weight, bias, _, _ = make_problem(N_f, P, V, 0, dtype, dev)
@@ -206,7 +206,7 @@ def kernel_rows(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat
     args = (hidden, weight, off, off, targets, off[targets], torch.empty((fw.grid[1], N_f), **f32),
             torch.empty((fw.grid[1], N_f), **f32), torch.empty(N_f, **f32), N_f, P, V, cps)
     timed("full_softmax_nll", "fwd", f"N={N_f},P={P},V={V}", fw, args,
-          kernel_report.softmax_l2_bytes(fw, N_f, V, P, e, fw.grid[1] * N_f * 8))
+          kernel_report.softmax_l2_bytes(fw, N_f, V, P, e))
     return rows
 
 

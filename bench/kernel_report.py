@@ -222,13 +222,15 @@ def highway_cases(M_, F, dtype, target, *, train):
     return out
 
 
-def softmax_l2_bytes(lc, N: int, C: int, P_: int, e: int, written: float = 0.0) -> float:
+def softmax_l2_bytes(lc, N: int, C: int, P_: int, e: int) -> float:
     """What a softmax kernel's programs move through L2: each logit tile's K loop reads its BLOCK_N rows of H and
     its BLOCK_C rows of W, P wide (the re-reads of one tiling: every row block reads every column tile's weights
-    and the other way round), plus ``written``."""
+    and the other way round), plus what the kernel writes: the dlogit kernel its N x C dlogit in the operand dtype
+    and its fp32 bias partials per row block, the forward its row statistics (m, l) per column split."""
     m = lc.meta
-    tiles = triton.cdiv(N, m["BLOCK_N"]) * triton.cdiv(C, m["BLOCK_C"])
-    return tiles * (m["BLOCK_N"] + m["BLOCK_C"]) * P_ * e + written
+    rows, tiles = triton.cdiv(N, m["BLOCK_N"]), triton.cdiv(C, m["BLOCK_C"])
+    written = N * C * e + rows * C * 4 if lc.kernel is KS._softmax_dlogit_kernel else lc.grid[1] * N * 8
+    return rows * tiles * (m["BLOCK_N"] + m["BLOCK_C"]) * P_ * e + written
 
 
 def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
@@ -240,7 +242,7 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
     gemm = 2.0 * N * C * P_
     out = [[("fwd", fw, (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32), M(FP32), M(FP32), N, P_, C,
                          cps), gemm, (N * P_ + C * P_) * e + C * 12, False, 0.0,
-             softmax_l2_bytes(fw, N, C, P_, e, fw.grid[1] * N * 8))]]
+             softmax_l2_bytes(fw, N, C, P_, e))]]
     if train:
         flags["sub_target"] = not sampled
         cw = KS.dlogit_columns(N, C, e)
@@ -255,7 +257,7 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
 
             flops, nbytes = cost(dl)
             out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), flops, nbytes, False, 0.0,
-                         softmax_l2_bytes(dl, N, w, P_, e, N * w * e + dl.grid[0] * w * 4), count)])
+                         softmax_l2_bytes(dl, N, w, P_, e), count)])
     return out
 
 

@@ -330,15 +330,16 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
         zeros = functools.partial(torch.zeros, dtype=torch.float32, device=hidden.device)
         return zeros((N, P)), zeros((C, P)), zeros((C,))
     cw = min(C, chunk_cols or dlogit_columns(N, C, hidden.dtype.itemsize))
-    rows = dlogit_launch(N, cw, P, hidden.dtype, target, **flags).grid[0]
+    full = dlogit_launch(N, cw, P, hidden.dtype, target, **flags)  # every chunk's but a shorter last one's
+    rows = full.grid[0]
     dl_buf = torch.empty((N * cw,), dtype=hidden.dtype, device=hidden.device)
     db_buf = torch.empty((rows * cw,), dtype=torch.float32, device=hidden.device)
     dh = dwc = doff = None
     for c0 in range(0, C, cw):
         w = min(cw, C - c0)
         dl, db = dl_buf[:N * w].view(N, w), db_buf[:rows * w].view(rows, w)
-        dlogit_launch(N, w, P, hidden.dtype, target, **flags)(hidden, weight, ids, col_off, targets, lse, g,
-                                                               dl, db, N, P, c0, w)
+        launch = full if w == cw else dlogit_launch(N, w, P, hidden.dtype, target, **flags)
+        launch(hidden, weight, ids, col_off, targets, lse, g, dl, db, N, P, c0, w)
         w_chunk = weight.index_select(0, col_ids[c0:c0 + w]) if gather else weight[c0:c0 + w]
         part = _mm_f32(dl, w_chunk)
         dh = part if dh is None else dh.add_(part)

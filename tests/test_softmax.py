@@ -388,7 +388,7 @@ def test_softmax_grad_chunked_dlogit_and_gemms(nan_empty, sampled, chunk):
 @requires_triton
 @pytest.mark.parametrize("chunk", [None, 16])
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
-def test_softmax_grad_bf16_products_are_fp32(sampled, chunk):
+def test_softmax_grad_bf16_products_are_fp32(nan_empty, sampled, chunk):
     """bf16 operands: dlogit is rounded to bf16 once (as the kernel stores it: to nearest even on a GPU, truncated
     by the interpreter, which has no bf16 of its own), and the two GEMMs sum its products in fp32 into fp32
     outputs: dH, dW and db match the fp64 products of that rounded dlogit to 1e-5 of their largest entry (on a GPU
