@@ -504,9 +504,11 @@ def violations(case: Case) -> list[str]:
         out.append(f"spills {st['spill_st']}/{st['spill_ld']} B")
     if case.dtype == BF16 and case.kernel in GEMM_LIKE and not tensor_cores(st):
         out.append("no tensor-core instruction")
-    if case.size.startswith("train") and case.programs < SMS and case.kernel not in FEW_PROGRAMS_OK:
+    stationary = bool(case.launch.meta.get("STATIONARY"))  # exempt from these two: KL.STATIONARY_EXEMPT
+    if case.size.startswith("train") and case.programs < SMS and case.kernel not in FEW_PROGRAMS_OK \
+            and not stationary:
         out.append(f"{case.programs} programs < {SMS}")
-    if st["ldgsts"] + st["tma"] == 0 and case.kernel not in NO_K_LOOP:
+    if st["ldgsts"] + st["tma"] == 0 and case.kernel not in NO_K_LOOP and not stationary:
         out.append("no pipelined (async) loads")
     if st["smem"] > SMEM_PER_BLOCK:
         out.append(f"shared memory {st['smem']} B > {SMEM_PER_BLOCK}")
@@ -846,6 +848,8 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
         n = sum(r["op"] == op for r in pending)
         md.append(f"- {op}: {n} variants break a rule; {why}.")
     md += [""] + [f"- {k}: {v}" for k, v in {**FEW_PROGRAMS_OK, **NO_K_LOOP, **NOTES}.items()]
+    if any(c.launch.meta.get("STATIONARY") for c in cases):
+        md.append(f"- _fwd_cell_kernel (STATIONARY=True, programs and async-load rules): {KL.STATIONARY_EXEMPT}")
     md += ["", "## Variants", "",
            "Every launch of the workload, from the launchers' own configuration functions; '(candidate)' marks an "
            "autotune candidate the model does not pick (the runtime times them on a GPU). 'est µs': the roofline as "

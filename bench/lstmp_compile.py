@@ -254,11 +254,17 @@ def rule_violations(name, launch, r, B, low) -> list[str]:
         out.append(f"{tag}: spills {r['spill_st']}/{r['spill_ld']} B")
     if low and launch.flops and not (r["wgmma"] or r["mma"]):
         out.append(f"{tag}: GEMM without tensor-core instructions")
-    if launch.tile.BK and not (r["cp_async"] or r["tma"]):
+    if launch.tile.BK and not (r["cp_async"] or r["tma"]):  # BK = 0: no K loop (reduce kernels, stationary)
         out.append(f"{tag}: K loop without async copies")
-    if B >= 128 and programs(launch) < KL.H100.sms:
+    if few_programs(launch, B):
         out.append(f"{tag}: {programs(launch)} programs < {KL.H100.sms} SMs")
     return out
+
+
+def few_programs(launch: KL.Launch, B: int) -> bool:
+    """The programs rule broken: fewer programs than SMs at B >= 128, but for a stationary forward cell launch
+    (``KL.STATIONARY_EXEMPT``: one program per H slice by design)."""
+    return B >= 128 and programs(launch) < KL.H100.sms and not launch.tile.stationary
 
 
 def dtype_name(dtype) -> str:
@@ -289,6 +295,13 @@ def candidates(name: str, B: int, low: bool) -> list[KL.Tile]:
         stages = min(4, SMEM_BLOCK // stage_bytes)  # memory-bound loops: as deep as shared memory allows
         if stages >= 2:  # the forward cell kernel in its class's design (kernels/lstmp.FUSED_GATES)
             out.append(KL.Tile(bm, bn, bk, warps, stages, fused=KL._fused(name, low)))
+    # The stationary design (the slice's whole weight and one A tile in shared memory): a candidate only where one
+    # row block of the other tiles cannot hold the batch; up to B = 128 a 128-row tile reads the same L2 bytes from
+    # the same grid, with a pipelined K loop, and the stationary design would win only by its programs exemption.
+    if KL._fused(name, low) and B > 128:
+        for bm, bn, warps in itertools.product((64, 128), (16, 32, 64), (4, 8)):
+            if bm <= bm_max and (P * 4 * bn + bm * P) * 2 <= SMEM_BLOCK and 4 * bm * bn / (32 * warps) <= 128:
+                out.append(KL.Tile(bm, bn, 0, warps, 1, fused=True, stationary=True))
     return out
 
 
@@ -298,7 +311,7 @@ def _prekey(name, dtype, B, tile):
     the measured times; every program of the grid taken as resident, so only a grid of fewer than ``sms`` programs
     is charged for idle SMs: occupancy needs the compiled code), then L2 traffic."""
     launch = plan(dtype, B, True, {name: tile})[name]
-    return (B >= 128 and programs(launch) < KL.H100.sms,
+    return (few_programs(launch, B),
             round(calibrated_us(name, launch, B, dtype, blocks_per_sm=None), 2), l2_bytes(name, launch, B, dtype))
 
 
@@ -336,7 +349,8 @@ def search(kernels=KL.KERNELS, batches=KL.BATCHES, dtypes=(torch.bfloat16, torch
             print(f"{name} {dtype_name(dtype)} B={B}: {best[0]}", flush=True)
     print("\nTUNED = {")
     for (name, cls, B), t in chosen.items():
-        print(f"    ({name!r}, {cls!r}, {B}): Tile({t.BM}, {t.BN}, {t.BK}, {t.warps}, {t.stages}),")
+        flags = ", stationary=True" if t.stationary else ""
+        print(f"    ({name!r}, {cls!r}, {B}): Tile({t.BM}, {t.BN}, {t.BK}, {t.warps}, {t.stages}{flags}),")
     print("}")
     return 0
 

@@ -68,20 +68,26 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch, sweep
 
 
 def test_the_gpu_short_list_comes_from_the_compile_search():
-    """The tuned tile, for the forward cell kernel the same tile in the other design, for a retuned kernel the tile
-    it replaced, and the occupancy probe, each in place of the last of the ``top`` other candidates (in the tuned
-    design)."""
+    """The tuned tile, for the forward cell kernel the same tile in the other design (for a stationary one, the
+    fused tile it replaced), for a retuned kernel the tile it replaced, and the occupancy probe, each in place of the
+    last of the ``top`` other candidates (in the tuned design)."""
     import dataclasses
 
     import bench_lstmp
 
     from elmo_fast.kernels import lstmp as KL
 
+    tuned = KL._tile("fwd_cell", 128, torch.bfloat16, KL.H100)
+    tiles = bench_lstmp._tile_alternatives("fwd_cell", 128, torch.bfloat16, top=4)
+    assert not tuned.stationary and tiles[0] is None and len(tiles) == 5
+    assert tiles[1] == dataclasses.replace(tuned, fused=not tuned.fused)
+    assert len(set(tiles[2:])) == 3 and tuned not in tiles[2:] and all(t.fused == tuned.fused for t in tiles[2:])
     tuned = KL._tile("fwd_cell", 384, torch.bfloat16, KL.H100)
     tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
-    assert tiles[0] is None and tiles[1] == dataclasses.replace(tuned, fused=not tuned.fused) and len(tiles) == 5
-    assert len(set(tiles[2:])) == 3 and tuned not in tiles[2:] and all(t.fused == tuned.fused for t in tiles[2:])
+    assert tuned.stationary and tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
+    assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)], fused=True)  # not stationary
     assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("fwd_cell", "16bit", 384)], fused=tuned.fused)
+    assert tuned not in tiles[1:] and all(t.fused for t in tiles[1:])
     tiles = bench_lstmp._tile_alternatives("bwd_cell", 384, torch.bfloat16, top=4)
     assert tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
     assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("bwd_cell", "16bit", 384)])  # the tile the tuned one replaced

@@ -319,7 +319,7 @@ def test_elmo_bilm_lstm_on_triton_reproduces_reference(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_elmo_size_on_gpu(dtype, B):
     """H=4096, P=512 (the published model) on a GPU, forward and every gradient against fp64; B=128 and 384 run the
-    training sizes' tiles (bf16: the fused forward cell kernel on its wgmma tiles)."""
+    training sizes' tiles (bf16: the fused forward cell kernel on its wgmma tiles, the stationary one at 384)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     case = make_case(B=B, T=6, D=512, H=4096, P=512, residual=True, lengths=[6, 0, 3, 5, 6, 1, 2, 4] * (B // 8))
     fl = flags(cell_clip=3.0, proj_clip=3.0, reverse=True, residual=True)

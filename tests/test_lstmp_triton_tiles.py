@@ -194,6 +194,48 @@ def test_tuned_backward_cell_tile(gpu_plan, monkeypatch, size):
     assert_close(got, want, TOL[torch.float64], f"[bwd_cell {tile}] ")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_stationary_forward_cell_tile(monkeypatch, dtype):
+    """The 16-bit forward cell kernel's GPU tile at B = 384 (TUNED: stationary, one program per H slice walking every
+    row block with the slice's whole weight loaded once) at a shape with three row blocks (the last partial), two H
+    slices (the second partial) and P = 35 padded to PK = 64; the other kernels at the interpreter's tiles (the
+    interpreter's plan: bf16 products emulated as on the other interpreter tests). Outputs and every gradient
+    against the fp64 reference (bf16: within the budget of the reference run in bf16)."""
+    mod = _mod()
+    tile = mod.TUNED[("fwd_cell", "16bit", 384)]
+    assert tile.stationary and not tile.BK
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))  # fp64 runs the 16-bit design
+    monkeypatch.setitem(mod._INTERPRET_TILE, "fwd_cell", tile)
+    B = 2 * tile.BM + 3
+    shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=([3, 0, 1, 2, 3, 3, 1] * 20)[:B])
+    plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], dtype, training=True,
+                           target=mod.device_target(torch.device(DEV)))
+    assert plan["fwd_cell"].grid == (1, 2) and plan["fwd_cell"].constexprs["PK"] == 64
+    case = make_case(**{**shape, "residual": True})
+    fl = flags(reverse=True, residual=True)
+    want = run(reference, case, torch.float64, fl, upstream_grads(8))
+    got = run(kernel, case, dtype, fl, upstream_grads(8))
+    if dtype == torch.float64:
+        assert_close(got, want, TOL[torch.float64], f"[fwd_cell {tile}] ")
+        return
+    ref_lp = run(reference, case, dtype, fl, upstream_grads(8))
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        err_k = float((got[k] - want[k]).abs().max())
+        err_r = float((ref_lp[k] - want[k]).abs().max())
+        assert err_k <= 2 * err_r + SLACK[dtype] * max(1.0, float(want[k].abs().max())), k
+
+
+def test_stationary_tile_needs_the_fused_design():
+    """A stationary forward cell tile is a gate-interleaved one: asked for without it, launch_plan says so; the
+    per-gate design (fp32) never gets one from TUNED."""
+    mod = _mod()
+    with pytest.raises(ValueError, match="stationary"):
+        mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True,
+                        tiles={"fwd_cell": mod.Tile(64, 32, 0, 8, 1, stationary=True)})
+    assert not mod.launch_plan(384, 20, 4096, 512, torch.float32, training=True)["fwd_cell"].tile.stationary
+
+
 def test_deterministic_bitwise(gpu_plan):
     """No atomics: two runs with 3 and 10 K splits give the same bits, forward and every gradient (the second with
     every grid run backwards: a result that depended on program order would differ)."""
@@ -224,7 +266,9 @@ def test_launch_plan_at_elmo_size(dtype):
         assert set(plan) == set(mod.KERNELS)
         for name, launch in plan.items():
             n = launch.grid[0] * launch.grid[1] * (launch.grid[2] if len(launch.grid) > 2 else 1)
-            if B >= 128:
+            if launch.tile.stationary:  # one program per H slice by design (mod.STATIONARY_EXEMPT)
+                assert name == "fwd_cell" and launch.grid == (1, ELMO["H"] // launch.tile.BN), (name, B)
+            elif B >= 128:
                 assert n >= mod.H100.sms, f"{name} B={B}: {n} programs"
             if launch.tile.BK:
                 assert launch.constexprs["STAGES"] >= 2 and launch.num_stages == launch.constexprs["STAGES"]
