@@ -298,10 +298,14 @@ def candidates(name: str, B: int, low: bool) -> list[KL.Tile]:
     # The stationary design (the slice's whole weight and one A tile in shared memory): a candidate only where one
     # row block of the other tiles cannot hold the batch; up to B = 128 a 128-row tile reads the same L2 bytes from
     # the same grid, with a pipelined K loop, and the stationary design would win only by its programs exemption.
-    if KL._fused(name, low) and B > 128:
-        for bm, bn, warps in itertools.product((64, 128), (16, 32, 64), (4, 8)):
-            if bm <= bm_max and (P * 4 * bn + bm * P) * 2 <= SMEM_BLOCK and 4 * bm * bn / (32 * warps) <= 128:
-                out.append(KL.Tile(bm, bn, 0, warps, 1, fused=True, stationary=True))
+    # Row groups: divisors of the row block count only (the model charges idle SMs, not a group with one block more).
+    if (KL._fused(name, low) or name == "bwd_cell") and low and B > 128:
+        width = 4 if name == "fwd_cell" else 1  # weight columns per H unit: the forward's four gates
+        for bm, bn, warps, groups in itertools.product((64, 128), (16, 32, 64, 128), (4, 8), (1, 2, 3, 4)):
+            blocks = triton.cdiv(B, bm)
+            if (bm <= bm_max and (P * width * bn + bm * P) * 2 <= SMEM_BLOCK
+                    and width * bm * bn / (32 * warps) <= 128 and groups <= blocks and blocks % groups == 0):
+                out.append(KL.Tile(bm, bn, 0, warps, 1, fused=KL._fused(name, low), stationary=True, groups=groups))
     return out
 
 
@@ -349,7 +353,7 @@ def search(kernels=KL.KERNELS, batches=KL.BATCHES, dtypes=(torch.bfloat16, torch
             print(f"{name} {dtype_name(dtype)} B={B}: {best[0]}", flush=True)
     print("\nTUNED = {")
     for (name, cls, B), t in chosen.items():
-        flags = ", stationary=True" if t.stationary else ""
+        flags = f", stationary=True, groups={t.groups}" if t.stationary else ""
         print(f"    ({name!r}, {cls!r}, {B}): Tile({t.BM}, {t.BN}, {t.BK}, {t.warps}, {t.stages}{flags}),")
     print("}")
     return 0

@@ -242,10 +242,13 @@ def _fwd_cell_tail(acc_i, acc_j, acc_f, acc_o, gx_ptr, bias_ptr, c_ptr, m_ptr, z
 
 
 @triton.jit
-def _h_rows(hop_ptr, len_ptr, r0, rk, kmask, s, B, T, P: tl.constexpr, BB: tl.constexpr, REVERSE: tl.constexpr):
-    """h of rows r0..r0+BB-1 (zero at inactive rows and past B), columns rk: the stationary design's A tile."""
+def _a_rows(a_ptr, len_ptr, r0, rk, kmask, s, B, T, P: tl.constexpr, BB: tl.constexpr, REVERSE: tl.constexpr,
+            PER_TOKEN: tl.constexpr):
+    """The stationary design's A tile: rows r0..r0+BB-1 (zero at inactive rows and past B), columns rk, of a (B, P)
+    state (h) or, PER_TOKEN, of a (B, T, P) buffer at each row's token of step s (dh_pre)."""
     rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
-    return tl.load(hop_ptr + rb[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+    row = tok if PER_TOKEN else rb.to(tl.int64)
+    return tl.load(a_ptr + row[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -278,18 +281,19 @@ def _fwd_cell_kernel(
         kmask = rk < P
         w = tl.load(w_rec_ptr + rk[:, None].to(tl.int64) * G + rn[None, :], mask=kmask[:, None] & (rn < G)[None, :],
                     other=0.0)
-        hp = _h_rows(hop_ptr, len_ptr, 0, rk, kmask, s, B, T, P, BB, REVERSE)
-        r0 = 0
-        while r0 < B:  # not `range(0, B, BB)`: the interpreter (numpy 2) cannot take a runtime bound there
+        r0 = tl.program_id(0) * BB  # row blocks pid0, pid0 + groups, ... (groups = the grid's first dimension)
+        step = tl.num_programs(0) * BB
+        hp = _a_rows(hop_ptr, len_ptr, r0, rk, kmask, s, B, T, P, BB, REVERSE, False)
+        while r0 < B:  # not `range(r0, B, step)`: the interpreter (numpy 2) cannot take a runtime bound there
             rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
             acc = _mma(hp, w, tl.zeros([BB, 4 * BH], ACC), IEEE, ACC, EMU)
             # the next row block's h, loaded by hand ahead of this block's epilogue (the row loop is not
             # software-pipelined: a second h buffer would not fit in shared memory beside the weight)
-            hp = _h_rows(hop_ptr, len_ptr, r0 + BB, rk, kmask, s, B, T, P, BB, REVERSE)
+            hp = _a_rows(hop_ptr, len_ptr, r0 + step, rk, kmask, s, B, T, P, BB, REVERSE, False)
             acc_i, acc_j, acc_f, acc_o = _split_gates(acc, BB, BH)
             _fwd_cell_tail(acc_i, acc_j, acc_f, acc_o, gx_ptr, bias_ptr, c_ptr, m_ptr, z_ptr, cpre_ptr, forget_bias,
                            cell_clip, rb, rmask, valid, last, tok, ptok, rh, hmask, s, H, HAS_CELL_CLIP, SAVE, ACC)
-            r0 += BB
+            r0 += step
     else:
         rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
         live = _any(valid)
@@ -397,42 +401,14 @@ def _fwd_reduce_kernel(
     tl.store(y_ptr + tok_p, tl.where(vm, out, 0.0).to(y_ptr.dtype.element_ty), mask=am)
 
 
-@triton.jit(do_not_specialize=["s"])
-def _bwd_cell_kernel(
-    dhpre_ptr, w_proj_ptr, z_ptr, cpre_ptr, c0_ptr, dc_ptr, len_ptr, dz_ptr, consts_ptr,
-    s, B, T, H: tl.constexpr, P: tl.constexpr,
-    HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr,
-    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
-    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-):
-    """Backward of gates and cell for one (row block, H slice) at step s.
-
-    dhpre (B,T,P) holds dL/dh_pre_t (written by the reduce kernel); dc (B,H) holds dL/dc_t (post-clip) and
-    is updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows.
-    """
-    cell_clip = tl.load(consts_ptr + 1)
-    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
-    rh = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = rh < H
+@triton.jit
+def _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh, hmask, s,
+                   H: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, ACC: tl.constexpr):
+    """The gate/cell chain rule for rows rb of one H slice, given dm = dL/dm_t: writes dz_t (zero at inactive rows)
+    and updates the cell-gradient carry dc in place."""
     G = 4 * H
     vm = valid[:, None] & hmask[None, :]
     am = rmask[:, None] & hmask[None, :]
-
-    if HAS_PROJ:
-        live = _any(valid)
-        dm = tl.zeros([BB, BH], ACC)
-        for k0 in tl.range(0, P, BK, num_stages=STAGES):
-            rk = k0 + tl.arange(0, BK)
-            kmask = rk < P
-            dht = tl.load(dhpre_ptr + tok[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :],
-                          other=0.0)
-            # (w_proj)ᵀ tile: element [k, h] = w_proj[h, k]
-            wt = tl.load(w_proj_ptr + rh[None, :].to(tl.int64) * P + rk[:, None],
-                         mask=kmask[:, None] & hmask[None, :] & live, other=0.0)
-            dm = _mma(dht, wt, dm, IEEE, ACC, EMU)
-    else:  # h_t = m_t (P == H); dhpre is ACC here
-        dm = tl.load(dhpre_ptr + tok[:, None] * P + rh[None, :], mask=vm, other=0.0)
-
     zp = z_ptr + tok[:, None] * G + rh[None, :]
     dzp = dz_ptr + tok[:, None] * G + rh[None, :]
     ddt = dz_ptr.dtype.element_ty
@@ -462,6 +438,64 @@ def _bwd_cell_kernel(
     gj = tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
     tl.store(dzp, tl.where(vm, dc * gj * gi * (1.0 - gi), 0.0).to(ddt), mask=am)
     tl.store(dzp + H, tl.where(vm, dc * gi * (1.0 - gj * gj), 0.0).to(ddt), mask=am)
+
+
+@triton.jit(do_not_specialize=["s"])
+def _bwd_cell_kernel(
+    dhpre_ptr, w_proj_ptr, z_ptr, cpre_ptr, c0_ptr, dc_ptr, len_ptr, dz_ptr, consts_ptr,
+    s, B, T, H: tl.constexpr, P: tl.constexpr,
+    HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr,
+    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
+    BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+    STATIONARY: tl.constexpr = False, PK: tl.constexpr = 0,
+):
+    """Backward of gates and cell for one (row block, H slice) at step s.
+
+    dhpre (B,T,P) holds dL/dh_pre_t (written by the reduce kernel); dc (B,H) holds dL/dc_t (post-clip) and
+    is updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows.
+
+    STATIONARY (with HAS_PROJ; grid (groups, H/BH)): the program loads its slice's (P, BH) of w_projᵀ once, P padded
+    to PK, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block (as the forward's).
+    """
+    cell_clip = tl.load(consts_ptr + 1)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = rh < H
+
+    if STATIONARY:
+        rk = tl.arange(0, PK)
+        kmask = rk < P
+        # (w_proj)ᵀ slice: element [k, h] = w_proj[h, k]
+        wt = tl.load(w_proj_ptr + rh[None, :].to(tl.int64) * P + rk[:, None], mask=kmask[:, None] & hmask[None, :],
+                     other=0.0)
+        r0 = tl.program_id(0) * BB
+        step = tl.num_programs(0) * BB
+        dht = _a_rows(dhpre_ptr, len_ptr, r0, rk, kmask, s, B, T, P, BB, REVERSE, True)
+        while r0 < B:
+            rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
+            dm = _mma(dht, wt, tl.zeros([BB, BH], ACC), IEEE, ACC, EMU)
+            dht = _a_rows(dhpre_ptr, len_ptr, r0 + step, rk, kmask, s, B, T, P, BB, REVERSE, True)
+            _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh,
+                           hmask, s, H, HAS_CELL_CLIP, ACC)
+            r0 += step
+    else:
+        rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+        if HAS_PROJ:
+            live = _any(valid)
+            dm = tl.zeros([BB, BH], ACC)
+            for k0 in tl.range(0, P, BK, num_stages=STAGES):
+                rk = k0 + tl.arange(0, BK)
+                kmask = rk < P
+                dht = tl.load(dhpre_ptr + tok[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :],
+                              other=0.0)
+                # (w_proj)ᵀ tile: element [k, h] = w_proj[h, k]
+                wt = tl.load(w_proj_ptr + rh[None, :].to(tl.int64) * P + rk[:, None],
+                             mask=kmask[:, None] & hmask[None, :] & live, other=0.0)
+                dm = _mma(dht, wt, dm, IEEE, ACC, EMU)
+        else:  # h_t = m_t (P == H); dhpre is ACC here
+            dm = tl.load(dhpre_ptr + tok[:, None] * P + rh[None, :], mask=valid[:, None] & hmask[None, :],
+                         other=0.0)
+        _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh, hmask,
+                       s, H, HAS_CELL_CLIP, ACC)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -503,9 +537,9 @@ def _bwd_reduce_kernel(
 class Tile:
     """Tiling of one kernel: BM rows x BN columns per program, K steps of BK, ``warps``, pipeline ``stages``;
     ``fused`` (``fwd_cell`` only): one dot per k step over the gate-interleaved weight (``interleave_gates``) instead
-    of one per gate; ``stationary`` (``fwd_cell``, with ``fused``): one program per H slice holds the slice's whole
-    weight and walks the row blocks (grid (1, H/BN); BK = 0: no K loop, one dot of K = P padded to a power of
-    two)."""
+    of one per gate; ``stationary`` (``fwd_cell`` with ``fused``, ``bwd_cell``): each program holds its H slice's
+    whole weight and walks every ``groups``-th row block (grid (groups, H/BN); BK = 0: no K loop, one dot of K = P
+    padded to a power of two per row block)."""
 
     BM: int
     BN: int
@@ -514,6 +548,7 @@ class Tile:
     stages: int = 1
     fused: bool = False
     stationary: bool = False
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -547,6 +582,8 @@ BATCHES = (1, 16, 64, 128, 384)  # the listed sizes; TUNED has one entry per (ke
 # The 16-bit fwd_cell entry at 384 is the calibrated search's stationary pick (2026-11-27: 37.0 against 45.3 µs
 # for 128x32x32 w8 s4, by its L2 traffic alone; the row loop is not software-pipelined, which the model does not see:
 # the tile sweep times both, bench_lstmp.REPLACED). At 128 and below a 128-row tile covers the batch in one block.
+# The backward cell kernel's stationary tiles (row groups of 2-3; search candidates, 84-109 MB of L2 against 101) do not
+# win: the calibrated model has that kernel bound by its compulsory bytes (55 MB a step at 1.62 TB/s) at every tile.
 TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
     ("fwd_proj", "16bit", 1): Tile(16, 32, 32, 4, 4),
@@ -631,14 +668,14 @@ def _low(dtype: torch.dtype) -> bool:
 FUSED_GATES = {"16bit": True, "fp32": False}
 
 
-# Why a stationary forward cell launch may break two of the report's rules (bench/kernel_report.py and
-# bench/lstmp_compile.py exempt it, and say so): it launches one program per H slice (H/BN = 128 at the original
-# model's BN = 32, 4 SMs of an H100 idle) because each program keeps its slice's (P, 4·BN) weight in shared memory
-# across every row block, which is what cuts the weight's L2 re-reads; and it has no K loop to software-pipeline (one
-# dot of K = P per row block; the next block's h is loaded by hand before the epilogue instead).
-STATIONARY_EXEMPT = ("one program per H slice, each holding its slice's weight in shared memory across the row "
-                     "blocks (fewer programs than SMs: H/BN); no K loop (one dot of K = P per row block, the next "
-                     "block's h loaded ahead by hand, not by async copies)")
+# Why a stationary cell launch may break two of the report's rules (bench/kernel_report.py and bench/lstmp_compile.py
+# exempt it, and say so): it launches one program per (row group, H slice) (the forward's 1 x 128 at the original
+# model, 4 SMs of an H100 idle) because each program keeps its slice's weight in shared memory across its row blocks,
+# which is what cuts the weight's L2 re-reads; and it has no K loop to software-pipeline (one dot of K = P per row
+# block; the next block's A tile is loaded by hand before the epilogue instead).
+STATIONARY_EXEMPT = ("one program per (row group, H slice), each holding its slice's weight in shared memory "
+                     "across its row blocks (fewer programs than SMs: groups x H/BN); no K loop (one dot of K = P per "
+                     "row block, the next block's A tile loaded ahead by hand, not by async copies)")
 
 
 def tuned_size(B: int) -> int:
@@ -710,13 +747,24 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     plan = {}
     # Bytes: every operand read once, every output written once (the roofline's memory term); a per-row
     # buffer touched only at some steps (h_n, c_n) is not counted.
+    for name in KERNELS:
+        t = tile(name)
+        if t.stationary and (name not in ("fwd_cell", "bwd_cell") or (name == "fwd_cell" and not t.fused)
+                             or t.groups < 1):
+            raise ValueError(f"launch_plan: a stationary tile is for fwd_cell (gate-interleaved: fused) or bwd_cell, "
+                             f"with groups >= 1; got {t} for {name}")
+
+    def rows_grid(t, stationary):  # the grid's first dimension: row blocks, or a stationary tile's row groups
+        return min(t.groups, cdiv(B, t.BM)) if stationary else cdiv(B, t.BM)
+
+    def stationary_consts(stationary):
+        return dict(STATIONARY=True, PK=triton.next_power_of_2(P)) if stationary else {}
+
     t = tile("fwd_cell")
-    if t.stationary and not t.fused:
-        raise ValueError(f"launch_plan: a stationary fwd_cell tile needs the gate-interleaved design (fused), got {t}")
     plan["fwd_cell"] = launch(
-        _fwd_cell_kernel, (1 if t.stationary else cdiv(B, t.BM), cdiv(H, t.BN)),
+        _fwd_cell_kernel, (rows_grid(t, t.stationary), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, FUSED=t.fused,
-             **(dict(STATIONARY=True, PK=triton.next_power_of_2(P)) if t.stationary else {}), **flags),
+             **stationary_consts(t.stationary), **flags),
         (("gx", op), ("bias", op), ("w_rec_g" if t.fused else "w_rec", op), ("hop", op), ("c", acc),
          ("lengths", i64), ("m", op), ("z", op), ("cpre", acc), ("consts", acc)),
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
@@ -745,9 +793,11 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         return plan
 
     t = tile("bwd_cell")
+    stationary = t.stationary and has_proj  # without a projection there is no product to hold a weight for
     plan["bwd_cell"] = launch(
-        _bwd_cell_kernel, (cdiv(B, t.BM), cdiv(H, t.BN)),
-        dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK, **flags),
+        _bwd_cell_kernel, (rows_grid(t, stationary), cdiv(H, t.BN)),
+        dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK,
+             **stationary_consts(stationary), **flags),
         (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", acc), ("dc", acc),
          ("lengths", i64), ("dz", op), ("consts", acc)),
         T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz

@@ -194,29 +194,41 @@ def test_tuned_backward_cell_tile(gpu_plan, monkeypatch, size):
     assert_close(got, want, TOL[torch.float64], f"[bwd_cell {tile}] ")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
-def test_stationary_forward_cell_tile(monkeypatch, dtype):
-    """The 16-bit forward cell kernel's GPU tile at B = 384 (TUNED: stationary, one program per H slice walking every
-    row block with the slice's whole weight loaded once) at a shape with three row blocks (the last partial), two H
-    slices (the second partial) and P = 35 padded to PK = 64; the other kernels at the interpreter's tiles (the
-    interpreter's plan: bf16 products emulated as on the other interpreter tests). Outputs and every gradient
-    against the fp64 reference (bf16: within the budget of the reference run in bf16)."""
+def _stationary_tiles():
     mod = _mod()
-    tile = mod.TUNED[("fwd_cell", "16bit", 384)]
+    return {"fwd_tuned": ("fwd_cell", mod.TUNED[("fwd_cell", "16bit", 384)]),
+            "fwd_groups2": ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, stationary=True, groups=2)),
+            "bwd_groups2": ("bwd_cell", mod.Tile(64, 32, 0, 8, 1, stationary=True, groups=2))}
+
+
+@pytest.mark.parametrize("which", ["fwd_tuned", "fwd_groups2", "bwd_groups2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_stationary_cell_tiles(monkeypatch, dtype, which):
+    """Stationary cell tiles (each program holds its H slice's whole weight, loaded once, and walks every groups-th
+    row block): the 16-bit forward's GPU tile at B = 384 (TUNED, one row group), and two row groups over three row
+    blocks (the first program walks blocks 0 and 2, the second block 1) for the forward and the backward cell
+    kernel, at a shape with three row blocks (the last partial), two H slices (the second partial) and P = 35 padded
+    to PK = 64; the other kernels at the interpreter's tiles (the interpreter's plan: bf16 products emulated as on
+    the other interpreter tests). Outputs and every gradient against the fp64 reference (bf16: within the budget of
+    the reference run in bf16)."""
+    mod = _mod()
+    name, tile = _stationary_tiles()[which]
     assert tile.stationary and not tile.BK
     monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))  # fp64 runs the 16-bit design
-    monkeypatch.setitem(mod._INTERPRET_TILE, "fwd_cell", tile)
+    monkeypatch.setitem(mod._INTERPRET_TILE, name, tile)
+    if DEV != "cpu":  # on a GPU the plan takes TUNED's tiles
+        monkeypatch.setitem(mod.TUNED, (name, "16bit" if dtype == torch.bfloat16 else "fp32", 384), tile)
     B = 2 * tile.BM + 3
     shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=([3, 0, 1, 2, 3, 3, 1] * 20)[:B])
     plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], dtype, training=True,
                            target=mod.device_target(torch.device(DEV)))
-    assert plan["fwd_cell"].grid == (1, 2) and plan["fwd_cell"].constexprs["PK"] == 64
+    assert plan[name].grid == (tile.groups, 2) and plan[name].constexprs["PK"] == 64
     case = make_case(**{**shape, "residual": True})
     fl = flags(reverse=True, residual=True)
     want = run(reference, case, torch.float64, fl, upstream_grads(8))
     got = run(kernel, case, dtype, fl, upstream_grads(8))
     if dtype == torch.float64:
-        assert_close(got, want, TOL[torch.float64], f"[fwd_cell {tile}] ")
+        assert_close(got, want, TOL[torch.float64], f"[{name} {tile}] ")
         return
     ref_lp = run(reference, case, dtype, fl, upstream_grads(8))
     for k in want:
@@ -226,14 +238,21 @@ def test_stationary_forward_cell_tile(monkeypatch, dtype):
         assert err_k <= 2 * err_r + SLACK[dtype] * max(1.0, float(want[k].abs().max())), k
 
 
-def test_stationary_tile_needs_the_fused_design():
-    """A stationary forward cell tile is a gate-interleaved one: asked for without it, launch_plan says so; the
-    per-gate design (fp32) never gets one from TUNED."""
+def test_stationary_tiles_where_they_apply():
+    """A stationary tile is for the forward cell kernel in its gate-interleaved design or for the backward cell
+    kernel, with at least one row group: asked for elsewhere, launch_plan says so; the per-gate design (fp32) never
+    gets one from TUNED; without a projection the backward cell kernel has no product and runs its plain tile."""
     mod = _mod()
-    with pytest.raises(ValueError, match="stationary"):
-        mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True,
-                        tiles={"fwd_cell": mod.Tile(64, 32, 0, 8, 1, stationary=True)})
+    st = mod.Tile(64, 32, 0, 8, 1, stationary=True)
+    for name, t in (("fwd_cell", st), ("bwd_rec", st), ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, True, True, 0))):
+        with pytest.raises(ValueError, match="stationary"):
+            mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True, tiles={name: t})
     assert not mod.launch_plan(384, 20, 4096, 512, torch.float32, training=True)["fwd_cell"].tile.stationary
+    for has_proj, grid in ((True, (2, 128)), (False, (6, 128))):
+        plan = mod.launch_plan(384, 20, 4096, 512 if has_proj else 4096, torch.bfloat16, training=True,
+                               has_proj=has_proj, tiles={"bwd_cell": mod.Tile(64, 32, 0, 8, 1, stationary=True,
+                                                                                groups=2)})
+        assert plan["bwd_cell"].grid == grid and plan["bwd_cell"].constexprs.get("STATIONARY", False) is has_proj
 
 
 def test_deterministic_bitwise(gpu_plan):
