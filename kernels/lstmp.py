@@ -43,7 +43,9 @@ static buffers per call shape, leased to the forward's autograd node until its b
 
 *Input projection* of all steps is one matmul (``x · w_in``) before the time loop (cuBLAS); the weight
 gradients are matmuls over all B·T tokens after it: ``dW_in = xᵀ dz``, ``dW_rec = h_prevᵀ dz``,
-``db = Σ dz``, ``dW_proj = mᵀ dh_pre``, ``dx = dz · W_inᵀ`` (+ dy for the residual).
+``dW_proj = mᵀ dh_pre``, ``dx = dz · W_inᵀ`` (+ dy for the residual). ``db = Σ dz`` is not a pass over dz: the
+backward cell kernel writes each (step, row block)'s column sums of dz in fp32 (``dbp``, T x B/BB x 4H: 7.9 MB at
+B=384 where dz is 252 MB) and the sum of those follows the loop.
 
 *Padding and direction.* All T steps run; at step ``s`` row ``b`` is active iff ``s < len_b`` (rows mask
 themselves, so the host never reads the lengths). Its time position is ``s`` (forward) or
@@ -72,7 +74,7 @@ Pre-clip values make the clip masks exact (torch.clamp's convention: gradient 1 
 *Precision.* GEMM operands are in the weights' dtype (bf16/fp16: tensor cores; fp32: ``input_precision=
 "ieee"``, plain FMA, no TF32, so fp32 matches the reference to rounding; fp64 for near-exact tests).
 Accumulation, gates, cell state, partial sums and carries are fp32 (fp64 for fp64 inputs). ``dz`` is
-stored in the operand dtype: it is a GEMM operand only (db sums it in fp32).
+stored in the operand dtype: it is a GEMM operand only (db sums its fp32 values, before that rounding).
 
 *Configuration.* One pure function decides every launch:
 
@@ -402,16 +404,27 @@ def _fwd_reduce_kernel(
 
 
 @triton.jit
-def _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh, hmask, s,
-                   H: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, ACC: tl.constexpr):
+def _dz_out(dzp, dbp, val, vm, am, hmask, ddt):
+    """Store one gate's dz tile (zero at inactive rows) and its column sum over the block's rows (fp32, before the
+    rounding to the operand dtype): the bias gradient's partial of this (step, row block)."""
+    val = tl.where(vm, val, 0.0)
+    tl.store(dzp, val.to(ddt), mask=am)
+    tl.store(dbp, tl.sum(val, axis=0), mask=hmask)
+
+
+@triton.jit
+def _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, dbp_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh,
+                   hmask, s, B, BB: tl.constexpr, H: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, ACC: tl.constexpr):
     """The gate/cell chain rule for rows rb of one H slice, given dm = dL/dm_t: writes dz_t (zero at inactive rows)
-    and updates the cell-gradient carry dc in place."""
+    and its column sums over the block's rows into dbp (T, row blocks, 4H) at (s, rb[0] // BB), and updates the
+    cell-gradient carry dc in place."""
     G = 4 * H
     vm = valid[:, None] & hmask[None, :]
     am = rmask[:, None] & hmask[None, :]
     zp = z_ptr + tok[:, None] * G + rh[None, :]
     dzp = dz_ptr + tok[:, None] * G + rh[None, :]
     ddt = dz_ptr.dtype.element_ty
+    dbp = dbp_ptr + (s * tl.cdiv(B, BB) + tl.min(rb, axis=0) // BB).to(tl.int64) * G + rh
     # one gate at a time, each stored as soon as it is known: fewer whole tiles live at once (sm_90a, B=384: 78
     # registers at 128x16 where loading all four gates first took 144, and 64x64 compiles without spills)
     cpre = tl.load(cpre_ptr + tok[:, None] * H + rh[None, :], mask=vm, other=0.0)
@@ -420,7 +433,7 @@ def _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, r
         cc = _clamp(cpre, cell_clip)
     tc = tanh(cc)
     go = _sigmoid(tl.load(zp + 3 * H, mask=vm, other=0.0).to(ACC))
-    tl.store(dzp + 3 * H, tl.where(vm, dm * tc * go * (1.0 - go), 0.0).to(ddt), mask=am)
+    _dz_out(dzp + 3 * H, dbp + 3 * H, dm * tc * go * (1.0 - go), vm, am, hmask, ddt)
     dcptr = dc_ptr + rb[:, None] * H + rh[None, :]
     dc = tl.load(dcptr, mask=vm, other=0.0) + dm * go * (1.0 - tc * tc)
     if HAS_CELL_CLIP:
@@ -433,16 +446,16 @@ def _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, r
         cp = _clamp(cp, cell_clip)
     c0 = tl.load(c0_ptr + rb[:, None] * H + rh[None, :], mask=vm & (s == 0), other=0.0).to(ACC)
     c_prev = tl.where(s > 0, cp, c0)
-    tl.store(dzp + 2 * H, tl.where(vm, dc * c_prev * gf * (1.0 - gf), 0.0).to(ddt), mask=am)
+    _dz_out(dzp + 2 * H, dbp + 2 * H, dc * c_prev * gf * (1.0 - gf), vm, am, hmask, ddt)
     gi = _sigmoid(tl.load(zp, mask=vm, other=0.0).to(ACC))
     gj = tanh(tl.load(zp + H, mask=vm, other=0.0).to(ACC))
-    tl.store(dzp, tl.where(vm, dc * gj * gi * (1.0 - gi), 0.0).to(ddt), mask=am)
-    tl.store(dzp + H, tl.where(vm, dc * gi * (1.0 - gj * gj), 0.0).to(ddt), mask=am)
+    _dz_out(dzp, dbp, dc * gj * gi * (1.0 - gi), vm, am, hmask, ddt)
+    _dz_out(dzp + H, dbp + H, dc * gi * (1.0 - gj * gj), vm, am, hmask, ddt)
 
 
 @triton.jit(do_not_specialize=["s"])
 def _bwd_cell_kernel(
-    dhpre_ptr, w_proj_ptr, z_ptr, cpre_ptr, c0_ptr, dc_ptr, len_ptr, dz_ptr, consts_ptr,
+    dhpre_ptr, w_proj_ptr, z_ptr, cpre_ptr, c0_ptr, dc_ptr, len_ptr, dz_ptr, dbp_ptr, consts_ptr,
     s, B, T, H: tl.constexpr, P: tl.constexpr,
     HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr,
     ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
@@ -452,7 +465,8 @@ def _bwd_cell_kernel(
     """Backward of gates and cell for one (row block, H slice) at step s.
 
     dhpre (B,T,P) holds dL/dh_pre_t (written by the reduce kernel); dc (B,H) holds dL/dc_t (post-clip) and
-    is updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows.
+    is updated in place to dL/dc_{t-1}. Writes dz_t (B,T,4H), zero for inactive rows, and the bias gradient's
+    partials dbp (T, row blocks, 4H): each block's column sums of dz_t in ACC (db is their sum after the loop).
 
     STATIONARY (with HAS_PROJ; grid (groups, H/BH)): the program loads its slice's (P, BH) of w_projᵀ once, P padded
     to PK, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block (as the forward's).
@@ -474,8 +488,8 @@ def _bwd_cell_kernel(
             rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
             dm = _mma(dht, wt, tl.zeros([BB, BH], ACC), IEEE, ACC, EMU)
             dht = _a_rows(dhpre_ptr, len_ptr, r0 + step, rk, kmask, s, B, T, P, BB, REVERSE, True)
-            _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh,
-                           hmask, s, H, HAS_CELL_CLIP, ACC)
+            _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, dbp_ptr, cell_clip, rb, rmask, valid, tok,
+                           ptok, rh, hmask, s, B, BB, H, HAS_CELL_CLIP, ACC)
             r0 += step
     else:
         rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
@@ -494,8 +508,8 @@ def _bwd_cell_kernel(
         else:  # h_t = m_t (P == H); dhpre is ACC here
             dm = tl.load(dhpre_ptr + tok[:, None] * P + rh[None, :], mask=valid[:, None] & hmask[None, :],
                          other=0.0)
-        _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, cell_clip, rb, rmask, valid, tok, ptok, rh, hmask,
-                       s, H, HAS_CELL_CLIP, ACC)
+        _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, dbp_ptr, cell_clip, rb, rmask, valid, tok, ptok,
+                       rh, hmask, s, B, BB, H, HAS_CELL_CLIP, ACC)
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -799,9 +813,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK,
              **stationary_consts(stationary), **flags),
         (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", acc), ("dc", acc),
-         ("lengths", i64), ("dz", op), ("consts", acc)),
+         ("lengths", i64), ("dz", op), ("dbp", acc), ("consts", acc)),
         T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz
-            + 2 * B * H * asz + B * G * isz), 2 * B * P * H if has_proj else 0, t)
+            + 2 * B * H * asz + B * G * isz + cdiv(B, t.BM) * G * asz), 2 * B * P * H if has_proj else 0, t)
     t = tile("bwd_rec")
     S, KS = split(G, t)
     plan["bwd_rec"] = launch(
@@ -1023,6 +1037,7 @@ def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_cl
         c0=c0.to(acc).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev),
         part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
         dz=torch.empty(B, T, 4 * H, dtype=op, device=dev),
+        dbp=torch.empty(T, triton.cdiv(B, plan["bwd_cell"].tile.BM), 4 * H, dtype=acc, device=dev),
         dhpre=torch.empty(B, T, P, dtype=plan["bwd_cell"].args[0][1], device=dev),
     )
     _check_dtypes(plan, bufs, "bwd")
@@ -1066,7 +1081,7 @@ def _after_loop(bufs, x, w_in, w_proj, cache, residual, needs) -> tuple:
     """(dx, dw_in, dw_rec, dbias, dw_proj): one GEMM each over all B*T tokens, operands in the weights' dtype
     (zeros at padding), into fresh tensors."""
     B, T, D = x.shape
-    op, acc = bufs["dz"].dtype, bufs["dc"].dtype
+    op = bufs["dz"].dtype
     _, _, _, hprev, m, lengths = cache
     dz2 = bufs["dz"].reshape(B * T, -1)
     dx = dw_in = dw_rec = dbias = dw_proj = None
@@ -1074,8 +1089,8 @@ def _after_loop(bufs, x, w_in, w_proj, cache, residual, needs) -> tuple:
         dw_in = torch.matmul(x.reshape(-1, D).to(op).t(), dz2)
     if needs[2]:
         dw_rec = torch.matmul(hprev.reshape(B * T, -1).t(), dz2)
-    if needs[3]:
-        dbias = dz2.sum(0, dtype=acc)
+    if needs[3]:  # the bwd cell kernel's column sums of dz (fp32 values, before their rounding to the operand dtype)
+        dbias = bufs["dbp"].sum((0, 1))
     if w_proj is not None and needs[4]:
         dw_proj = torch.matmul(m.reshape(B * T, -1).t(), bufs["dhpre"].reshape(B * T, -1))
     if needs[0]:
