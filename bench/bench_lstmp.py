@@ -313,7 +313,7 @@ def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes, cal)
                 kernel=kernel, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
                 grid="x".join(map(str, launch.grid)),
                 tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" fused" if t.fused else "")
-                + (" stationary" if t.stationary else "")
+                + (f" stationary g{t.groups}" if t.stationary else "")
                 + (" (tuned)" if tuned else ""),
                 us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                 est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops,

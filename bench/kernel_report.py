@@ -724,7 +724,7 @@ COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice"
            "launches", "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm",
            "hgmma", "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "cal_gpu_us", "violations",
            "variant_id", "compile_s"]
-_CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "num_")
+_CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "STATIONARY", "PK", "num_")
 
 
 def row_of(c: Case, picked: bool) -> dict:
@@ -850,8 +850,10 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
         n = sum(r["op"] == op for r in pending)
         md.append(f"- {op}: {n} variants break a rule; {why}.")
     md += [""] + [f"- {k}: {v}" for k, v in {**FEW_PROGRAMS_OK, **NO_K_LOOP, **NOTES}.items()]
-    if any(c.launch.meta.get("STATIONARY") for c in cases):
-        md.append(f"- _fwd_cell_kernel (STATIONARY=True, programs and async-load rules): {KL.STATIONARY_EXEMPT}")
+    stationary = sorted({c.kernel for c in cases if c.launch.meta.get("STATIONARY")})
+    if stationary:
+        md.append(f"- {', '.join(stationary)} with STATIONARY=True (the programs and async-load rules): "
+                  f"{KL.STATIONARY_EXEMPT}")
     md += ["", "## Variants", "",
            "Every launch of the workload, from the launchers' own configuration functions; '(candidate)' marks an "
            "autotune candidate the model does not pick (the runtime times them on a GPU). 'est µs': the roofline as "

@@ -19,7 +19,8 @@ compulsory bytes and FLOPs at the rates fitted to the H200's per-kernel timings 
 
 ``--search`` compiles candidate tiles in the order of their calibrated estimate with every program resident (no
 compile needed), then of their L2 traffic; drops those that spill, lack tensor-core instructions (16-bit), lack
-async copies in a K loop, or launch fewer than ``sms`` programs at B >= 128; keeps the one with the best calibrated
+async copies in a K loop, or launch fewer than ``sms`` programs at B >= 128 (stationary tiles excepted from the last
+two: ``KL.STATIONARY_EXEMPT``); keeps the one with the best calibrated
 estimate at its compiled occupancy (then the fewest registers), stopping once the order's estimates pass that; and
 prints the ``TUNED`` entries to paste into kernels/lstmp.py (``--kernels``, ``--batches``, ``--dtypes``: a part).
 """
@@ -199,7 +200,8 @@ def report(md_path: str | None) -> int:
             n = programs(launch)
             t = launch.tile
             split = launch.constexprs.get("KS")
-            tile = f"{t.BM}x{t.BN}" + (f"x{t.BK}" if t.BK else "") + (f" KS={split}" if split else "")
+            tile = (f"{t.BM}x{t.BN}" + (f"x{t.BK}" if t.BK else "") + (f" KS={split}" if split else "")
+                    + (f" stationary g{t.groups}" if t.stationary else ""))
             cells = [name, dtype_name(dtype), B, "train" if training else "infer", tile,
                      f"{r['warps']}/{r['stages']}", f"{'x'.join(map(str, launch.grid))}={n}", r["regs"],
                      f"{r['spill_st']}/{r['spill_ld']}", r["stack"], r["smem"] // 1024, r["wgmma"], r["mma"],
@@ -262,8 +264,8 @@ def rule_violations(name, launch, r, B, low) -> list[str]:
 
 
 def few_programs(launch: KL.Launch, B: int) -> bool:
-    """The programs rule broken: fewer programs than SMs at B >= 128, but for a stationary forward cell launch
-    (``KL.STATIONARY_EXEMPT``: one program per H slice by design)."""
+    """The programs rule broken: fewer programs than SMs at B >= 128, but for a stationary cell launch
+    (``KL.STATIONARY_EXEMPT``: one program per (row group, H slice) by design)."""
     return B >= 128 and programs(launch) < KL.H100.sms and not launch.tile.stationary
 
 
@@ -303,7 +305,7 @@ def candidates(name: str, B: int, low: bool) -> list[KL.Tile]:
         width = 4 if name == "fwd_cell" else 1  # weight columns per H unit: the forward's four gates
         for bm, bn, warps, groups in itertools.product((64, 128), (16, 32, 64, 128), (4, 8), (1, 2, 3, 4)):
             blocks = triton.cdiv(B, bm)
-            if (bm <= bm_max and (P * width * bn + bm * P) * 2 <= SMEM_BLOCK
+            if (bm <= bm_max and KL._stationary_smem(name, KL.Tile(bm, bn), P, 2) <= SMEM_BLOCK
                     and width * bm * bn / (32 * warps) <= 128 and groups <= blocks and blocks % groups == 0):
                 out.append(KL.Tile(bm, bn, 0, warps, 1, fused=KL._fused(name, low), stationary=True, groups=groups))
     return out

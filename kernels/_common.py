@@ -79,6 +79,7 @@ class Target:
 
     interpret: bool
     sms: int = 1
+    smem: int = 227 * 1024  # shared memory a block may opt into (an H100's; the GPU's own on a GPU)
 
 
 INTERPRETER = Target(interpret=True)

@@ -14,10 +14,11 @@ grid-wide barrier between them (a persistent kernel would need a spin barrier, w
    (tensor cores for 16-bit operands), gates, cell update + clip, ``m = σ(o) tanh(c)``; writes ``m_t``. With
    16-bit operands (``FUSED_GATES``) it reads a gate-interleaved copy of ``w_rec`` (``interleave_gates``, made
    with the call's other buffers) so that one (BK, 4·BH) tile and one dot per k step cover the four gates.
-   *Stationary* tiles (``Tile.stationary``, 16-bit at B > 128): grid (1, H/BH) instead, each program loads its
-   slice's whole (P, 4·BH) weight once (the compiler keeps it in shared memory) and walks every row block with one
-   dot of K = P: the weight crosses L2 once per step rather than once per row block (sm_90a, B=384, 64x32 w8: 108
-   against 142 MB of L2 a step at 192 KiB of shared memory, 190 registers, no spill; 128 programs).
+   *Stationary* tiles (``Tile.stationary``, 16-bit at B > 128 where the slice fits the GPU's shared memory):
+   grid (groups, H/BH) instead (TUNED: one group), each program loads its slice's whole (P, 4·BH) weight once (the
+   compiler keeps it in shared memory) and walks every groups-th row block with one dot of K = P: the weight
+   crosses L2 once per step and group rather than once per row block (sm_90a, B=384, 64x32 w8: 108 against 142 MB
+   of L2 a step at 192 KiB of shared memory, 194-217 registers, no spill; 128 programs).
 2. ``_splitk_kernel``, grid (B/BB, P/BP, S): split-K ``m_t · w_proj``: split k of S sums K-rows
    [k·KS, (k+1)·KS) of H=4096 and writes an fp32 partial (S, B, P). Without the split the projection has
    (B/BB)·(P/BP) programs (a dozen at B=384) each walking K=4096 serially.
@@ -244,11 +245,9 @@ def _fwd_cell_tail(acc_i, acc_j, acc_f, acc_o, gx_ptr, bias_ptr, c_ptr, m_ptr, z
 
 
 @triton.jit
-def _a_rows(a_ptr, len_ptr, r0, rk, kmask, s, B, T, P: tl.constexpr, BB: tl.constexpr, REVERSE: tl.constexpr,
-            PER_TOKEN: tl.constexpr):
-    """The stationary design's A tile: rows r0..r0+BB-1 (zero at inactive rows and past B), columns rk, of a (B, P)
-    state (h) or, PER_TOKEN, of a (B, T, P) buffer at each row's token of step s (dh_pre)."""
-    rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
+def _a_tile(a_ptr, rb, tok, valid, rk, kmask, P: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """The stationary design's A tile: rows rb (zero at inactive rows and past B), columns rk, of a (B, P) state (h)
+    or, PER_TOKEN, of a (B, T, P) buffer at each row's token ``tok`` (dh_pre)."""
     row = tok if PER_TOKEN else rb.to(tl.int64)
     return tl.load(a_ptr + row[:, None] * P + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
 
@@ -268,9 +267,10 @@ def _fwd_cell_kernel(
     layout (``interleave_gates``: column 4h + g holds gate g of unit h), so one (BK, 4·BH) tile and one dot per k
     step give the four gates of the slice, split apart after the loop.
 
-    STATIONARY (with FUSED; grid (1, H/BH)): the program holds its slice's whole (P, 4·BH) weight, P padded to PK,
-    loaded once, and walks every row block of the batch, one dot of K = PK per block: the weight crosses L2 once
-    per step instead of once per row block (the compiler keeps it in shared memory across the row loop)."""
+    STATIONARY (with FUSED; grid (groups, H/BH)): the program holds its slice's whole (P, 4·BH) weight, P padded to
+    PK, loaded once, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block: the weight
+    crosses L2 once per step and group instead of once per row block (the compiler keeps it in shared memory across
+    the row loop)."""
     forget_bias = tl.load(consts_ptr)
     cell_clip = tl.load(consts_ptr + 1)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -285,16 +285,18 @@ def _fwd_cell_kernel(
                     other=0.0)
         r0 = tl.program_id(0) * BB  # row blocks pid0, pid0 + groups, ... (groups = the grid's first dimension)
         step = tl.num_programs(0) * BB
-        hp = _a_rows(hop_ptr, len_ptr, r0, rk, kmask, s, B, T, P, BB, REVERSE, False)
+        rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
+        hp = _a_tile(hop_ptr, rb, tok, valid, rk, kmask, P, False)
         while r0 < B:  # not `range(r0, B, step)`: the interpreter (numpy 2) cannot take a runtime bound there
-            rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
             acc = _mma(hp, w, tl.zeros([BB, 4 * BH], ACC), IEEE, ACC, EMU)
-            # the next row block's h, loaded by hand ahead of this block's epilogue (the row loop is not
+            # the next row block's rows and h, loaded by hand ahead of this block's epilogue (the row loop is not
             # software-pipelined: a second h buffer would not fit in shared memory beside the weight)
-            hp = _a_rows(hop_ptr, len_ptr, r0 + step, rk, kmask, s, B, T, P, BB, REVERSE, False)
+            nb, nmask, nvalid, nlast, ntok, nptok = _rows_at(r0 + step, len_ptr, s, B, T, BB, REVERSE)
+            hp = _a_tile(hop_ptr, nb, ntok, nvalid, rk, kmask, P, False)
             acc_i, acc_j, acc_f, acc_o = _split_gates(acc, BB, BH)
             _fwd_cell_tail(acc_i, acc_j, acc_f, acc_o, gx_ptr, bias_ptr, c_ptr, m_ptr, z_ptr, cpre_ptr, forget_bias,
                            cell_clip, rb, rmask, valid, last, tok, ptok, rh, hmask, s, H, HAS_CELL_CLIP, SAVE, ACC)
+            rb, rmask, valid, last, tok, ptok = nb, nmask, nvalid, nlast, ntok, nptok
             r0 += step
     else:
         rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
@@ -483,13 +485,15 @@ def _bwd_cell_kernel(
                      other=0.0)
         r0 = tl.program_id(0) * BB
         step = tl.num_programs(0) * BB
-        dht = _a_rows(dhpre_ptr, len_ptr, r0, rk, kmask, s, B, T, P, BB, REVERSE, True)
+        rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
+        dht = _a_tile(dhpre_ptr, rb, tok, valid, rk, kmask, P, True)
         while r0 < B:
-            rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
             dm = _mma(dht, wt, tl.zeros([BB, BH], ACC), IEEE, ACC, EMU)
-            dht = _a_rows(dhpre_ptr, len_ptr, r0 + step, rk, kmask, s, B, T, P, BB, REVERSE, True)
+            nb, nmask, nvalid, nlast, ntok, nptok = _rows_at(r0 + step, len_ptr, s, B, T, BB, REVERSE)
+            dht = _a_tile(dhpre_ptr, nb, ntok, nvalid, rk, kmask, P, True)
             _bwd_cell_tail(dm, z_ptr, cpre_ptr, c0_ptr, dc_ptr, dz_ptr, dbp_ptr, cell_clip, rb, rmask, valid, tok,
                            ptok, rh, hmask, s, B, BB, H, HAS_CELL_CLIP, ACC)
+            rb, rmask, valid, last, tok, ptok = nb, nmask, nvalid, nlast, ntok, nptok
             r0 += step
     else:
         rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
@@ -705,7 +709,36 @@ def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
     if kernel != "fwd_cell":
         return t
     fused = _fused(kernel, _low(dtype))
-    return replace(t, fused=fused, stationary=t.stationary and fused)  # the stationary design is a fused one
+    if t.stationary and not fused:  # the stationary design is a fused one
+        return _k_loop_tile(kernel, dtype, B, replace(t, fused=False))
+    return replace(t, fused=fused)
+
+
+# (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
+# does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
+# a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop.
+K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4)}
+
+
+def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:
+    cls = "16bit" if _low(dtype) else "fp32"
+    k = K_LOOP_FALLBACK.get((kernel, cls, tuned_size(B))) or replace(t, BK=32, stages=4)
+    return replace(k, fused=t.fused, stationary=False, groups=1)
+
+
+def _stationary_pk(P: int) -> int:
+    """K of a stationary tile's one dot: P padded to a power of two, at least 16 (tl.dot's smallest K)."""
+    return max(16, triton.next_power_of_2(P))
+
+
+def _stationary_smem(kernel: str, t: Tile, P: int, isz: int) -> int:
+    """Shared memory of a stationary tile: its weight slice (PK x 4·BN forward, PK x BN backward) and one A tile."""
+    pk = _stationary_pk(P)
+    return (pk * (4 if kernel == "fwd_cell" else 1) * t.BN + t.BM * pk) * isz
+
+
+def _stationary_fits(kernel: str, t: Tile, P: int, isz: int, target: Target) -> bool:
+    return _stationary_smem(kernel, t, P, isz) <= target.smem
 
 
 def _fused(kernel: str, low: bool) -> bool:
@@ -744,7 +777,16 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     i64 = torch.int64
 
     def tile(name):
-        return (tiles or {}).get(name) or _tile(name, B, dtype, target)
+        explicit = (tiles or {}).get(name)
+        t = explicit or _tile(name, B, dtype, target)
+        used = t.stationary and (name == "fwd_cell" or (name == "bwd_cell" and has_proj))  # else no product to hold
+        if used and not _stationary_fits(name, t, P, isz, target):
+            if explicit:
+                raise ValueError(f"launch_plan: the stationary {name} tile {t} needs "
+                                 f"{_stationary_smem(name, t, P, isz)} B of shared memory at P={P}, "
+                                 f"{dtype}; the target allows {target.smem} B a block")
+            t = _k_loop_tile(name, dtype, B, t)
+        return t
 
     def split(K, t):  # (S, KS) of a split-K GEMM with P-wide output
         if target.interpret:
@@ -762,17 +804,20 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     # Bytes: every operand read once, every output written once (the roofline's memory term); a per-row
     # buffer touched only at some steps (h_n, c_n) is not counted.
     for name in KERNELS:
-        t = tile(name)
+        t = (tiles or {}).get(name) or _tile(name, B, dtype, target)
         if t.stationary and (name not in ("fwd_cell", "bwd_cell") or (name == "fwd_cell" and not t.fused)
                              or t.groups < 1):
             raise ValueError(f"launch_plan: a stationary tile is for fwd_cell (gate-interleaved: fused) or bwd_cell, "
                              f"with groups >= 1; got {t} for {name}")
+        k_loop = name in ("fwd_cell", "fwd_proj", "bwd_rec") or (name == "bwd_cell" and has_proj)
+        if k_loop and not t.stationary and t.BK < 1:
+            raise ValueError(f"launch_plan: {name} runs a K loop: its tile needs BK >= 1, got {t}")
 
     def rows_grid(t, stationary):  # the grid's first dimension: row blocks, or a stationary tile's row groups
         return min(t.groups, cdiv(B, t.BM)) if stationary else cdiv(B, t.BM)
 
     def stationary_consts(stationary):
-        return dict(STATIONARY=True, PK=triton.next_power_of_2(P)) if stationary else {}
+        return dict(STATIONARY=True, PK=_stationary_pk(P)) if stationary else {}
 
     t = tile("fwd_cell")
     plan["fwd_cell"] = launch(
@@ -836,7 +881,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_target(index: int) -> Target:
-    return Target(interpret=False, sms=torch.cuda.get_device_properties(index).multi_processor_count)
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
+    return Target(interpret=False, sms=props.multi_processor_count, smem=smem)
 
 
 def device_target(device: torch.device) -> Target:
@@ -1079,7 +1126,7 @@ def _fill_bwd(bufs, dy, dh_n, dc_n, c0) -> None:
 
 def _after_loop(bufs, x, w_in, w_proj, cache, residual, needs) -> tuple:
     """(dx, dw_in, dw_rec, dbias, dw_proj): one GEMM each over all B*T tokens, operands in the weights' dtype
-    (zeros at padding), into fresh tensors."""
+    (zeros at padding), into fresh tensors; dbias the sum of the backward cell kernel's partials."""
     B, T, D = x.shape
     op = bufs["dz"].dtype
     _, _, _, hprev, m, lengths = cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -238,16 +239,89 @@ def test_stationary_cell_tiles(monkeypatch, dtype, which):
         assert err_k <= 2 * err_r + SLACK[dtype] * max(1.0, float(want[k].abs().max())), k
 
 
-def test_stationary_tiles_where_they_apply():
+# (kernel, tile fields, B, reverse, cell clip): row groups that do not divide the row blocks (3 over 4) and more
+# groups than blocks (5 over 3: the grid keeps 3), the forward direction and no cell clip
+GROUP_CASES = {
+    "fwd_g3_of_4": ("fwd_cell", dict(groups=3), 3 * 16 + 5, False, 0.5),
+    "bwd_g3_of_4": ("bwd_cell", dict(groups=3), 3 * 16 + 5, False, 0.5),
+    "fwd_g5_of_3": ("fwd_cell", dict(groups=5), 2 * 16 + 3, True, None),
+    "bwd_g5_of_3": ("bwd_cell", dict(groups=5), 2 * 16 + 3, True, None),
+}
+
+
+@pytest.mark.parametrize("which", list(GROUP_CASES))
+def test_stationary_row_groups(monkeypatch, which):
+    """Stationary tiles whose row groups do not split the row blocks evenly, or outnumber them; both directions, with
+    and without the cell clip: outputs and every gradient against the fp64 reference."""
+    mod = _mod()
+    name, kw, B, rev, clip = GROUP_CASES[which]
+    tile = mod.Tile(16, 32, 0, 4, 1, stationary=True, **kw)
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))
+    monkeypatch.setitem(mod._INTERPRET_TILE, name, tile)
+    if DEV != "cpu":
+        monkeypatch.setitem(mod.TUNED, (name, "fp32", 64), tile)
+    shape = dict(ODD, B=B, H=35, P=35, lengths=([3, 0, 1, 2, 3, 3, 1] * 20)[:B])
+    plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], torch.float64, training=True,
+                           target=mod.device_target(torch.device(DEV)))
+    assert plan[name].constexprs["STATIONARY"] and plan[name].grid == (min(kw["groups"], -(-B // 16)), 2)
+    case = make_case(**{**shape, "residual": True})
+    fl = flags(reverse=rev, residual=True, cell_clip=clip)
+    want = run(reference, case, torch.float64, fl, upstream_grads(8))
+    got = run(kernel, case, torch.float64, fl, upstream_grads(8))
+    assert_close(got, want, TOL[torch.float64], f"[{which}] ")
+
+
+@pytest.mark.parametrize("rev", [False, True], ids=["fwd", "rev"])
+def test_stationary_inference(monkeypatch, rev):
+    """The stationary forward cell kernel in inference (the cell state read and written in place every step), two
+    row groups over four row blocks."""
+    mod = _mod()
+    tile = mod.Tile(16, 32, 0, 4, 1, stationary=True, groups=2)
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))
+    monkeypatch.setitem(mod._INTERPRET_TILE, "fwd_cell", tile)
+    if DEV != "cpu":
+        monkeypatch.setitem(mod.TUNED, ("fwd_cell", "fp32", 64), tile)
+    B = 3 * 16 + 5
+    case = make_case(B=B, T=4, D=5, H=35, P=35, lengths=([4, 0, 1, 2, 3, 4, 1] * 20)[:B])
+    fl = flags(reverse=rev)
+    args = [case[k] for k in GRAD_NAMES]
+    with torch.no_grad():
+        y, h, c = kernel(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), **fl)
+    want = reference(*args, case["lengths"], **fl)
+    assert_close({"y": y.cpu(), "h_n": h.cpu(), "c_n": c.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
+                 TOL[torch.float64])
+
+
+def test_stationary_tiles_where_they_apply(monkeypatch):
     """A stationary tile is for the forward cell kernel in its gate-interleaved design or for the backward cell
-    kernel, with at least one row group: asked for elsewhere, launch_plan says so; the per-gate design (fp32) never
-    gets one from TUNED; without a projection the backward cell kernel has no product and runs its plain tile."""
+    kernel, with at least one row group: asked for elsewhere, launch_plan says so. Where TUNED's stationary tile does
+    not apply (its weight slice and A tile do not fit the target's shared memory at this P: P = H without a
+    projection, P = 1024, a GPU with less shared memory than Hopper; or the per-gate design), the plan runs the K-loop
+    tile it replaced; an explicit stationary tile that does not fit is refused. P = 8 pads to K = 16 (tl.dot's
+    least). Without a projection the backward cell kernel has no product and runs its plain tile."""
     mod = _mod()
     st = mod.Tile(64, 32, 0, 8, 1, stationary=True)
-    for name, t in (("fwd_cell", st), ("bwd_rec", st), ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, True, True, 0))):
-        with pytest.raises(ValueError, match="stationary"):
+    bad = (("fwd_cell", st), ("bwd_rec", st), ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, True, True, 0)),
+           ("fwd_proj", mod.Tile(64, 32, 0, 8, 1)))
+    for name, t in bad:
+        with pytest.raises(ValueError, match="stationary|BK"):
             mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True, tiles={name: t})
-    assert not mod.launch_plan(384, 20, 4096, 512, torch.float32, training=True)["fwd_cell"].tile.stationary
+    old = mod.K_LOOP_FALLBACK[("fwd_cell", "16bit", 384)]
+    tuned = mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True)["fwd_cell"]
+    assert tuned.tile.stationary and tuned.constexprs["PK"] == 512
+    for P, has_proj, target in ((1024, True, mod.H100), (4096, False, mod.H100),
+                                (512, True, mod.Target(interpret=False, sms=108, smem=163 * 1024))):
+        lc = mod.launch_plan(384, 20, 4096, P, torch.bfloat16, training=True, has_proj=has_proj,
+                             target=target)["fwd_cell"]
+        assert lc.tile == dataclasses.replace(old, fused=True) and "STATIONARY" not in lc.constexprs, (P, has_proj)
+        assert lc.grid == (3, 128)
+    with pytest.raises(ValueError, match="shared memory"):
+        mod.launch_plan(384, 20, 4096, 1024, torch.bfloat16, training=True,
+                        tiles={"fwd_cell": mod.Tile(64, 32, 0, 8, 1, fused=True, stationary=True)})
+    assert mod.launch_plan(384, 20, 4096, 8, torch.bfloat16, training=True)["fwd_cell"].constexprs["PK"] == 16
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, False))  # the per-gate design
+    lc = mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True)["fwd_cell"]
+    assert lc.tile == old and not lc.tile.fused and lc.tile.BK == 32
     for has_proj, grid in ((True, (2, 128)), (False, (6, 128))):
         plan = mod.launch_plan(384, 20, 4096, 512 if has_proj else 4096, torch.bfloat16, training=True,
                                has_proj=has_proj, tiles={"bwd_cell": mod.Tile(64, 32, 0, 8, 1, stationary=True,
