@@ -16,10 +16,10 @@ from conftest import programs_backwards, requires_triton
 from test_lstmp_triton import (  # noqa: F401 - _nan_poison is an autouse fixture, imported to apply here
     DEV,
     GRAD_NAMES,
-    SLACK,
     TOL,
     _nan_poison,
     assert_close,
+    assert_low_precision,
     flags,
     kernel,
     make_case,
@@ -127,12 +127,7 @@ def test_odd_shape_low_precision(dtype, fwd_design):
     if dtype == torch.float32:
         assert_close(got, exact, TOL[torch.float32])
         return
-    ref_lp = run(reference, case, dtype, fl, upstream_grads(4))
-    for k in exact:
-        assert torch.isfinite(got[k]).all(), k
-        err_k = float((got[k] - exact[k]).abs().max())
-        err_r = float((ref_lp[k] - exact[k]).abs().max())
-        assert err_k <= 2 * err_r + SLACK[dtype] * max(1.0, float(exact[k].abs().max())), k
+    assert_low_precision(got, exact, run(reference, case, dtype, fl, upstream_grads(4)), dtype)
 
 
 # ------------------------------------------------------------------------------------ the GPU plan
@@ -231,12 +226,7 @@ def test_stationary_cell_tiles(monkeypatch, dtype, which):
     if dtype == torch.float64:
         assert_close(got, want, TOL[torch.float64], f"[{name} {tile}] ")
         return
-    ref_lp = run(reference, case, dtype, fl, upstream_grads(8))
-    for k in want:
-        assert torch.isfinite(got[k]).all(), k
-        err_k = float((got[k] - want[k]).abs().max())
-        err_r = float((ref_lp[k] - want[k]).abs().max())
-        assert err_k <= 2 * err_r + SLACK[dtype] * max(1.0, float(want[k].abs().max())), k
+    assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, f"[{name} {tile}] ")
 
 
 # (kernel, tile fields, B, reverse, cell clip): row groups that do not divide the row blocks (3 over 4) and more
