@@ -384,8 +384,15 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
 # 2026-11-27 (bench/kernel_fit.py) replaced it: the tile sweep times each beside its successor.
 # The 16-bit forward cell tile at 384 was replaced by the stationary design (2026-11-27: 108 against 142 MB of L2 a
 # step, calibrated 37.0 against 45.3 µs), in the same fused design.
+def _fallback(key) -> tuple:
+    from elmo_fast.kernels.lstmp import K_LOOP_FALLBACK
+
+    t = K_LOOP_FALLBACK[key]
+    return (t.BM, t.BN, t.BK, t.warps, t.stages)
+
+
 REPLACED = {("bwd_cell", "16bit", 128): (128, 16, 32, 4, 4), ("bwd_cell", "16bit", 384): (128, 16, 64, 8, 4),
-            ("fwd_cell", "16bit", 384): (128, 32, 32, 8, 4)}
+            ("fwd_cell", "16bit", 384): _fallback(("fwd_cell", "16bit", 384))}
 # (kernel, operand class, batch) -> (BM, BN, BK, warps, stages) of an occupancy probe: a tile that the calibrated
 # model ranks below the tuned one for its extra L2 traffic but that keeps 3 programs an SM resident where the tuned
 # tile keeps 1 (sm_90a, compiled here 2026-11-27: forward 64x32x32 w4 168 registers, 192 against 142 MB of L2,
@@ -445,7 +452,8 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                 bufs["w_rec_g"] = KL.interleave_gates(bufs["w_rec"])
             for name in kernels:
                 b = bufs if name.startswith("fwd") else bbufs
-                saved = {k: v.clone() for k, v in b.items()}
+                dbp = b.get("dbp")  # the bias partials: a buffer per tile (its rows follow the tile's BM)
+                saved = {k: v.clone() for k, v in b.items() if k != "dbp"}
 
                 def restore(b=b, saved=saved):
                     for k, v in saved.items():
@@ -454,14 +462,19 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                 tiles = (alternatives or {}).get(name) or _tile_alternatives(name, B, dtype, top)
                 first = None
                 for tile in tiles:
-                    launch = _plan_with(name, tile, B, T, dtype, device, dims)[name]
                     restore()
                     try:
+                        launch = _plan_with(name, tile, B, T, dtype, device, dims)[name]
+                        if dbp is not None:  # one row per (step, row block) of this tile's BM
+                            b["dbp"] = torch.full((T, -(-B // launch.tile.BM), 4 * dims["H"]), float("nan"),
+                                                  dtype=dbp.dtype, device=device)
                         KL._run(launch, b, s)
-                    except Exception as exc:  # noqa: BLE001 - a candidate that does not compile or fit: noted
+                    except Exception as exc:  # noqa: BLE001 - a candidate that does not plan, compile or fit: noted
                         print(f"{name:>8} {tile}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                         continue
-                    got = {k: v.float().clone() for k, v in b.items() if not torch.equal(v, saved[k])}
+                    got = {k: v.float().clone() for k, v in b.items() if k != "dbp" and not torch.equal(v, saved[k])}
+                    if dbp is not None:  # compared as step s's column sums, which do not depend on the row blocks
+                        got["dbp[s]"] = b["dbp"][s].float().sum(0)
                     first = got if first is None else first
                     bad = [k for k in set(first) | set(got) if k not in got or k not in first
                            or not torch.allclose(got[k], first[k], rtol=2e-2, atol=2e-2)]
@@ -475,6 +488,8 @@ def bench_tiles(kernels=("fwd_cell", "bwd_cell"), batches=(128, 384), dtypes=(to
                                           [(name, launch)]))
                     print(f"{name:>8} {rows[-1]['dtype']:>8} B={B:<3} {rows[-1]['tile']:<26} "
                           f"grid {rows[-1]['grid']:<8}: {times[0] * 1e3:8.2f} us (estimate {est:6.2f})", flush=True)
+                if dbp is not None:
+                    b["dbp"] = dbp
                 del saved
             del bufs, bbufs, plan, bplan
     return rows

@@ -567,9 +567,11 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
         ops["highway/bwd"] = [gemm("token projection dX, dW", N, NF, P, dt, 2)]
         ops["lstmp/bwd"] = [gemm("dW_in, dW_rec, dW_proj, dx (4 GEMMs)", nt, 4 * H, P, dt, 1),
                             gemm("", P, 4 * H, nt, dt, 1), gemm("", H, P, nt, dt, 1), gemm("", nt, P, 4 * H, dt, 1),
-                            TorchOp("dbias (the sum of the bwd cell kernel's per-block partials), casts, zero fills",
-                                    0, size.T * triton.cdiv(size.B, KL._tile("bwd_cell", size.B, dt, KL.H100).BM)
-                                    * 4 * H * 4, 6, False)]
+                            TorchOp("dbias (the sum of the bwd cell kernel's per-block partials), the residual's dy "
+                                    "added to dx (counted for every chain), casts, state copies",
+                                    0, size.T * triton.cdiv(size.B, KL.launch_plan(
+                                        size.B, size.T, H, P, dt, training=True)["bwd_cell"].tile.BM) * 4 * H * 4
+                                    + 3 * nt * P * es(dt) + 4 * size.B * (P + H) * 4, 6, False)]
         ops["sampled_softmax/fwd"] = [TorchOp("sampler: log-uniform draws, first-occurrence dedup (V scratch)",
                                               0, 3 * V * 8, 15, False),
                                       TorchOp("offsets, split LSE merge, loss", 0, nt * 16 + S * 16, 10, False)]

@@ -86,17 +86,23 @@ INTERPRETER = Target(interpret=True)
 H100 = Target(interpret=False, sms=132)  # H100 SXM (and H200): the report's target
 
 
+def target_from(props) -> Target:
+    """The compiled-code target of a GPU with these ``torch.cuda.get_device_properties``: its SMs and the shared
+    memory a block may opt into (``shared_memory_per_block_optin`` where torch has it, else the 48 KiB default)."""
+    smem = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
+    return Target(interpret=False, sms=props.multi_processor_count, smem=smem)
+
+
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def cuda_target(index: int) -> Target:
+    return target_from(torch.cuda.get_device_properties(index))
 
 
 def target_of(device: torch.device) -> Target:
     """The target kernels on ``device``'s tensors run on (the interpreter for CPU tensors)."""
     if device.type != "cuda" or triton_interpret():
         return INTERPRETER
-    return Target(interpret=False, sms=_sm_count(device.index if device.index is not None
-                                                  else torch.cuda.current_device()))
+    return cuda_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @dataclass

@@ -88,7 +88,7 @@ split counts, pipeline depth, dtype and behaviour flags), ``num_warps``/``num_st
 arguments in order as ``(name, torch dtype)`` for tensors and ``(name, value)`` for ints (``s``, the step,
 is an example), ``count`` (launches per chain call), and the roofline terms: ``bytes`` (every operand read
 once, every result written once), ``scratch_bytes`` (the split-K partials) and ``flops``. ``target`` is a
-``Target(interpret, sms)``; ``device_target(device)`` gives the launchers' one. The launchers
+``Target(interpret, sms, smem)``; ``device_target(device)`` gives the launchers' one. The launchers
 (``fwd_setup``/``bwd_setup`` build the plan and the buffers) launch nothing else and check once per call
 that every tensor has the dtype the plan names, so a compile report that calls ``launch_plan`` compiles
 exactly what runs. ``tiles`` overrides the per-kernel ``Tile`` (the tuning tool's hook). Tiles come from
@@ -100,7 +100,6 @@ that give every SM a program.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -108,7 +107,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast.kernels import lstmp_graphs as graphs
-from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import H100, Target, acc_dtype, cuda_target, tanh, tl_acc_dtype, triton_operator
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -718,6 +717,7 @@ def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
 # does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
 # a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop.
 K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4)}
+# (bench/bench_lstmp.REPLACED reads its fwd_cell entry from here: the tile sweep times the same tile)
 
 
 def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:
@@ -732,9 +732,11 @@ def _stationary_pk(P: int) -> int:
 
 
 def _stationary_smem(kernel: str, t: Tile, P: int, isz: int) -> int:
-    """Shared memory of a stationary tile: its weight slice (PK x 4·BN forward, PK x BN backward) and one A tile."""
+    """Shared memory of a stationary tile: its weight slice (PK x 4·BN forward, PK x BN backward) and one A tile,
+    or the epilogue's fp32 (BM, BN) scratch where that is larger (sm_90a, 12 variants compiled: the compiled size
+    never above this, equal to it at the tuned tile, 196608 B)."""
     pk = _stationary_pk(P)
-    return (pk * (4 if kernel == "fwd_cell" else 1) * t.BN + t.BM * pk) * isz
+    return pk * (4 if kernel == "fwd_cell" else 1) * t.BN * isz + max(t.BM * pk * isz, t.BM * t.BN * 4)
 
 
 def _stationary_fits(kernel: str, t: Tile, P: int, isz: int, target: Target) -> bool:
@@ -879,18 +881,11 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     return plan
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_target(index: int) -> Target:
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
-    return Target(interpret=False, sms=props.multi_processor_count, smem=smem)
-
-
 def device_target(device: torch.device) -> Target:
     """The launchers' target: the interpreter on CPU tensors, else the GPU's SM count (read once per GPU)."""
     if device.type != "cuda":
         return Target(interpret=True, sms=H100.sms)
-    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:

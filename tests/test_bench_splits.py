@@ -67,6 +67,22 @@ def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch, sweep
         _sweep(sweep)
 
 
+def test_tile_sweep_across_row_block_counts():
+    """Alternatives whose row blocks differ in number from the tuned tile's (40 rows: 2 blocks of 32, 3 of 16, one
+    stationary group over 3 blocks): the backward cell kernel's bias partials (a row per step and row block) get a
+    buffer per tile and are compared as each step's column sums, so every alternative is timed."""
+    import bench_lstmp
+
+    from elmo_fast.kernels.lstmp import Tile
+
+    alternatives = {"fwd_cell": (None, Tile(16, 16, 0, 4, 1, fused=True, stationary=True)),
+                    "bwd_cell": (None, Tile(16, 16, 16, 4, 2), Tile(16, 16, 0, 4, 1, stationary=True))}
+    rows = bench_lstmp.bench_tiles(batches=(40,), dtypes=(torch.float32,), T=4, dims=DIMS, device=triton_device(),
+                                   alternatives=alternatives)
+    assert [r["kernel"] for r in rows] == ["fwd_cell"] * 2 + ["bwd_cell"] * 3
+    assert rows[1]["tile"].endswith("stationary g1") and rows[4]["grid"] == "1x2"
+
+
 def test_the_gpu_short_list_comes_from_the_compile_search():
     """The tuned tile, for the forward cell kernel the same tile in the other design (for a stationary one, the
     fused tile it replaced), for a retuned kernel the tile it replaced, and the occupancy probe, each in place of the

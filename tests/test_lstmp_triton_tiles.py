@@ -272,6 +272,8 @@ def test_stationary_inference(monkeypatch, rev):
     if DEV != "cpu":
         monkeypatch.setitem(mod.TUNED, ("fwd_cell", "fp32", 64), tile)
     B = 3 * 16 + 5
+    plan = mod.launch_plan(B, 4, 35, 35, torch.float64, training=False, target=mod.device_target(torch.device(DEV)))
+    assert plan["fwd_cell"].constexprs["STATIONARY"] and plan["fwd_cell"].grid == (2, 2)
     case = make_case(B=B, T=4, D=5, H=35, P=35, lengths=([4, 0, 1, 2, 3, 4, 1] * 20)[:B])
     fl = flags(reverse=rev)
     args = [case[k] for k in GRAD_NAMES]
@@ -280,6 +282,20 @@ def test_stationary_inference(monkeypatch, rev):
     want = reference(*args, case["lengths"], **fl)
     assert_close({"y": y.cpu(), "h_n": h.cpu(), "c_n": c.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
                  TOL[torch.float64])
+
+
+def test_gpu_target_reads_the_opt_in_shared_memory():
+    """A GPU's target carries the shared memory a block may opt into (what decides whether a stationary tile fits),
+    or torch's 48 KiB default where its properties lack the opt-in field."""
+    import types
+
+    from elmo_fast.kernels._common import target_from
+
+    h100 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_block=48 * 1024,
+                                 shared_memory_per_block_optin=227 * 1024)
+    assert target_from(h100) == _mod().Target(interpret=False, sms=132, smem=227 * 1024)
+    old = types.SimpleNamespace(multi_processor_count=80, shared_memory_per_block=48 * 1024)
+    assert target_from(old).smem == 48 * 1024
 
 
 def test_stationary_tiles_where_they_apply(monkeypatch):
