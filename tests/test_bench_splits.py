@@ -102,6 +102,7 @@ def test_the_gpu_short_list_comes_from_the_compile_search():
     tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
     assert tuned.stationary and tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
     assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)], fused=True)  # not stationary
+    assert KL.Tile(*bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)]) == KL.K_LOOP_FALLBACK[("fwd_cell", "16bit", 384)]
     assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("fwd_cell", "16bit", 384)], fused=tuned.fused)
     assert tuned not in tiles[1:] and all(t.fused for t in tiles[1:])
     tiles = bench_lstmp._tile_alternatives("bwd_cell", 384, torch.bfloat16, top=4)
