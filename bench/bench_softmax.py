@@ -168,7 +168,7 @@ def kernel_rows(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat
 
     dev = torch.device(device)
     tg = target_of(dev)
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     f32 = dict(dtype=torch.float32, device=dev)
     meta = {**common.environment(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "dtype": str(dtype).replace("torch.", "")}

@@ -46,6 +46,11 @@ import common  # noqa: E402
 
 ROWS_CSV = common.RESULTS / "kernel_fit_rows.csv"
 H200_ROWS = common.RESULTS / "gpu_h200_rows.jsonl"
+
+
+def h200_rows(bench: str, path: Path = H200_ROWS) -> list[dict]:
+    """The committed H200 rows (one JSON object a line) of one bench (``lstmp``, ``lstmp_kernels``, ``softmax``)."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("bench") == bench]
 OLD_REPORT = ("43df509", "bench/results/kernel_report.csv")  # compile stats of the kernels that ran on the H200
 SMS = 132
 PEAK = {"16bit": 990e12, "fp32": 67e12}
@@ -137,10 +142,7 @@ def build_rows() -> list[dict]:
                           capture_output=True, text=True).stdout
     old = list(csv.DictReader(io.StringIO(text)))
     out = []
-    for line in H200_ROWS.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("bench") != "lstmp_kernels":
-            continue
+    for r in h200_rows("lstmp_kernels"):
         name, B = r["kernel"], int(r["B"])
         dtype = torch.bfloat16 if r["dtype"] == "bfloat16" else torch.float32
         dt = "bf16" if dtype == torch.bfloat16 else "fp32"

@@ -32,7 +32,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import csv  # noqa: E402
 import io  # noqa: E402
-import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
@@ -250,13 +249,9 @@ def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
         for w in sorted({cw, C % cw} - {0}, reverse=True):  # full chunks, then a partial last one
             dl = KS.dlogit_launch(N, w, P_, dtype, target, **flags)
             count = C // cw if w == cw else 1
-
-            def cost(lc, w=w):  # the logit tile once; dlogit written in the operand dtype, the bias partials fp32
-                return 2.0 * N * w * P_, (N * P_ + w * P_) * e + N * w * e + lc.grid[0] * w * 4
-
-
-            flops, nbytes = cost(dl)
-            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), flops, nbytes, False, 0.0,
+            # the logit tile once; dlogit written in the operand dtype, the bias partials in fp32
+            nbytes = (N * P_ + w * P_) * e + N * w * e + dl.grid[0] * w * 4
+            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), 2.0 * N * w * P_, nbytes, False, 0.0,
                          softmax_l2_bytes(dl, N, w, P_, e), count)])
     return out
 
@@ -427,9 +422,8 @@ def h200_chain_ms(path: Path = kernel_fit.H200_ROWS) -> dict:
     nn.LSTM(512, 4096, proj_size=512)), B rows x 20 steps, from the H200's committed rows (2026-11-26, bench `lstmp`,
     `bench_lstmp.py`, call 1: the code of c17f5ba) at the training sizes of the report."""
     got: dict = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("bench") == "lstmp" and r.get("call") == "call 1" and r["provider"] in ("triton", "cudnn"):
+    for r in kernel_fit.h200_rows("lstmp", path):
+        if r.get("call") == "call 1" and r["provider"] in ("triton", "cudnn"):
             key = (f"train B={r['B']}", {"bfloat16": "bf16", "float32": "fp32"}[r["dtype"]])
             got.setdefault(key, {})[(r["provider"], r["mode"])] = float(r["ms_p50"])
     return {k: tuple(v[(p, m)] for p in ("triton", "cudnn") for m in ("fwd", "fwd+bwd"))
@@ -440,10 +434,9 @@ def h200_softmax_ms(op: str = "sampled_softmax", mode: str = "fwd+bwd",
                     shape: str = "N=7680,S=8192,P=512,V=793471", path: Path = kernel_fit.H200_ROWS) -> float:
     """The H200's Triton softmax time in ms (bf16; the softmax bench ran in the lease's call 2): by default the
     sampled softmax forward+backward at the training shape."""
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if (r.get("bench"), r.get("op"), r.get("provider"), r.get("dtype"), r.get("call"), r.get("mode"),
-                r.get("shape")) == ("softmax", op, "triton", "bfloat16", "call 2", mode, shape):
+    for r in kernel_fit.h200_rows("softmax", path):
+        if (r.get("op"), r.get("provider"), r.get("dtype"), r.get("call"), r.get("mode"),
+                r.get("shape")) == (op, "triton", "bfloat16", "call 2", mode, shape):
             return float(r["ms_p50"])
     return math.nan
 

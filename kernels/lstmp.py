@@ -705,19 +705,14 @@ def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
     kernel's design from ``FUSED_GATES``, so the interpreter runs the GPU's design for each operand dtype."""
     cls = "16bit" if _low(dtype) else "fp32"
     t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, tuned_size(B))]
-    if kernel != "fwd_cell":
-        return t
-    fused = _fused(kernel, _low(dtype))
-    if t.stationary and not fused:  # the stationary design is a fused one
-        return _k_loop_tile(kernel, dtype, B, replace(t, fused=False))
-    return replace(t, fused=fused)
+    return replace(t, fused=_fused(kernel, _low(dtype))) if kernel == "fwd_cell" else t
 
 
 # (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
 # does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
 # a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop.
 K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4)}
-# (bench/bench_lstmp.REPLACED reads its fwd_cell entry from here: the tile sweep times the same tile)
+# (the tile sweep times the same tile: bench/bench_lstmp.REPLACED, held equal by tests/test_bench_splits.py)
 
 
 def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:
@@ -779,15 +774,27 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     i64 = torch.int64
 
     def tile(name):
+        """The tile ``name`` runs: ``tiles``' (checked: refused where it cannot run) or TUNED's (a stationary entry
+        falls back to its K-loop tile where it does not apply). ``stationary`` set iff the launch is stationary."""
         explicit = (tiles or {}).get(name)
         t = explicit or _tile(name, B, dtype, target)
-        used = t.stationary and (name == "fwd_cell" or (name == "bwd_cell" and has_proj))  # else no product to hold
-        if used and not _stationary_fits(name, t, P, isz, target):
-            if explicit:
-                raise ValueError(f"launch_plan: the stationary {name} tile {t} needs "
-                                 f"{_stationary_smem(name, t, P, isz)} B of shared memory at P={P}, "
-                                 f"{dtype}; the target allows {target.smem} B a block")
-            t = _k_loop_tile(name, dtype, B, t)
+        if t.stationary and name == "bwd_cell" and not has_proj:  # no product to hold a weight for: the plain tile
+            t = replace(t, stationary=False, groups=1)
+        if t.stationary:
+            if name not in ("fwd_cell", "bwd_cell") or t.groups < 1 or (name == "fwd_cell" and not t.fused):
+                why = "is for fwd_cell (gate-interleaved: fused) or bwd_cell, with groups >= 1"
+            elif not _stationary_fits(name, t, P, isz, target):
+                why = (f"needs {_stationary_smem(name, t, P, isz)} B of shared memory at P={P}, {dtype}; the target "
+                       f"allows {target.smem} B a block")
+            else:
+                why = None
+            if why and explicit:
+                raise ValueError(f"launch_plan: the stationary {name} tile {t} {why}")
+            if why:  # TUNED's entry in the per-gate design, or too big at this P / on this GPU
+                t = _k_loop_tile(name, dtype, B, t)
+        k_loop = name in ("fwd_cell", "fwd_proj", "bwd_rec") or (name == "bwd_cell" and has_proj)
+        if k_loop and not t.stationary and t.BK < 1:
+            raise ValueError(f"launch_plan: {name} runs a K loop: its tile needs BK >= 1, got {t}")
         return t
 
     def split(K, t):  # (S, KS) of a split-K GEMM with P-wide output
@@ -805,27 +812,17 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     plan = {}
     # Bytes: every operand read once, every output written once (the roofline's memory term); a per-row
     # buffer touched only at some steps (h_n, c_n) is not counted.
-    for name in KERNELS:
-        t = (tiles or {}).get(name) or _tile(name, B, dtype, target)
-        if t.stationary and (name not in ("fwd_cell", "bwd_cell") or (name == "fwd_cell" and not t.fused)
-                             or t.groups < 1):
-            raise ValueError(f"launch_plan: a stationary tile is for fwd_cell (gate-interleaved: fused) or bwd_cell, "
-                             f"with groups >= 1; got {t} for {name}")
-        k_loop = name in ("fwd_cell", "fwd_proj", "bwd_rec") or (name == "bwd_cell" and has_proj)
-        if k_loop and not t.stationary and t.BK < 1:
-            raise ValueError(f"launch_plan: {name} runs a K loop: its tile needs BK >= 1, got {t}")
+    def rows_grid(t):  # the grid's first dimension: row blocks, or a stationary tile's row groups
+        return min(t.groups, cdiv(B, t.BM)) if t.stationary else cdiv(B, t.BM)
 
-    def rows_grid(t, stationary):  # the grid's first dimension: row blocks, or a stationary tile's row groups
-        return min(t.groups, cdiv(B, t.BM)) if stationary else cdiv(B, t.BM)
-
-    def stationary_consts(stationary):
-        return dict(STATIONARY=True, PK=_stationary_pk(P)) if stationary else {}
+    def stationary_consts(t):
+        return dict(STATIONARY=True, PK=_stationary_pk(P)) if t.stationary else {}
 
     t = tile("fwd_cell")
     plan["fwd_cell"] = launch(
-        _fwd_cell_kernel, (rows_grid(t, t.stationary), cdiv(H, t.BN)),
+        _fwd_cell_kernel, (rows_grid(t), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, SAVE=training, BH=t.BN, BK=t.BK, FUSED=t.fused,
-             **stationary_consts(t.stationary), **flags),
+             **stationary_consts(t), **flags),
         (("gx", op), ("bias", op), ("w_rec_g" if t.fused else "w_rec", op), ("hop", op), ("c", acc),
          ("lengths", i64), ("m", op), ("z", op), ("cpre", acc), ("consts", acc)),
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
@@ -854,11 +851,10 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         return plan
 
     t = tile("bwd_cell")
-    stationary = t.stationary and has_proj  # without a projection there is no product to hold a weight for
     plan["bwd_cell"] = launch(
-        _bwd_cell_kernel, (rows_grid(t, stationary), cdiv(H, t.BN)),
+        _bwd_cell_kernel, (rows_grid(t), cdiv(H, t.BN)),
         dict(H=H, P=P, HAS_PROJ=has_proj, HAS_CELL_CLIP=cell_clip, REVERSE=reverse, BH=t.BN, BK=t.BK,
-             **stationary_consts(stationary), **flags),
+             **stationary_consts(t), **flags),
         (("dhpre", dhpre), ("w_proj", op), ("z", op), ("cpre", acc), ("c0", acc), ("dc", acc),
          ("lengths", i64), ("dz", op), ("dbp", acc), ("consts", acc)),
         T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz

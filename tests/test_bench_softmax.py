@@ -28,7 +28,7 @@ def test_kernel_rows_time_each_softmax_kernel_with_its_l2_count(dtype, tmp_path,
     assert [(r["op"], r["mode"], r["kernel"]) for r in rows] == [
         ("sampled_softmax", "fwd", "_softmax_lse_fwd_kernel"), ("sampled_softmax", "bwd", "_softmax_dlogit_kernel"),
         ("full_softmax_nll", "fwd", "_softmax_lse_fwd_kernel")]
-    e = torch.empty((), dtype=dtype).element_size()
+    e = dtype.itemsize
     dl = KS.dlogit_launch(N_s, S, P, dtype, target_of(torch.device(triton_device())), gather=True, mask_hits=True,
                           sub_target=False)
     want = kernel_report.softmax_l2_bytes(dl, N_s, S, P, e)  # the report's count (checked by hand there)
