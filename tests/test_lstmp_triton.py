@@ -224,16 +224,19 @@ def test_low_precision_within_twice_reference_error(dtype, name):
 
 
 # --------------------------------------------------------------------------------------------- plumbing
-def test_inference_path_skips_caches_and_matches():
-    """Without grad the kernel writes no backward caches; outputs must not change."""
-    case = make_case(B=4, T=5)
-    fl = flags(reverse=True)
+def assert_inference_matches(case: dict, fl: dict):
+    """The kernel without grad (no backward caches) gives the fp64 reference's y, h_n and c_n."""
     args = [case[k] for k in GRAD_NAMES]
     with torch.no_grad():
-        y0, h0, c0 = kernel(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), **fl)
+        y, h, c = kernel(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), **fl)
     want = reference(*args, case["lengths"], **fl)
-    assert_close({"y": y0.cpu(), "h_n": h0.cpu(), "c_n": c0.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
+    assert_close({"y": y.cpu(), "h_n": h.cpu(), "c_n": c.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
                  TOL[torch.float64])
+
+
+def test_inference_path_skips_caches_and_matches():
+    """Without grad the kernel writes no backward caches; outputs must not change."""
+    assert_inference_matches(make_case(B=4, T=5), flags(reverse=True))
 
 
 def test_partial_upstream_and_partial_requires_grad():

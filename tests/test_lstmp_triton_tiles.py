@@ -19,6 +19,7 @@ from test_lstmp_triton import (  # noqa: F401 - _nan_poison is an autouse fixtur
     TOL,
     _nan_poison,
     assert_close,
+    assert_inference_matches,
     assert_low_precision,
     flags,
     kernel,
@@ -274,14 +275,8 @@ def test_stationary_inference(monkeypatch, rev):
     B = 3 * 16 + 5
     plan = mod.launch_plan(B, 4, 35, 35, torch.float64, training=False, target=mod.device_target(torch.device(DEV)))
     assert plan["fwd_cell"].constexprs["STATIONARY"] and plan["fwd_cell"].grid == (2, 2)
-    case = make_case(B=B, T=4, D=5, H=35, P=35, lengths=([4, 0, 1, 2, 3, 4, 1] * 20)[:B])
-    fl = flags(reverse=rev)
-    args = [case[k] for k in GRAD_NAMES]
-    with torch.no_grad():
-        y, h, c = kernel(*(a.to(DEV) if a is not None else None for a in args), case["lengths"].to(DEV), **fl)
-    want = reference(*args, case["lengths"], **fl)
-    assert_close({"y": y.cpu(), "h_n": h.cpu(), "c_n": c.cpu()}, dict(zip(("y", "h_n", "c_n"), want)),
-                 TOL[torch.float64])
+    assert_inference_matches(make_case(B=B, T=4, D=5, H=35, P=35, lengths=([4, 0, 1, 2, 3, 4, 1] * 20)[:B]),
+                             flags(reverse=rev))
 
 
 def test_gpu_target_reads_the_opt_in_shared_memory():
