@@ -55,6 +55,7 @@ from elmo_fast.kernels import char_cnn as KC  # noqa: E402
 from elmo_fast.kernels import highway as KH  # noqa: E402
 from elmo_fast.kernels import lstmp as KL  # noqa: E402
 from elmo_fast.kernels import softmax as KS  # noqa: E402
+from elmo_fast.training.configs import ORIGINAL_TOWERS  # noqa: E402
 
 BF16, FP32, I64, I32, I8 = torch.bfloat16, torch.float32, torch.int64, torch.int32, torch.int8
 
@@ -676,7 +677,26 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                            train_step_det_us=total - cnn + cnn_det, train_step_graph_us=total_g,
                            train_tokens_per_s_graph=size.B * size.T / (total_g * 1e-6))
             rows.append(row)
+    _original_config(rows)
     return rows
+
+
+def _original_config(rows: list[dict]) -> None:
+    """The original config's step on one GPU (``--config original``: 3 towers of 128 rows), with loop graphs, on
+    the B=384 rows: the towers one after the other (3 x the B=128 step, one optimizer step) and fused
+    (``fuse_towers``: encoder and LSTMs over the 384 rows at once, each tower's softmax over its own 128)."""
+    by = {(r["size"], r["dtype"]): r for r in rows}
+    n = ORIGINAL_TOWERS  # 3 x 128 = the B=384 rows
+    for (name, dt), big in by.items():
+        small = by.get(("train B=128", dt))
+        if name != "train B=384" or small is None or "train_step_graph_us" not in big:
+            continue
+        seq = n * (small["train_step_graph_us"] - small["optimizer_us"]) + small["optimizer_us"]
+        fused = big["train_step_graph_us"] - big["softmax_us"] + n * small["softmax_us"]
+        size = next(z for z in SIZES if z.name == "train B=128")
+        tokens = n * size.B * size.T
+        big.update(towers_seq_graph_us=seq, towers_seq_tokens_per_s=tokens / (seq * 1e-6),
+                   towers_fused_graph_us=fused, towers_fused_tokens_per_s=tokens / (fused * 1e-6))
 
 
 def softmax_l2_table(cases: list[Case]) -> list[str]:
@@ -811,6 +831,17 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                "upper bound, every other column) or as L2 traffic, not in the HBM term (the 'partials in L2' "
                "columns: the lower bound; an H100 has 50 MB of L2). The training step and tokens/s use the upper "
                "bound.", ""]
+        orig = [s for s in sums if "towers_fused_graph_us" in s]
+        if orig:
+            md += [f"The original config on one GPU (`--config original`: {ORIGINAL_TOWERS} towers of 128 rows, 384 "
+                   "a step), loop graphs, the upper bound: its towers one after the other (each a B=128 step; one "
+                   "optimizer step) or fused in one pass (`fuse_towers`, the GPU default: token encoder and LSTMs "
+                   "over the 384 rows, each tower's sampled softmax over its own 128 rows with its own samples):", "",
+                   "| dtype | towers one after the other µs | tokens/s | fused µs | tokens/s |",
+                   "|---|---|---|---|---|"]
+            md += [f"| {s['dtype']} | {s['towers_seq_graph_us']:.0f} | {s['towers_seq_tokens_per_s']:,.0f} | "
+                   f"{s['towers_fused_graph_us']:.0f} | {s['towers_fused_tokens_per_s']:,.0f} |" for s in orig]
+            md += [""]
         md += ["## The LSTMP chain under the calibrated model", "",
                "`bench/kernel_fit.py`: the LSTMP kernels' L2 traffic, compulsory bytes and FLOPs at rates fitted to "
                "the H200's per-kernel timings (bench/results/kernel_fit.md: 16-bit within x1.2 of the timed launches "

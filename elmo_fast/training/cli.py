@@ -25,7 +25,8 @@ TRAIN_OPS = ("char_cnn", "highway", "lstmp", "sampled_softmax", "full_softmax")
 
 # fields that may change on --resume (run control); the rest must match the checkpoint
 RESUMABLE = {"max_steps", "time_budget", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batch_size",
-             "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "data_worker", "sleep_per_step",
+             "eval_unroll_steps", "eval_max_batches", "log_every", "queue_size", "data_worker", "fuse_towers",
+             "sleep_per_step",
              "n_epochs", "n_train_tokens", "device", "backend", "num_threads", "bf16", "deterministic", "check_memory",
              "check_vocab_order", "vocab_check_lines"}
 # and on --init-from (bilm-tf's restart.py: a new run from a checkpoint's weights), also these: the data side
@@ -222,7 +223,7 @@ def prepare(args, dinfo):
         # do not carry over (bilm-tf's options hold none of them)
         fresh = TrainConfig()
         machine = {k: getattr(fresh, k) for k in ("device", "backend", "num_threads", "sleep_per_step", "data_worker",
-                                                  "queue_size", "check_memory")}
+                                                  "fuse_towers", "queue_size", "check_memory")}
         cfg = TrainConfig.from_dict({**init["config"], "n_train_tokens": None, "max_steps": None, "time_budget": None,
                                      **machine, **over})
         corpus, heldout = args.corpus, args.heldout

@@ -62,6 +62,9 @@ class TrainConfig:
     n_train_tokens: int | None = _field(None, "tokens in one epoch (null: counted from the corpus, estimated from its "
                                         "first vocab_check_lines lines for a large one with a given --vocab)")
     towers: int = _field(1, "data-parallel towers in one process, each with its own rows, data shard and sampler")
+    fuse_towers: str = _field("auto", "a process's towers in one model pass (their rows side by side; each keeps its "
+                              "samples, dropout masks and states): 'on', 'off' (one after the other, one tower's "
+                              "activations in memory at a time) or 'auto' (on a GPU)")
     # ---- run control
     seed: int = _field(0, "random seed")
     max_steps: int | None = _field(None, "stop after this many steps (null: from n_epochs)")
@@ -141,6 +144,8 @@ class TrainConfig:
         number("sleep_per_step", 0, strict=False)
         if self.data_worker not in ("auto", "thread", "process"):
             raise ConfigError(f"data_worker must be auto, thread or process, got {self.data_worker!r}")
+        if self.fuse_towers not in ("auto", "on", "off"):
+            raise ConfigError(f"fuse_towers must be auto, on or off, got {self.fuse_towers!r}")
         if self.activation not in ("relu", "tanh"):
             raise ConfigError(f"activation must be relu or tanh, got {self.activation!r}")
         d = self.dropout
@@ -297,14 +302,20 @@ def count_parameters(cfg: TrainConfig, vocab_size: int) -> dict[str, int]:
     return {"cnn": cnn, "lstm": lstm, "softmax": softmax, "total": cnn + lstm + softmax}
 
 
+def fuses_towers(cfg: TrainConfig, cuda: bool) -> bool:
+    """Whether a process runs its towers in one model pass (``fuse_towers``; 'auto': on a GPU). One tower: no."""
+    return cfg.towers > 1 and (cfg.fuse_towers == "on" or (cfg.fuse_towers == "auto" and cuda))
+
+
 def estimate_memory(cfg: TrainConfig, vocab_size: int, cuda: bool) -> dict[str, int]:
     """Bytes: parameters + gradients + Adagrad accumulators + activations kept for backward (rough upper bound)."""
     p = count_parameters(cfg, vocab_size)
     dense = p["cnn"] + p["lstm"]
     params = 4 * (p["total"] * 2 + dense)  # weights + accumulators (fp32) + dense grads
     act_bytes = 2 if (cuda and cfg.bf16) else 4
-    # the towers of a process run one after the other, each freeing its activations: one tower's rows at a time
+    # towers one after the other free their activations (one tower's rows at a time); fused, all are kept at once
     B, T, P, H, L = cfg.batch_size, cfg.unroll_steps, cfg.projection_dim, cfg.lstm_dim, cfg.n_layers
+    B *= cfg.towers if fuses_towers(cfg, cuda) else 1
     F_ = sum(f[1] for f in cfg.filters)
     n_tok = 2 * B * T  # both directions
     per_tok_lstm = L * (4 * H * 3 + H * 3 + P * 4)  # gates, c, tanh(c), m, h, dropout masks, residual

@@ -1,0 +1,144 @@
+"""A process's towers in one model pass (``fuse_towers``): the step the towers compute one after the other, each
+tower keeping its rows, data, sample sets, dropout masks and LSTM states; and ``ops.dropout.row_groups``, which
+gives each tower its own masks inside the fused pass."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import requires_triton, triton_device
+from elmo_fast.chars import Vocabulary
+from elmo_fast.ops.dropout import RowGroups, dropout, rng_state, row_groups
+from elmo_fast.training import data as D
+from elmo_fast.training.configs import ConfigError, estimate_memory, fuses_towers, original, tiny
+from elmo_fast.training.trainer import Trainer
+
+
+def _corpus(tmp_path, n_lines=400, seed=0):
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(60)]
+    d = tmp_path / "corpus"
+    d.mkdir()
+    for s in range(3):
+        lines = [" ".join(rng.choices(words, weights=[1 / (i + 1) for i in range(60)], k=rng.randint(3, 12)))
+                 for _ in range(n_lines)]
+        (d / f"train-{s}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return D.resolve_shards(str(d / "train-*.txt"))
+
+
+def _run(tmp_path, files, backend, device, fuse, steps=3, **over):
+    counts, _, n_tok, _ = D.count_tokens(files)
+    cfg = tiny()
+    cfg.backend, cfg.n_train_tokens, cfg.n_negative_samples_batch = backend, n_tok, 16
+    cfg.towers, cfg.batch_size, cfg.unroll_steps, cfg.fuse_towers, cfg.bf16 = 3, 2, 5, fuse, False
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    tr = Trainer(cfg, Vocabulary(words=D.build_vocab(counts)), files, None, str(tmp_path / f"run-{fuse}"),
+                 device=torch.device(device))
+    try:
+        assert tr.fused == (fuse == "on")
+        losses = [tr.train_step() for _ in range(steps)]
+        tensors = {**{f"model.{k}": v for k, v in tr.model.state_dict().items()},
+                   "softmax_W": tr.softmax_W, "softmax_b": tr.softmax_b, "acc_W": tr.acc_W,
+                   **{f"acc.{i}": a for i, a in enumerate(tr.acc_dense)},
+                   **{f"tower{tw.gid}.{n}": getattr(tw, n) for tw in tr.towers for n in ("h", "c")}}
+        return [float(x) for x in losses], {k: v.detach().cpu().clone() for k, v in tensors.items()}
+    finally:
+        tr.close()
+
+
+BACKENDS = [pytest.param("reference", "cpu", id="reference"), pytest.param("cpu", "cpu", id="cpu"),
+            pytest.param("triton", None, id="triton", marks=requires_triton)]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_fused_towers_step_as_the_towers_one_after_the_other(tmp_path, backend, device):
+    """Three towers in one pass against the same three one after the other, from the same weights: the losses step
+    by step, every weight, Adagrad accumulator and tower state after three steps (dropout 0.1: each tower's masks
+    must be its own, as ``row_groups`` draws them; sampled softmax: each tower's own sample sets)."""
+    device = device or triton_device()
+    files = _corpus(tmp_path)
+    runs = {fuse: _run(tmp_path, files, backend, device, fuse) for fuse in ("off", "on")}
+    (l_off, t_off), (l_on, t_on) = runs["off"], runs["on"]
+    tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-4, atol=1e-5)  # cuBLAS picks by rows
+    torch.testing.assert_close(torch.tensor(l_on), torch.tensor(l_off), **tol)
+    assert l_off[0] != l_off[-1]  # it trained
+    for k in t_off:
+        torch.testing.assert_close(t_on[k], t_off[k], **tol, msg=k)
+
+
+def test_fused_towers_with_the_full_softmax_and_no_dropout(tmp_path):
+    """The full softmax's dense gradients and a model without dropout take the fused pass too."""
+    files = _corpus(tmp_path, n_lines=100)
+    runs = {fuse: _run(tmp_path, files, "reference", "cpu", fuse, steps=2, sample_softmax=False, dropout=0.0)
+            for fuse in ("off", "on")}
+    torch.testing.assert_close(torch.tensor(runs["on"][0]), torch.tensor(runs["off"][0]), rtol=1e-5, atol=1e-6)
+    for k, v in runs["off"][1].items():
+        torch.testing.assert_close(runs["on"][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
+    """Two dropout sites over a batch stacking groups of 2 and 3 rows: each group's output and gradient equal what
+    its rows alone get after seeding the generators with the group's seed (hashed masks on the CPU backends,
+    torch's F.dropout for the GPU backends)."""
+    x = torch.randn(5, 4, 6, dtype=torch.float64, requires_grad=True)
+    seeds, rows = (11, 22), [2, 3]
+    states = []
+    for s in seeds:
+        torch.manual_seed(s)
+        states.append(rng_state(x.device))
+    torch.manual_seed(99)
+    with row_groups(RowGroups(rows, states, x.device)):
+        y = dropout(dropout(x, 0.5, backend=backend), 0.3, backend=backend)
+    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    for g, (s, xg, yg, dg) in enumerate(zip(seeds, x.detach().split(rows), y.detach().split(rows),
+                                             x.grad.split(rows))):
+        torch.manual_seed(s)
+        xa = xg.clone().requires_grad_(True)
+        ya = dropout(dropout(xa, 0.5, backend=backend), 0.3, backend=backend)
+        w = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).split(rows)[g]
+        (ya * w).sum().backward()
+        assert torch.equal(yg, ya.detach()), g
+        assert torch.equal(dg, xa.grad), g
+        assert 0 < int((yg == 0).sum()) < yg.numel()  # a real mask
+    # outside the block: the plain draw again
+    torch.manual_seed(5)
+    a = dropout(x.detach(), 0.5, backend=backend)
+    torch.manual_seed(5)
+    assert torch.equal(a, dropout(x.detach(), 0.5, backend=backend))
+
+
+def test_row_groups_refuse_rows_that_are_not_the_groups():
+    torch.manual_seed(0)
+    groups = RowGroups([2, 3], [rng_state(torch.device("cpu"))] * 2, torch.device("cpu"))
+    with row_groups(groups), pytest.raises(ValueError, match=r"must stack the groups' 5 rows \(\[2, 3\]\), got "
+                                                             r"shape \(4, 3\)"):
+        dropout(torch.ones(4, 3), 0.5)
+    with pytest.raises(ValueError, match="2 row counts but 1 random states"):
+        RowGroups([2, 3], [rng_state(torch.device("cpu"))], torch.device("cpu"))
+
+
+def test_fuse_towers_setting():
+    """'auto' fuses on a GPU only, 'on' anywhere, never one tower; the memory estimate then keeps every tower's
+    activations (those of one pass over all rows); a bad value is refused by name."""
+    cfg = original()  # 3 towers of 128 rows
+    assert fuses_towers(cfg, cuda=True) and not fuses_towers(cfg, cuda=False)
+    cfg.fuse_towers = "on"
+    assert fuses_towers(cfg, cuda=False)
+    cfg.fuse_towers = "off"
+    assert not fuses_towers(cfg, cuda=True)
+    one = original()
+    one.towers, one.fuse_towers = 1, "on"
+    assert not fuses_towers(one, cuda=True)
+    fused, single = original(), original()
+    single.towers, single.batch_size = 1, 3 * 128
+    assert estimate_memory(fused, 793471, cuda=True) == estimate_memory(single, 793471, cuda=True)
+    assert (estimate_memory(fused, 793471, cuda=False)["activations"]
+            < estimate_memory(single, 793471, cuda=False)["activations"])  # not fused on the CPU: one tower at a time
+    bad = tiny()
+    bad.fuse_towers = "yes"
+    with pytest.raises(ConfigError, match="fuse_towers must be auto, on or off, got 'yes'"):
+        bad.validate()
