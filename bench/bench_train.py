@@ -3,7 +3,9 @@
 * ``elmo_fast``: ``elmo_fast.training.Trainer.train_step`` as ``elmo-fast train`` runs it: background data worker,
   elmo_fast kernels (backend auto), bf16 autocast, sparse softmax rows + sparse Adagrad, stateful TBPTT; on a
   GPU the LSTMP time loops replay from loop graphs (the default), and ``elmo_fast-eager`` is the same with
-  ``ELMO_FAST_LOOP_GRAPHS=0``.
+  ``ELMO_FAST_LOOP_GRAPHS=0``. ``elmo_fast-towers``: the original recipe as ``--config original`` runs it, the same
+  rows a step as 3 towers of ``--batch`` / 3 rows each in one pass (``fuse_towers``, the GPU default);
+  ``elmo_fast-towers-seq``: those towers one after the other.
 * ``parts``: the same model from library parts: ``nn.Embedding`` + ``nn.Conv1d`` + highway ``nn.Linear`` for the
   token encoder, ``nn.LSTM(proj_size=P)`` one layer at a time (residual + dropout between), the unfused torch
   sampled softmax on a dense (V, P) weight, ``clip_grad_norm_`` and ``torch.optim.Adagrad``; bf16 autocast too.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import random
@@ -198,12 +201,23 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         # with the batches made in a thread of this process instead of a worker process (data_worker's GPU default)
         variants = [("elmo_fast", None, "auto")] + (
             [("elmo_fast-eager", "0", "auto"), ("elmo_fast-thread-data", None, "thread")] if dev.type == "cuda" else [])
+        # the original recipe's 3 towers of batch / 3 rows each (the same rows a step), fused in one pass (the GPU
+        # default) or one after the other
+        variants += [("elmo_fast-towers", None, "auto"), ("elmo_fast-towers-seq", None, "auto")]
         for name, graphs, worker in variants:
             if name not in providers:
                 continue
-            cfg.data_worker = worker
+            towers = name.startswith("elmo_fast-towers")
+            if towers and batch % configs.ORIGINAL_TOWERS:
+                print(f"bench_train: {name} needs --batch divisible by {configs.ORIGINAL_TOWERS}; skipped")
+                continue
+            run_cfg = dataclasses.replace(cfg, data_worker=worker)
+            if towers:
+                run_cfg = dataclasses.replace(run_cfg, towers=configs.ORIGINAL_TOWERS,
+                                              batch_size=batch // configs.ORIGINAL_TOWERS,
+                                              fuse_towers="off" if name.endswith("-seq") else "on")
             with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
-                tr = Trainer(cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
+                tr = Trainer(run_cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
                     results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,
                                                                 waited=lambda t=tr: t.data_wait_s)))
@@ -266,6 +280,10 @@ def test_bench_train_smoke_cpu():
     assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
     assert all(r["tokens_per_s"] > 0 and len(r["round_ms"].split()) == 2 for r in res)
     assert 0.0 <= res[0]["data_wait"] <= 1.0 and res[1]["data_wait"] != res[1]["data_wait"]  # parts: NaN, no worker
+    res = run(steps=2, vocab_size=200, batch=6, cfg=cfg, n_tokens=5000, warmup=1, device="cpu",
+              providers=("elmo_fast-towers", "elmo_fast-towers-seq"))
+    assert [r["provider"] for r in res] == ["elmo_fast-towers", "elmo_fast-towers-seq"]
+    assert all(r["tokens_per_s"] > 0 for r in res) and cfg.towers == 1  # the caller's config left as it was
 
 
 def main(argv=None) -> int:
@@ -274,7 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--providers", default="elmo_fast,elmo_fast-eager,parts",
-                    help="any of elmo_fast, elmo_fast-eager, elmo_fast-thread-data (GPU), parts")
+                    help="any of elmo_fast, elmo_fast-eager, elmo_fast-thread-data (GPU), elmo_fast-towers (3 towers "
+                         "of --batch / 3 rows, fused), elmo_fast-towers-seq (the same one after the other), parts")
     ap.add_argument("--profile", type=int, default=0, help="then profile this many elmo_fast steps")
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)
