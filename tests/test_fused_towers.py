@@ -4,6 +4,7 @@ gives each tower its own masks inside the fused pass."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -142,3 +143,29 @@ def test_fuse_towers_setting():
     bad.fuse_towers = "yes"
     with pytest.raises(ConfigError, match="fuse_towers must be auto, on or off, got 'yes'"):
         bad.validate()
+
+
+def test_memory_check_unfuses_towers_that_fit_only_one_after_the_other(monkeypatch):
+    """'auto' on a GPU with room for one tower's activations at a time but not for all at once: the towers run one
+    after the other (warned); 'on' there is refused with the way out named; room for neither: refused."""
+    from elmo_fast.training import configs
+
+    cfg = original()
+    fused = estimate_memory(cfg, 793471, cuda=True)["total"]
+    apart = estimate_memory(replace(cfg, fuse_towers="off"), 793471, cuda=True)["total"]
+    assert apart < fused
+    monkeypatch.setattr(configs, "available_memory", lambda device: int((apart + fused) / 2 / 0.9))
+    with pytest.warns(RuntimeWarning, match="3 towers fused in one pass would need .* they run one after the other"):
+        est = configs.check_memory(cfg, 793471, "cuda:0")
+    assert cfg.fuse_towers == "off" and est["total"] == apart
+    on = replace(original(), fuse_towers="on")
+    with pytest.raises(ConfigError, match=r"a tower x 3 towers fused.*\(--fuse-towers off\)"):
+        configs.check_memory(on, 793471, "cuda:0")
+    monkeypatch.setattr(configs, "available_memory", lambda device: int(apart / 2))
+    auto = original()
+    with pytest.raises(ConfigError, match="--fuse-towers off"):
+        configs.check_memory(auto, 793471, "cuda:0")
+    assert auto.fuse_towers == "auto"
+    monkeypatch.setattr(configs, "available_memory", lambda device: 10 * fused)
+    fits = original()
+    assert configs.check_memory(fits, 793471, "cuda:0")["total"] == fused and fits.fuse_towers == "auto"

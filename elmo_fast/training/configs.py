@@ -10,6 +10,7 @@ import math
 import numbers
 import os
 import typing
+import warnings
 from dataclasses import dataclass, field
 
 from ..util import check_int
@@ -344,16 +345,30 @@ def available_memory(device) -> int | None:
 
 
 def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.9) -> dict[str, int]:
+    """The memory estimate on ``device``, or a ConfigError naming what to lower where it exceeds ``fraction`` of
+    the available memory. With ``fuse_towers`` 'auto', where the towers fit one after the other but not fused, it
+    sets ``cfg.fuse_towers`` to 'off' (warned) and returns that estimate."""
     import torch
 
-    est = estimate_memory(cfg, vocab_size, torch.device(device).type == "cuda")
+    cuda = torch.device(device).type == "cuda"
+    est = estimate_memory(cfg, vocab_size, cuda)
     avail = available_memory(device)
-    if avail is not None and est["total"] > fraction * avail:
-        gib = 1 << 30
-        raise ConfigError(
-            f"the configuration needs about {est['total'] / gib:.1f} GiB on {device} (parameters+optimizer "
-            f"{est['parameters'] / gib:.1f} GiB, activations {est['activations'] / gib:.1f} GiB for "
-            f"{cfg.batch_size} rows x {cfg.unroll_steps} steps a tower, vocabulary {vocab_size}) but only "
-            f"{avail / gib:.1f} GiB is available; lower --batch-size/--unroll-steps/--n-negative-samples-batch, "
-            "shrink the model or vocabulary (--vocab-max-size), or pass --no-check-memory")
-    return est
+    if avail is None or est["total"] <= fraction * avail:
+        return est
+    gib = 1 << 30
+    fused = fuses_towers(cfg, cuda)
+    if fused and cfg.fuse_towers == "auto":
+        apart = estimate_memory(dataclasses.replace(cfg, fuse_towers="off"), vocab_size, cuda)
+        if apart["total"] <= fraction * avail:
+            warnings.warn(f"the {cfg.towers} towers fused in one pass would need about {est['total'] / gib:.1f} GiB "
+                          f"on {device}, {avail / gib:.1f} GiB is available: they run one after the other "
+                          f"(about {apart['total'] / gib:.1f} GiB; --fuse-towers off)", RuntimeWarning, stacklevel=2)
+            cfg.fuse_towers = "off"
+            return apart
+    raise ConfigError(
+        f"the configuration needs about {est['total'] / gib:.1f} GiB on {device} (parameters+optimizer "
+        f"{est['parameters'] / gib:.1f} GiB, activations {est['activations'] / gib:.1f} GiB for "
+        f"{cfg.batch_size} rows x {cfg.unroll_steps} steps a tower{f' x {cfg.towers} towers fused' if fused else ''}"
+        f", vocabulary {vocab_size}) but only {avail / gib:.1f} GiB is available; lower --batch-size/--unroll-steps/"
+        f"--n-negative-samples-batch, {'run the towers one after the other (--fuse-towers off), ' if fused else ''}"
+        "shrink the model or vocabulary (--vocab-max-size), or pass --no-check-memory")
