@@ -45,23 +45,44 @@ def _run(tmp_path, files, backend, device, fuse, steps=3, **over):
                    "softmax_W": tr.softmax_W, "softmax_b": tr.softmax_b, "acc_W": tr.acc_W,
                    **{f"acc.{i}": a for i, a in enumerate(tr.acc_dense)},
                    **{f"tower{tw.gid}.{n}": getattr(tw, n) for tw in tr.towers for n in ("h", "c")}}
+        tensors["torch_rng"] = torch.get_rng_state()  # where the step leaves the global generator
         return [float(x) for x in losses], {k: v.detach().cpu().clone() for k, v in tensors.items()}
     finally:
         tr.close()
 
 
+TRITON = [pytest.mark.triton, requires_triton]
 BACKENDS = [pytest.param("reference", "cpu", id="reference"), pytest.param("cpu", "cpu", id="cpu"),
-            pytest.param("triton", None, id="triton", marks=requires_triton)]
+            pytest.param("cpu-packed", "cpu", id="cpu-packed"),
+            pytest.param("triton", None, id="triton", marks=TRITON)]
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-def test_fused_towers_step_as_the_towers_one_after_the_other(tmp_path, backend, device):
+def test_fused_towers_step_as_the_towers_one_after_the_other(tmp_path, backend, device, monkeypatch):
     """Three towers in one pass against the same three one after the other, from the same weights: the losses step
-    by step, every weight, Adagrad accumulator and tower state after three steps (dropout 0.1: each tower's masks
-    must be its own, as ``row_groups`` draws them; sampled softmax: each tower's own sample sets)."""
+    by step, every weight, Adagrad accumulator and tower state after three steps, and where the step leaves the
+    global generator (dropout 0.1: each tower's masks must be its own, as ``row_groups`` draws them; sampled
+    softmax: each tower's own sample sets). 'cpu-packed': the cpu backend timing its oneDNN packs on these small
+    weights, as it does at real sizes the first time it sees a shape (that timing must not draw from the global
+    generator between two dropout sites)."""
+    if backend == "cpu-packed":
+        from elmo_fast.cpu import packed
+
+        if not packed.onednn_enabled():
+            pytest.skip("oneDNN packing is off on this machine")
+        backend = "cpu"
+        monkeypatch.setattr(packed, "_MIN_ELEMENTS", 1)
+        monkeypatch.setattr(packed, "_PAYS", {})
+        monkeypatch.delenv("ELMO_FAST_CPU_TRAIN_PACK", raising=False)
     device = device or triton_device()
     files = _corpus(tmp_path)
-    runs = {fuse: _run(tmp_path, files, backend, device, fuse) for fuse in ("off", "on")}
+    runs = {}
+    for fuse in ("off", "on"):
+        if backend == "cpu" and device == "cpu":
+            from elmo_fast.cpu import packed
+
+            packed._PAYS.clear()  # each run measures its shapes afresh, at its first step
+        runs[fuse] = _run(tmp_path, files, backend, device, fuse)
     (l_off, t_off), (l_on, t_on) = runs["off"], runs["on"]
     tol = dict(rtol=1e-5, atol=1e-6) if device == "cpu" else dict(rtol=1e-4, atol=1e-5)  # cuBLAS picks by rows
     torch.testing.assert_close(torch.tensor(l_on), torch.tensor(l_off), **tol)
@@ -80,12 +101,13 @@ def test_fused_towers_with_the_full_softmax_and_no_dropout(tmp_path):
         torch.testing.assert_close(runs["on"][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=TRITON)])
 def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
     """Two dropout sites over a batch stacking groups of 2 and 3 rows: each group's output and gradient equal what
     its rows alone get after seeding the generators with the group's seed (hashed masks on the CPU backends,
     torch's F.dropout for the GPU backends)."""
-    x = torch.randn(5, 4, 6, dtype=torch.float64, requires_grad=True)
+    device = triton_device() if backend == "triton" else "cpu"
+    x = torch.randn(5, 4, 6, dtype=torch.float64, device=device, requires_grad=True)
     seeds, rows = (11, 22), [2, 3]
     states = []
     for s in seeds:
@@ -94,13 +116,13 @@ def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
     torch.manual_seed(99)
     with row_groups(RowGroups(rows, states, x.device)):
         y = dropout(dropout(x, 0.5, backend=backend), 0.3, backend=backend)
-    (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    (y * torch.arange(y.numel(), dtype=y.dtype, device=device).reshape(y.shape)).sum().backward()
     for g, (s, xg, yg, dg) in enumerate(zip(seeds, x.detach().split(rows), y.detach().split(rows),
                                              x.grad.split(rows))):
         torch.manual_seed(s)
         xa = xg.clone().requires_grad_(True)
         ya = dropout(dropout(xa, 0.5, backend=backend), 0.3, backend=backend)
-        w = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).split(rows)[g]
+        w = torch.arange(y.numel(), dtype=y.dtype, device=device).reshape(y.shape).split(rows)[g]
         (ya * w).sum().backward()
         assert torch.equal(yg, ya.detach()), g
         assert torch.equal(dg, xa.grad), g
@@ -110,6 +132,19 @@ def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
     a = dropout(x.detach(), 0.5, backend=backend)
     torch.manual_seed(5)
     assert torch.equal(a, dropout(x.detach(), 0.5, backend=backend))
+
+
+def test_row_groups_nest_and_end():
+    """An inner block's groups apply inside it, the outer's again after it, none after both."""
+    cpu = torch.device("cpu")
+    outer, inner = (RowGroups(r, [rng_state(cpu)] * len(r), cpu) for r in ([1, 1], [2, 1]))
+    with row_groups(outer):
+        with row_groups(inner):
+            dropout(torch.ones(3, 2), 0.5)
+        dropout(torch.ones(2, 2), 0.5)
+        with pytest.raises(ValueError, match="must stack the groups' 2 rows"):
+            dropout(torch.ones(3, 2), 0.5)
+    dropout(torch.ones(7, 2), 0.5)
 
 
 def test_row_groups_refuse_rows_that_are_not_the_groups():
@@ -159,13 +194,17 @@ def test_memory_check_unfuses_towers_that_fit_only_one_after_the_other(monkeypat
         est = configs.check_memory(cfg, 793471, "cuda:0")
     assert cfg.fuse_towers == "off" and est["total"] == apart
     on = replace(original(), fuse_towers="on")
-    with pytest.raises(ConfigError, match=r"a tower x 3 towers fused.*\(--fuse-towers off\)"):
+    with pytest.raises(ConfigError, match=rf"about {fused / 2**30:.1f} GiB .* a tower x 3 towers fused.* run the "
+                                          rf"towers one after the other \(--fuse-towers off: about "
+                                          rf"{apart / 2**30:.1f} GiB\), lower"):
         configs.check_memory(on, 793471, "cuda:0")
     monkeypatch.setattr(configs, "available_memory", lambda device: int(apart / 2))
-    auto = original()
-    with pytest.raises(ConfigError, match="--fuse-towers off"):
-        configs.check_memory(auto, 793471, "cuda:0")
-    assert auto.fuse_towers == "auto"
+    for mode in ("auto", "on"):  # room for neither: no --fuse-towers hint; auto quotes what it would fall back to
+        cfg = replace(original(), fuse_towers=mode)
+        with pytest.raises(ConfigError, match=rf"about {(apart if mode == 'auto' else fused) / 2**30:.1f} GiB") as e:
+            configs.check_memory(cfg, 793471, "cuda:0")
+        assert "--fuse-towers" not in str(e.value) and cfg.fuse_towers == mode
+        assert ("towers fused" in str(e.value)) == (mode == "on")
     monkeypatch.setattr(configs, "available_memory", lambda device: 10 * fused)
     fits = original()
     assert configs.check_memory(fits, 793471, "cuda:0")["total"] == fused and fits.fuse_towers == "auto"

@@ -316,8 +316,9 @@ def test_token_width_any_from_3_that_holds_the_widest_filter():
 
 def test_original_preset_is_bilm_tf_s_three_gpus_of_128_rows():
     """bin/train_elmo.py: 3 GPUs x 128 rows x 20 steps over 768,648,884 tokens, 10 epochs = 1,000,840 steps; as 3
-    towers in one process, or spread over torchrun's processes (1 and 3 share them; 2 cannot, and says so). The
-    towers run one after the other, so the memory estimate holds one tower's activations."""
+    towers in one process, or spread over torchrun's processes (1 and 3 share them; 2 cannot, and says so). On the
+    CPU the towers run one after the other, so the memory estimate holds one tower's activations (fused on a GPU:
+    tests/test_fused_towers.py)."""
     from elmo_fast.training.configs import estimate_memory, original_towers
     from elmo_fast.training.trainer import total_steps
 

@@ -212,7 +212,9 @@ def pack_pays(w: torch.Tensor, rows: int, uses: int) -> bool:
         return False
     key = _pays_key(w, rows)
     if key not in _PAYS:
-        x = torch.randn(max(1, rows), w.shape[0], dtype=w.dtype)
+        # a private generator: a draw from the global one would shift the dropout masks drawn after it (which
+        # must not depend on when this process first measured a shape: fused towers, towers over processes)
+        x = torch.randn(max(1, rows), w.shape[0], dtype=w.dtype, generator=torch.Generator().manual_seed(rows))
         w = w.detach()
         lin = PackedLinear(w, rows)
         if lin.packed is None:  # the pack failed: oneDNN is off from now on

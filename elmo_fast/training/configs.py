@@ -233,8 +233,8 @@ ORIGINAL_TOWERS = 3
 
 def original() -> TrainConfig:
     """bilm-tf ``bin/train_elmo.py`` (spec §6.1): 2x4096_512_2048cnn_2xhighway; 3 GPUs x 128 rows, so 3 towers of
-    128 rows (384 rows a step, 1,000,840 steps). In one process the towers run one after the other; under torchrun
-    the CLI spreads the 3 over the processes (``original_towers``)."""
+    128 rows (384 rows a step, 1,000,840 steps). One process runs them in one pass on a GPU (``fuse_towers``), one
+    after the other on the CPU; under torchrun the CLI spreads the 3 over the processes (``original_towers``)."""
     return TrainConfig(n_train_tokens=768648884, towers=ORIGINAL_TOWERS)
 
 
@@ -357,18 +357,22 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.
         return est
     gib = 1 << 30
     fused = fuses_towers(cfg, cuda)
-    if fused and cfg.fuse_towers == "auto":
-        apart = estimate_memory(dataclasses.replace(cfg, fuse_towers="off"), vocab_size, cuda)
-        if apart["total"] <= fraction * avail:
+    apart = estimate_memory(dataclasses.replace(cfg, fuse_towers="off"), vocab_size, cuda) if fused else est
+    hint = ""
+    if fused and apart["total"] <= fraction * avail:
+        if cfg.fuse_towers == "auto":
             warnings.warn(f"the {cfg.towers} towers fused in one pass would need about {est['total'] / gib:.1f} GiB "
                           f"on {device}, {avail / gib:.1f} GiB is available: they run one after the other "
                           f"(about {apart['total'] / gib:.1f} GiB; --fuse-towers off)", RuntimeWarning, stacklevel=2)
             cfg.fuse_towers = "off"
             return apart
+        hint = f"run the towers one after the other (--fuse-towers off: about {apart['total'] / gib:.1f} GiB), "
+    if cfg.fuse_towers == "auto":  # it would fall back to the towers one after the other: the least it can need
+        est, fused = apart, False
     raise ConfigError(
         f"the configuration needs about {est['total'] / gib:.1f} GiB on {device} (parameters+optimizer "
         f"{est['parameters'] / gib:.1f} GiB, activations {est['activations'] / gib:.1f} GiB for "
         f"{cfg.batch_size} rows x {cfg.unroll_steps} steps a tower{f' x {cfg.towers} towers fused' if fused else ''}"
-        f", vocabulary {vocab_size}) but only {avail / gib:.1f} GiB is available; lower --batch-size/--unroll-steps/"
-        f"--n-negative-samples-batch, {'run the towers one after the other (--fuse-towers off), ' if fused else ''}"
-        "shrink the model or vocabulary (--vocab-max-size), or pass --no-check-memory")
+        f", vocabulary {vocab_size}) but only {avail / gib:.1f} GiB is available; {hint}lower --batch-size/"
+        "--unroll-steps/--n-negative-samples-batch, shrink the model or vocabulary (--vocab-max-size), or pass "
+        "--no-check-memory")

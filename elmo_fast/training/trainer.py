@@ -10,8 +10,8 @@ Design notes
   tower), so they do not depend on how the towers are laid out over processes either. A process's towers run one
   after the other, or (``fuse_towers``, the GPU default) in one model pass over all their rows, each tower still
   with its own masks (``ops.dropout.row_groups``), sample sets, loss and states: the same step but for the order
-  of floating-point sums, with larger GEMMs and a third of the launches for 3 towers, and every tower's
-  activations in memory at once.
+  of floating-point sums, with larger GEMMs and a third of the encoder's and LSTMs' launches for 3 towers (each
+  dropout site and the softmax still run per tower), and every tower's activations in memory at once.
 * **Loss and gradients.** Per tower ``0.5 (fwd + bwd)`` of the mean sampled-softmax loss (the two directions draw
   their own sample sets and share ``softmax_W``/``softmax_b``); gradients are taken of ``loss x unroll_steps`` and
   averaged over towers.
@@ -346,7 +346,8 @@ class Trainer:
                    c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None):
         """The model step of training, forward and loss of one tower batch: (loss, h_n, c_n). The batch's tensors
         (``batch_tensors``), the LSTM states, and with the sampled softmax the two sample sets (ids (2, S) on the
-        device, num_tries of each). No host work: this is the function to hand to ``torch.compile``."""
+        device, num_tries of each). No host work: this is the function to hand to ``torch.compile`` (the step of
+        towers one after the other; ``_fused_step`` swaps generator states, which a compiled graph cannot)."""
         top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
         return self._head_loss(top_f, top_b, tf, tb, samples), h_n, c_n
 
@@ -413,9 +414,7 @@ class Trainer:
             top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
             parts = [t.split(B, 0) if t is not None else [None] * len(B) for t in (top_f, top_b, tf, tb)]
             losses = [self._head_loss(*(p[g] for p in parts), samples[g]) for g in range(len(towers))]
-        torch.set_rng_state(groups.states[-1][0])  # where the last tower's own step leaves the generators
-        if groups.states[-1][1] is not None:
-            torch.cuda.set_rng_state(groups.states[-1][1], self.device)
+        # the generators are left where the last tower's own step leaves them: its group draws last at each site
         (torch.stack(losses).sum() * (cfg.unroll_steps * scale)).backward()
         for tw, h, c in zip(towers, h_n.detach().split(B, 2), c_n.detach().split(B, 2)):
             tw.h, tw.c = h.float().contiguous(), c.float().contiguous()
