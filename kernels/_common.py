@@ -126,11 +126,18 @@ def launch(kernel, grid: tuple, args, kwargs: dict) -> None:
     ``wrap_triton``, which records it in the graph. The interpreter's kernels (``TRITON_INTERPRET=1``) cannot be
     recorded: there the operators stay opaque to the compiler (``triton_operator``), and a launch on fake tensors
     (their fake implementation, which only needs the output shapes) does nothing."""
+    k = launchable(kernel, args)
+    if k is not None:
+        k[grid](*args, **kwargs)
+
+
+def launchable(kernel, args):
+    """What ``launch`` calls for these arguments: the kernel; its ``wrap_triton`` while torch.compile traces; None
+    where a trace cannot record it (the interpreter's kernels on fake tensors). A loop that launches with the same
+    tensors step after step asks once (``lstmp_graphs.launcher``)."""
     if tracing(*args):
-        if triton_interpret():
-            return
-        kernel = wrap_triton(kernel)
-    kernel[grid](*args, **kwargs)
+        return None if triton_interpret() else wrap_triton(kernel)
+    return kernel
 
 
 def triton_operator(name: str, fn):

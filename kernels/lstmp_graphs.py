@@ -38,6 +38,7 @@ import warnings
 import torch
 
 from elmo_fast.kernels._common import launch as launch_kernel
+from elmo_fast.kernels._common import launchable
 from elmo_fast.models._graphs import StreamOrder
 from elmo_fast.ops._library import ThreadFlag, tracing
 from elmo_fast.probes import graph_replay
@@ -75,13 +76,18 @@ def suspended():
     return _suspended.on()
 
 
-def launch(kernel, grid, args, kwargs) -> None:
-    """The loops' launch: recorded while a ``record`` capture runs, else launched."""
+def launcher(kernel, grid, args, kwargs):
+    """The loops' launch of ``kernel`` as a function of its arguments, settled once for a loop that launches the
+    same tensors step after step (only ints change): recorded while a ``record`` capture runs, else launched, with
+    the launch path's tracing check (``_common.launchable``) made once, so a step's host work is the kernel call."""
     calls = getattr(_rec, "calls", None)
     if calls is not None:
-        calls.append((kernel, grid, list(args), dict(kwargs)))
-    else:
-        launch_kernel(kernel, grid, args, kwargs)
+        return lambda a: calls.append((kernel, grid, list(a), dict(kwargs)))
+    k = launchable(kernel, args)
+    if k is None:
+        return lambda a: None
+    run = k[grid]
+    return lambda a: run(*a, **kwargs)
 
 
 def _record(loop):
