@@ -902,6 +902,11 @@ def _bind(launch: Launch, bufs: dict, **constexprs):
     return run
 
 
+def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:
+    """One launch at step ``s`` (``_bind``'s, for a single call: the benchmarks time launches one at a time)."""
+    _bind(launch, bufs, **constexprs)(s)
+
+
 def _fwd_loop(plan: dict, bufs: dict) -> None:
     """The forward time loop: every launch of every step (what a loop graph captures)."""
     steps = [_bind(plan[k], bufs) for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]

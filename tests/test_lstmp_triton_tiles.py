@@ -384,13 +384,18 @@ def test_launch_plan_is_the_launchers_plan(monkeypatch):
     """The launchers launch exactly the plan's launches, in order (what a compile report reads)."""
     mod = _mod()
     seen = []
-    real_run = mod._run
+    real_bind = mod._bind
 
-    def spy(launch, bufs, s, **over):
-        seen.append((launch, over))
-        return real_run(launch, bufs, s, **over)
+    def spy(launch, bufs, **over):  # the loops bind each launch once, then call it step after step
+        run = real_bind(launch, bufs, **over)
 
-    monkeypatch.setattr(mod, "_run", spy)
+        def step(s):
+            seen.append((launch, over))
+            run(s)
+
+        return step
+
+    monkeypatch.setattr(mod, "_bind", spy)
     T = 2
     run(kernel, make_case(B=3, T=T, lengths=[2, 1, 0]), torch.float64, flags(), upstream_grads(), device=DEV)
     # the plan for the target of the device the run used (the interpreter's on CPU tensors, the GPU's on CUDA ones)
