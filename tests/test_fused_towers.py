@@ -4,6 +4,7 @@ gives each tower its own masks inside the fused pass."""
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -193,6 +194,11 @@ def test_memory_check_unfuses_towers_that_fit_only_one_after_the_other(monkeypat
     with pytest.warns(RuntimeWarning, match="3 towers fused in one pass would need .* they run one after the other"):
         est = configs.check_memory(cfg, 793471, "cuda:0")
     assert cfg.fuse_towers == "off" and est["total"] == apart
+    quiet = original()  # another torchrun rank than the main one: the same fallback, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configs.check_memory(quiet, 793471, "cuda:0", warn=False)
+    assert quiet.fuse_towers == "off"
     on = replace(original(), fuse_towers="on")
     with pytest.raises(ConfigError, match=rf"about {fused / 2**30:.1f} GiB .* a tower x 3 towers fused.* run the "
                                           rf"towers one after the other \(--fuse-towers off: about "

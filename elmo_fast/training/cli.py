@@ -290,7 +290,7 @@ def prepare(args, dinfo):
                 read = sum(len(" ".join(s)) + 1 for s in _first_lines(train_files, n_sent))
                 cfg.n_train_tokens = int(n_tok * size / max(read, 1))
     if cfg.check_memory:
-        check_memory(cfg, len(vocab), device)
+        check_memory(cfg, len(vocab), device, warn=dinfo.is_main)
     if dinfo.is_main and ckpt is None:
         os.makedirs(save_dir, exist_ok=True)
         if words is not None:

@@ -344,10 +344,11 @@ def available_memory(device) -> int | None:
     return None
 
 
-def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.9) -> dict[str, int]:
+def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.9, warn: bool = True
+                 ) -> dict[str, int]:
     """The memory estimate on ``device``, or a ConfigError naming what to lower where it exceeds ``fraction`` of
     the available memory. With ``fuse_towers`` 'auto', where the towers fit one after the other but not fused, it
-    sets ``cfg.fuse_towers`` to 'off' (warned) and returns that estimate."""
+    sets ``cfg.fuse_towers`` to 'off' (a warning if ``warn``: the CLI's main process) and returns that estimate."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
@@ -361,9 +362,11 @@ def check_memory(cfg: TrainConfig, vocab_size: int, device, fraction: float = 0.
     hint = ""
     if fused and apart["total"] <= fraction * avail:
         if cfg.fuse_towers == "auto":
-            warnings.warn(f"the {cfg.towers} towers fused in one pass would need about {est['total'] / gib:.1f} GiB "
-                          f"on {device}, {avail / gib:.1f} GiB is available: they run one after the other "
-                          f"(about {apart['total'] / gib:.1f} GiB; --fuse-towers off)", RuntimeWarning, stacklevel=2)
+            if warn:
+                warnings.warn(f"the {cfg.towers} towers fused in one pass would need about {est['total'] / gib:.1f} "
+                              f"GiB on {device}, {avail / gib:.1f} GiB is available: they run one after the other "
+                              f"(about {apart['total'] / gib:.1f} GiB; --fuse-towers off)", RuntimeWarning,
+                              stacklevel=2)
             cfg.fuse_towers = "off"
             return apart
         hint = f"run the towers one after the other (--fuse-towers off: about {apart['total'] / gib:.1f} GiB), "
