@@ -119,7 +119,8 @@ class Launch:
 
 
 def launch(kernel, grid: tuple, args, kwargs: dict) -> None:
-    """Every kernel launch of the package goes through here.
+    """Every kernel launch of the package goes through here, or through ``launchable`` (the LSTMP time loops ask
+    it once per loop: ``lstmp_graphs.launcher``).
 
     Eagerly it is the plain launch (``torch.library.wrap_triton`` returns the kernel itself inside a triton_op
     called with real tensors). While ``torch.compile`` / ``torch.export`` trace an operator the launch goes through

@@ -37,8 +37,7 @@ import warnings
 
 import torch
 
-from elmo_fast.kernels._common import launch as launch_kernel
-from elmo_fast.kernels._common import launchable
+from elmo_fast.kernels._common import launch as launch_kernel, launchable
 from elmo_fast.models._graphs import StreamOrder
 from elmo_fast.ops._library import ThreadFlag, tracing
 from elmo_fast.probes import graph_replay
@@ -78,8 +77,9 @@ def suspended():
 
 def launcher(kernel, grid, args, kwargs):
     """The loops' launch of ``kernel`` as a function of its arguments, settled once for a loop that launches the
-    same tensors step after step (only ints change): recorded while a ``record`` capture runs, else launched, with
-    the launch path's tracing check (``_common.launchable``) made once, so a step's host work is the kernel call."""
+    same tensors step after step (only ints change): one that records, where it is bound while a ``record``
+    capture runs, else one that launches, the launch path's tracing check (``_common.launchable``) made for the
+    tensors it is bound to. It lives as long as its loop call: a step's host work is then the kernel call."""
     calls = getattr(_rec, "calls", None)
     if calls is not None:
         return lambda a: calls.append((kernel, grid, list(a), dict(kwargs)))

@@ -388,3 +388,30 @@ def test_self_check_turns_faulty_graphs_off(graphs, monkeypatch):
     with pytest.warns(RuntimeWarning, match="LSTMP loop graphs are off on .*a replay differs"):
         check_loop_graphs(torch.device(DEV))
     assert graphs.mode(torch.device(DEV)) is None
+
+
+def test_a_bound_launch_decides_for_its_own_tensors():
+    """The loops settle each launch once per loop (``lstmp_graphs.launcher``): the launch-or-skip choice (skipped
+    under the interpreter for fake tensors: a trace cannot record the interpreter's kernels) is made for the tensors
+    it is bound to, binding after binding, not remembered per kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elmo_fast._backend import triton_interpret
+    from elmo_fast.kernels import lstmp_graphs
+
+    if not triton_interpret():
+        pytest.skip("the skip for fake tensors is the interpreter's (on a GPU the launch is recorded by wrap_triton)")
+    calls = []
+
+    class Kernel:  # a stand-in: kernel[grid](*args, **kwargs)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((grid, args[1], kwargs))
+
+    kernel, real = Kernel(), torch.ones(2)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+    for tensor, launched in ((real, True), (fake, False), (real, True)):
+        calls.clear()
+        go = lstmp_graphs.launcher(kernel, (3,), [tensor, None], {"BB": 16})
+        go([tensor, 7])
+        assert calls == ([((3,), 7, {"BB": 16})] if launched else []), tensor
