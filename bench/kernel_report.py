@@ -622,6 +622,10 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
     def loop_graph_us(size, dt, phase):
         return sum(o.estimate_us() for o in loop_graph_ops(size, dt)[f"lstmp/{phase}"])
 
+    def chains_graph_us(size, dt, phases):  # the 4 chains' loops replayed from loop graphs, with the ops around
+        return sum(kern(size, dt, "lstmp", ph, v, size.T, graph=True) + loop_graph_us(size, dt, ph)
+                   for v in chains for ph in phases) + 4 * torch_us(size, dt, [f"lstmp/{ph}" for ph in phases])
+
     def torch_us(size, dt, keys):
         ops = torch_ops(size, dt)
         return sum(o.estimate_us() for k in keys for o in ops.get(k, []))
@@ -657,9 +661,7 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                                                                                                ["lstmp/fwd"])
             row["bilm_forward_us"] = enc + lstm
             # the same with the LSTMP time loops replayed from loop graphs (the encoder and the ops around as launched)
-            row["bilm_forward_graph_us"] = enc + sum(
-                kern(size, dt, "lstmp", "fwd", v, size.T, graph=True) + loop_graph_us(size, dt, "fwd")
-                for v in chains) + 4 * torch_us(size, dt, ["lstmp/fwd"])
+            row["bilm_forward_graph_us"] = enc + chains_graph_us(size, dt, ("fwd",))
             if size.train:
                 enc_b = (kern(size, dt, "char_cnn", "bwd") + N_HIGHWAY * kern(size, dt, "highway", "bwd")
                          + torch_us(size, dt, ["char_cnn/bwd", "highway/bwd"]))
@@ -669,10 +671,7 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                             + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
                 opt = torch_us(size, dt, ["optimizer/step"])
                 total = enc + lstm + enc_b + lstm_b + soft + opt
-                lstm_g = sum(kern(size, dt, "lstmp", ph, v, size.T, graph=True) + loop_graph_us(size, dt, ph)
-                             for v in chains for ph in ("fwd", "bwd")) + 4 * torch_us(size, dt, ["lstmp/fwd",
-                                                                                             "lstmp/bwd"])
-                total_g = total - lstm - lstm_b + lstm_g
+                total_g = total - lstm - lstm_b + chains_graph_us(size, dt, ("fwd", "bwd"))
                 cnn_det = kern(size, dt, "char_cnn", "bwd", "det") + torch_us(size, dt, ["char_cnn/bwd det"])
                 cnn = kern(size, dt, "char_cnn", "bwd") + torch_us(size, dt, ["char_cnn/bwd"])
                 row.update(encoder_fwd_bwd_us=enc + enc_b, lstm_fwd_bwd_us=lstm + lstm_b, softmax_us=soft,

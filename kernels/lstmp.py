@@ -887,8 +887,8 @@ def device_target(device: torch.device) -> Target:
 def _bind(launch: Launch, bufs: dict, **constexprs):
     """``launch`` with the tensors named in ``launch.args`` as a function of the step ``s``; ``constexprs``
     override (bwd_reduce's HAS_PART). The arguments, the options and the launch path (``graphs.launcher``) are
-    settled once per loop: a step's host work is the kernel call (eagerly 1.7 against 5.7 µs of Python a launch
-    on the CPU here, the kernel's run stubbed; the interpreter's or the GPU launcher's own time comes on top)."""
+    settled once per loop: a step's host work is the kernel call (bench/host_launch_overhead.py times it; the
+    interpreter's or the GPU launcher's own time comes on top)."""
     args = [None if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
     at = [name for name, _ in launch.args].index("s")
     go = graphs.launcher(launch.kernel, launch.grid, args, {**launch.constexprs, **constexprs,
