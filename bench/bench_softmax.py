@@ -195,7 +195,7 @@ def kernel_rows(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat
     lse = torch.logsumexp(out_m + torch.log(out_l), dim=0)
     dl = KS.dlogit_launch(N_s, S, P, dtype, tg, gather=True, mask_hits=True, sub_target=False)
     args = (hidden, weight, ids, off, targets, lse, torch.full((N_s,), 1.0 / N_s, **f32),
-            torch.empty((N_s, S), dtype=dtype, device=dev), torch.empty((dl.grid[0], S), **f32), N_s, P, 0, S)
+            torch.empty((N_s, S), dtype=dtype, device=dev), torch.empty((dl.grid[0], S), **f32), N_s, P, 0, S, S)
     timed("sampled_softmax", "bwd", shape, dl, args,
           kernel_report.softmax_l2_bytes(dl, N_s, S, P, e))
     del hidden, targets, weight, ids, args

@@ -89,6 +89,7 @@ class Size:
 
 SIZES = [Size("infer B=1", 1, 22, False), Size("infer B=16", 16, 27, False), Size("infer B=64", 64, 27, False),
          Size("train B=128", 128, 20, True), Size("train B=384", 384, 20, True)]
+TOWERS_SIZE = "train B=384"  # the original config's rows a step: ORIGINAL_TOWERS towers of 128
 DTYPES = [BF16, FP32]
 
 # ------------------------------------------------------------------------------------------ H100 SXM model
@@ -233,28 +234,37 @@ def softmax_l2_bytes(lc, N: int, C: int, P_: int, e: int) -> float:
     return rows * tiles * (m["BLOCK_N"] + m["BLOCK_C"]) * P_ * e + written
 
 
-def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None):
-    """The launches of the sampled (C = S samples) or the full (C = V) softmax."""
+def softmax_cases(N, C, P_, dtype, target, *, sampled, train, num_splits=None, groups=1):
+    """The launches of the sampled (C = S samples) or the full (C = V) softmax; ``groups`` sampled softmaxes of N
+    rows and C samples each in one call (``ops.sampled_softmax_loss_groups``: a launch's grid covers them all)."""
     e = es(dtype)
     flags = dict(gather=sampled, mask_hits=sampled)
-    fw, cps = KS.lse_fwd_launch(N, C, P_, dtype, target, num_splits=num_splits, **flags)
+    fw, cps = KS.lse_fwd_launch(N, C, P_, dtype, target, num_splits=num_splits, groups=groups, **flags)
     ids = M(I64) if sampled else M(FP32)
-    gemm = 2.0 * N * C * P_
+    gemm = 2.0 * N * C * P_ * groups
     out = [[("fwd", fw, (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32), M(FP32), M(FP32), N, P_, C,
-                         cps), gemm, (N * P_ + C * P_) * e + C * 12, False, 0.0,
-             softmax_l2_bytes(fw, N, C, P_, e))]]
+                         cps), gemm, ((N * P_ + C * P_) * e + C * 12) * groups, False, 0.0,
+             softmax_l2_bytes(fw, N, C, P_, e) * groups)]]
     if train:
         flags["sub_target"] = not sampled
-        cw = KS.dlogit_columns(N, C, e)
+        calls = groups if groups > 1 and softmax_one_by_one(N, C, groups, e) else 1  # softmax_grad: one by one
+        groups //= calls
+        cw = KS.dlogit_columns(N * groups, C, e)
         inputs = (M(dtype), M(dtype), ids, M(FP32), M(I64), M(FP32), M(FP32))
         for w in sorted({cw, C % cw} - {0}, reverse=True):  # full chunks, then a partial last one
-            dl = KS.dlogit_launch(N, w, P_, dtype, target, **flags)
-            count = C // cw if w == cw else 1
+            dl = KS.dlogit_launch(N, w, P_, dtype, target, groups=groups, **flags)
+            count = (C // cw if w == cw else 1) * calls
             # the logit tile once; dlogit written in the operand dtype, the bias partials in fp32
-            nbytes = (N * P_ + w * P_) * e + N * w * e + dl.grid[0] * w * 4
-            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w), 2.0 * N * w * P_, nbytes, False, 0.0,
-                         softmax_l2_bytes(dl, N, w, P_, e), count)])
+            nbytes = ((N * P_ + w * P_) * e + N * w * e + dl.grid[0] * w * 4) * groups
+            out.append([("bwd", dl, inputs + (M(dtype), M(FP32), N, P_, 0, w, C), 2.0 * N * w * P_ * groups, nbytes,
+                         False, 0.0, softmax_l2_bytes(dl, N, w, P_, e) * groups, count)])
     return out
+
+
+def softmax_one_by_one(N: int, C: int, groups: int, e: int) -> bool:
+    """Whether ``groups`` groups' dlogit (N x C each, ``e`` bytes) pass the backward's budget together, so that
+    ``softmax_grad`` runs them group after group (the forward stays one launch)."""
+    return KS.dlogit_columns(N * groups, C, e) < C
 
 
 def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train):
@@ -307,9 +317,13 @@ def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
                     v = ("rev" if reverse else "fwd") + (" resid" if residual else "")
                     out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=reverse,
                                                                  residual=residual, train=size.train), v)
-            if size.train:
-                out += _cases(size, "sampled_softmax", dt,
-                              softmax_cases(size.softmax_rows, S, P, dt, tg, sampled=True, train=True))
+            if size.train:  # both directions in one call (the trainer's sampled_softmax_loss_groups)
+                out += _cases(size, "sampled_softmax", dt, softmax_cases(size.softmax_rows, S, P, dt, tg, sampled=True,
+                                                                         train=True, groups=2))
+            if size.name == TOWERS_SIZE:  # the original config fused: every tower's two directions in one call
+                out += _cases(size, "sampled_softmax", dt, softmax_cases(
+                    size.softmax_rows // ORIGINAL_TOWERS, S, P, dt, tg, sampled=True, train=True,
+                    groups=2 * ORIGINAL_TOWERS), "towers")
             out += _cases(size, "full_softmax", dt,
                           softmax_cases(size.softmax_rows, V, P, dt, tg, sampled=False, train=size.train))
     return out
@@ -566,22 +580,39 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
                                     0, size.T * triton.cdiv(size.B, KL.launch_plan(
                                         size.B, size.T, H, P, dt, training=True)["bwd_cell"].tile.BM) * 4 * H * 4
                                     + 3 * nt * P * es(dt) + 4 * size.B * (P + H) * 4, 6, False)]
-        ops["sampled_softmax/fwd"] = [TorchOp("sampler: log-uniform draws, first-occurrence dedup (V scratch)",
-                                              0, 3 * V * 8, 15, False),
-                                      TorchOp("offsets, split LSE merge, loss", 0, nt * 16 + S * 16, 10, False)]
-        ops["sampled_softmax/bwd"] = [gemm("dH = dlogit·W_s (cuBLAS, fp32 out)", nt, P, S, dt),
-                                      gemm("dW_s = dlogitᵀ·H (cuBLAS, fp32 out)", S, P, nt, dt),
-                                      TorchOp("gather W_s rows, sum the bias partials", 0,
-                                              2 * S * P * es(dt) + KS.dlogit_launch(
-                                                  nt, S, P, dt, KX.H100, gather=True, mask_hits=True,
-                                                  sub_target=False).grid[0] * S * 4, 2, False),
-                                      TorchOp("true-class column, unique/index_add rows, sparse grads", 0,
-                                              4 * nt * P * 4, 15, False)]
+        calls = [("sampled_softmax", nt, 2)]  # both directions in one call
+        if size.name == TOWERS_SIZE:  # and the original config's towers fused: every tower's two directions
+            calls.append(("sampled_softmax towers", nt // ORIGINAL_TOWERS, 2 * ORIGINAL_TOWERS))
+        for key, rows, groups in calls:
+            for phase, o in sampled_softmax_ops(rows, groups, dt).items():
+                ops[f"{key}/{phase}"] = o
         ops["optimizer/step"] = [TorchOp("grad norm + dense Adagrad over 93.6M params (fp32 state)", 0,
                                          6 * N_PARAMS * 4, 8 * 40, False),
                                  TorchOp("sparse Adagrad on the touched softmax rows", 0, 6 * (S + nt) * P * 4, 12,
                                          False)]
     return ops
+
+
+def sampled_softmax_ops(nt: int, groups: int, dt) -> dict[str, list[TorchOp]]:
+    """The torch launches around the Triton kernels of one grouped sampled-softmax call (``groups`` sample sets
+    of S, ``nt`` rows each; the trainer's: every tower's two directions), by phase: the bytes grow with the
+    groups, the launches do not (batched GEMMs, one gather, one merge of the table's rows), but the sampler's,
+    once per sample set."""
+    dl_rows = KS.dlogit_launch(nt, S, P, dt, KX.H100, gather=True, mask_hits=True, sub_target=False).grid[0]
+    calls = groups if softmax_one_by_one(nt, S, groups, es(dt)) else 1  # the backward's calls
+    return {
+        "fwd": [TorchOp("sampler: log-uniform draws, first-occurrence dedup (V scratch)", 0, 3 * V * 8 * groups,
+                        15 * groups, False),
+                TorchOp("group stacking, offsets, split LSE merge, loss", 0, (nt * 16 + S * 16) * groups, 14, False)],
+        "bwd": [TorchOp("dH = dlogit·W_s (cuBLAS, batched over the groups, fp32 out)", 2.0 * nt * P * S * groups,
+                        (nt * S + S * P + nt * P) * es(dt) * groups, calls, dt == BF16),
+                TorchOp("dW_s = dlogitᵀ·H (cuBLAS, batched over the groups, fp32 out)", 2.0 * nt * P * S * groups,
+                        (nt * S + S * P + nt * P) * es(dt) * groups, calls, dt == BF16),
+                TorchOp("gather W_s rows, sum the bias partials", 0, (2 * S * P * es(dt) + dl_rows * S * 4) * groups,
+                        2 * calls, False),
+                TorchOp("true-class column, unique/index_add rows, sparse grads", 0, 4 * nt * P * 4 * groups, 15,
+                        False)],
+    }
 
 
 def _interleave_op(size: Size, dt) -> list[TorchOp]:
@@ -667,8 +698,13 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                          + torch_us(size, dt, ["char_cnn/bwd", "highway/bwd"]))
                 lstm_b = sum(kern(size, dt, "lstmp", "bwd", v, size.T) for v in chains) + 4 * torch_us(
                     size, dt, ["lstmp/bwd"])
-                soft = 2 * (kern(size, dt, "sampled_softmax", "fwd") + kern(size, dt, "sampled_softmax", "bwd")
-                            + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
+                soft = (kern(size, dt, "sampled_softmax", "fwd") + kern(size, dt, "sampled_softmax", "bwd")
+                        + torch_us(size, dt, ["sampled_softmax/fwd", "sampled_softmax/bwd"]))
+                if size.name == TOWERS_SIZE:
+                    row["softmax_towers_us"] = (kern(size, dt, "sampled_softmax", "fwd", "towers")
+                                                + kern(size, dt, "sampled_softmax", "bwd", "towers")
+                                                + torch_us(size, dt, ["sampled_softmax towers/fwd",
+                                                                      "sampled_softmax towers/bwd"]))
                 opt = torch_us(size, dt, ["optimizer/step"])
                 total = enc + lstm + enc_b + lstm_b + soft + opt
                 total_g = total - lstm - lstm_b + chains_graph_us(size, dt, ("fwd", "bwd"))
@@ -692,10 +728,10 @@ def _original_config(rows: list[dict]) -> None:
     n = ORIGINAL_TOWERS  # 3 x 128 = the B=384 rows
     for (name, dt), big in by.items():
         small = by.get(("train B=128", dt))
-        if name != "train B=384" or small is None or "train_step_graph_us" not in big:
+        if name != TOWERS_SIZE or small is None or "train_step_graph_us" not in big:
             continue
         seq = n * (small["train_step_graph_us"] - small["optimizer_us"]) + small["optimizer_us"]
-        fused = big["train_step_graph_us"] - big["softmax_us"] + n * small["softmax_us"]
+        fused = big["train_step_graph_us"] - big["softmax_us"] + big["softmax_towers_us"]
         size = next(z for z in SIZES if z.name == "train B=128")
         tokens = n * size.B * size.T
         big.update(towers_seq_graph_us=seq, towers_seq_tokens_per_s=tokens / (seq * 1e-6),
@@ -706,7 +742,8 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
     """The sampled softmax's Triton kernels by their L2 traffic (``softmax_l2_bytes``) beside the roofline, at
     the training sizes."""
     md = ["## The sampled softmax's L2 traffic", "",
-          "One sampled-softmax call (N = B x T rows, S = 8192 samples, P = 512), its Triton kernels: the bytes their "
+          "One direction's sampled softmax (N = B x T rows, S = 8192 samples, P = 512; the trainer runs both "
+          "directions as two groups of one call, twice these bytes), its Triton kernels: the bytes their "
           "programs move through L2 (each logit tile's K loop reads its rows of H and of W) and that traffic at the "
           "L2 rate fitted to the LSTMP kernels for the operand class (bench/kernel_fit.py: "
           f"{kernel_fit.FIT['16bit']['bw_l2'] / 1e12:.2f} TB/s 16-bit, {kernel_fit.FIT['fp32']['bw_l2'] / 1e12:.2f} "
@@ -726,12 +763,13 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
         for dt in DTYPES:
             rate = kernel_fit.FIT[kernel_fit.cls_of(dt_name(dt))]["bw_l2"]
             cs = [c for c in cases if c.op == "sampled_softmax" and c.size == size.name and c.dtype == dt
-                  and c.choice == 0]
+                  and c.choice == 0 and not c.variant]
             if not cs:
                 continue
-            fwd = sum(c.l2 * c.repeat for c in cs if c.phase == "fwd")
-            bwd = sum(c.l2 * c.repeat for c in cs if c.phase == "bwd")
-            est = sum(estimate_us(c, graph=True) * c.repeat for c in cs)
+            per = 1 / cs[0].launch.grid[2]  # one direction: one group of the call
+            fwd = sum(c.l2 * c.repeat for c in cs if c.phase == "fwd") * per
+            bwd = sum(c.l2 * c.repeat for c in cs if c.phase == "bwd") * per
+            est = sum(estimate_us(c, graph=True) * c.repeat for c in cs) * per
             md.append(f"| {size.name} | {dt_name(dt)} | {fwd / 1e9:.2f} | {bwd / 1e9:.2f} | {est:.0f} | "
                       f"{(fwd + bwd) / rate * 1e6:.0f} |")
     return md + [""]
@@ -798,7 +836,7 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
     if sums:
         md += ["## Sums (estimated µs, no CUDA graph)", "",
                "| size | dtype | LSTM step fwd | LSTM step fwd+bwd | biLM forward | train: encoder | train: LSTMs | "
-               "train: softmax x2 | train: optimizer | training step | tokens/s | deterministic training step |",
+               "train: softmax | train: optimizer | training step | tokens/s | deterministic training step |",
                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         def cell(s, k, fmt="{:.0f}"):
             return fmt.format(s[k]) if k in s else ""
@@ -812,7 +850,8 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                                         + [cell(s, "train_tokens_per_s", "{:,.0f}"), cell(s, "train_step_det_us")])
                       + " |")
         md += ["", "biLM forward = token encoder + 4 chains x T steps (+ the torch launches around them); training "
-               "step = encoder, 4 chains and two sampled softmaxes forward and backward, sampler, optimizer. "
+               "step = encoder, 4 chains and the sampled softmax of both directions (one call: two groups) forward and "
+               "backward, sampler, optimizer. "
                "Under bf16 autocast the trainer feeds the softmax bf16 rows (its bf16 variant, fp32 sums). "
                "Deterministic training step: the same with the char-CNN backward of deterministic mode (variant "
                "'det'; torch's deterministic algorithms and the untuned launch configurations not modelled).",
@@ -847,7 +886,8 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
             md += [f"The original config on one GPU (`--config original`: {ORIGINAL_TOWERS} towers of 128 rows, 384 "
                    "a step), loop graphs, the upper bound: its towers one after the other (each a B=128 step; one "
                    "optimizer step) or fused in one pass (`fuse_towers`, the GPU default: token encoder and LSTMs "
-                   "over the 384 rows, each tower's sampled softmax over its own 128 rows with its own samples):", "",
+                   "over the 384 rows, each tower's sampled softmax over its own 128 rows with its own samples, every "
+                   "tower's two directions in one call: six groups):", "",
                    "| dtype | towers one after the other µs | tokens/s | fused µs | tokens/s |",
                    "|---|---|---|---|---|"]
             md += [f"| {s['dtype']} | {s['towers_seq_graph_us']:.0f} | {s['towers_seq_tokens_per_s']:,.0f} | "

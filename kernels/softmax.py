@@ -66,6 +66,22 @@ def _logit_tile(H, W, rows, cols_w, row_ok, col_ok, P: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _group_rows(grp, N, BLOCK_N: tl.constexpr):
+    """The global row indices of this program's row block of group ``grp`` (rows grp·N .. grp·N + N - 1; those
+    past the group's end are masked by the callers' ``rows < (grp + 1)·N``)."""
+    return grp * N + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _group_cols(COL_IDS, COL_OFF, grp, C, GATHER: tl.constexpr):
+    """Group ``grp``'s column ids and offsets: C of each per group, one after the other (one group without
+    GATHER: the full softmax's columns are the vocabulary rows themselves)."""
+    if GATHER:
+        COL_IDS += grp.to(tl.int64) * C
+    return COL_IDS, COL_OFF + grp.to(tl.int64) * C
+
+
+@triton.jit
 def _rows_of(TGT, LSE, G, rows, N):
     """int64 row indices, in-range mask, targets (-1 outside), row LSE and upstream gradient."""
     row_ok = rows < N
@@ -111,16 +127,20 @@ def _dlogit_tile(H, W, COL_OFF, rows64, row_ok, tgt, lse, g, cols, cid, col_ok, 
 @triton.jit
 def _softmax_dlogit_kernel(
     H, W, COL_IDS, COL_OFF, TGT, LSE, G,  # inputs
-    DL, DB,  # outputs: (N, CW) in the operand dtype, (row blocks, CW) fp32
-    N, P: tl.constexpr, c0, CW,
+    DL, DB,  # outputs: (N, CW) in the operand dtype, (groups x row blocks, CW) fp32
+    N, P: tl.constexpr, c0, CW, C,
     GATHER: tl.constexpr, MASK_HITS: tl.constexpr, SUB_TARGET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Grid (row blocks, column blocks) over the CW columns c0 .. c0 + CW: DL[n, j] = dlogit[n, c0 + j] rounded to
-    the operand dtype (the GEMM operand backward multiplies with), DB[row block, j] = the row block's fp32 sum of
-    dlogit[:, c0 + j] (the bias gradient's partial, before rounding). One writer per element: deterministic."""
-    rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N)
+    """Grid (row blocks, column blocks, groups) over the CW columns c0 .. c0 + CW: DL[n, j] = dlogit[n, c0 + j]
+    rounded to the operand dtype (the GEMM operand backward multiplies with), DB[row block, j] = the row block's
+    fp32 sum of dlogit[:, c0 + j] (the bias gradient's partial, before rounding). One writer per element:
+    deterministic. Groups (``_group``): N rows and C columns (ids, offsets) each, one after the other."""
+    grp = tl.program_id(2)
+    rows = _group_rows(grp, N, BLOCK_N)
+    COL_IDS, COL_OFF = _group_cols(COL_IDS, COL_OFF, grp, C, GATHER)
+    rows64, row_ok, tgt, lse, g = _rows_of(TGT, LSE, G, rows, (grp + 1) * N)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = offs < CW
     cols = c0 + offs
@@ -130,21 +150,26 @@ def _softmax_dlogit_kernel(
     offs64 = offs.to(tl.int64)
     tl.store(DL + rows64[:, None] * CW + offs64[None, :], d.to(DL.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
-    tl.store(DB + tl.program_id(0).to(tl.int64) * CW + offs64, tl.sum(d, axis=0), mask=col_ok)
+    block = grp.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+    tl.store(DB + block * CW + offs64, tl.sum(d, axis=0), mask=col_ok)
 
 
 @triton.jit
 def _softmax_lse_fwd_kernel(
     H, W, COL_IDS, COL_OFF, TGT, TGT_OFF,  # inputs
-    OUT_M, OUT_L, OUT_TGT,  # outputs: (SPLITS, N) fp32 ×2, (N,) fp32
+    OUT_M, OUT_L, OUT_TGT,  # outputs: (SPLITS, groups x N) fp32 ×2, (groups x N,) fp32
     N, P: tl.constexpr, C, cols_per_split,
     GATHER: tl.constexpr, MASK_HITS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """Grid (row blocks, column splits, groups); a group's N rows against its own C columns (``_group``)."""
     pid_s = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    grp = tl.program_id(2)
+    rows = _group_rows(grp, N, BLOCK_N)
+    COL_IDS, COL_OFF = _group_cols(COL_IDS, COL_OFF, grp, C, GATHER)
+    NT = N * tl.num_programs(2)  # every group's rows: the outputs' row count
+    row_ok = rows < (grp + 1) * N
     rows64 = rows.to(tl.int64)
     tgt = tl.load(TGT + rows64, mask=row_ok, other=-1)
 
@@ -165,8 +190,8 @@ def _softmax_lse_fwd_kernel(
         l_sum = l_sum * tl.exp(m - m_new) + tl.sum(p, axis=1)
         m = m_new
         c0 += BLOCK_C
-    tl.store(OUT_M + pid_s * N + rows64, m, mask=row_ok)
-    tl.store(OUT_L + pid_s * N + rows64, l_sum, mask=row_ok)
+    tl.store(OUT_M + pid_s * NT + rows64, m, mask=row_ok)
+    tl.store(OUT_L + pid_s * NT + rows64, l_sum, mask=row_ok)
 
     if pid_s == 0:
         # target logit h·w_y + off_y by a gathered dot
@@ -227,22 +252,24 @@ def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) 
 
 
 def lse_fwd_launch(N: int, C: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
-                   num_splits: int | None = None) -> tuple[Launch, int]:
-    """``_softmax_lse_fwd_kernel`` over N rows and C columns, and its columns per split: the columns are split
-    (split-K over columns, partial log-sum-exps combined on the host) so few row blocks still fill the GPU."""
+                   num_splits: int | None = None, groups: int = 1) -> tuple[Launch, int]:
+    """``_softmax_lse_fwd_kernel`` over ``groups`` groups of N rows and C columns, and its columns per split: the
+    columns are split (split-K over columns, partial log-sum-exps combined on the host) so few row blocks still
+    fill the GPU."""
     t = _tiles(N, C, P, dtype, target)
     row_blocks = triton.cdiv(N, t["BLOCK_N"])
-    splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), row_blocks, target, num_splits)
-    return Launch(_softmax_lse_fwd_kernel, (row_blocks, splits), dict(
+    splits, per_split = _splits(triton.cdiv(C, t["BLOCK_C"]), row_blocks * groups, target, num_splits)
+    return Launch(_softmax_lse_fwd_kernel, (row_blocks, splits, groups), dict(
         GATHER=gather, MASK_HITS=mask_hits, **dot_flags(dtype, target), **t)), per_split * t["BLOCK_C"]
 
 
 def dlogit_launch(N: int, CW: int, P: int, dtype: torch.dtype, target: Target, *, gather: bool, mask_hits: bool,
-                  sub_target: bool) -> Launch:
-    """``_softmax_dlogit_kernel`` over N rows and a chunk of CW columns (grid: row blocks x column blocks)."""
+                  sub_target: bool, groups: int = 1) -> Launch:
+    """``_softmax_dlogit_kernel`` over ``groups`` groups of N rows and a chunk of CW columns (grid: row blocks x
+    column blocks x groups)."""
     t = _tiles(N, CW, P, dtype, target)
-    return Launch(_softmax_dlogit_kernel, (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(CW, t["BLOCK_C"])), dict(
-        GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
+    return Launch(_softmax_dlogit_kernel, (triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(CW, t["BLOCK_C"]), groups),
+                  dict(GATHER=gather, MASK_HITS=mask_hits, SUB_TARGET=sub_target, **dot_flags(dtype, target), **t))
 
 
 DLOGIT_BYTES = 256 << 20  # the most the backward's dlogit chunk (N x columns, operand dtype) may take
@@ -261,13 +288,18 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (``bmm(..., out_dtype=float32)``: torch.compile traces it, where its ``mm`` twin failed to in torch 2.8-2.9,
     pytorch#163275) where this torch build has it (2.8 on), else the 16-bit product widened (one more rounding);
     on CPU (the interpreter's tests): the fp32 product of the widened operands, the same sums."""
+    return _bmm_f32(a.unsqueeze(0), b.unsqueeze(0))[0]
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_mm_f32`` of a batch: (G, M, K) @ (G, K, N) -> (G, M, N) fp32."""
     if a.dtype == torch.float32:
-        return torch.mm(a, b)
+        return torch.bmm(a, b)
     if a.is_cuda:
         if _BMM_OUT_DTYPE:
-            return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32)[0]
-        return torch.mm(a, b).float()
-    return torch.mm(a.float(), b.float())
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        return torch.bmm(a, b).float()
+    return torch.bmm(a.float(), b.float())
 
 
 def _has_cuda_kernel(op: str, overload: str) -> bool:
@@ -291,18 +323,29 @@ def _check_inputs(hidden, weight, bias):
                          f"{bias.device}")
 
 
+def _group_sizes(hidden, col_ids, col_off, groups: int) -> tuple[int, int]:
+    """(rows, columns) per group: ``hidden``'s rows and ``col_off``'s entries are ``groups`` equal runs."""
+    if not isinstance(groups, int) or groups < 1 or hidden.shape[0] % groups or col_off.numel() % groups:
+        raise ValueError(f"groups must be a positive int dividing the rows ({hidden.shape[0]}) and the columns "
+                         f"({col_off.numel()}), got {groups!r}")
+    if groups > 1 and col_ids is None:
+        raise ValueError("groups > 1 are for gathered columns (the sampled softmax: each group its own ids)")
+    return hidden.shape[0] // groups, col_off.numel() // groups
+
+
 def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_hits: bool,
-                    num_splits: int | None = None):
-    """Returns (lse over the columns (N,) fp32, target logit (N,) fp32). ``col_ids`` None = all V rows."""
-    N, P = hidden.shape
-    C = col_off.numel()
+                    num_splits: int | None = None, groups: int = 1):
+    """Returns (lse over the columns (N,) fp32, target logit (N,) fp32). ``col_ids`` None = all V rows.
+    ``groups``: the rows are that many equal runs, each against its own run of ``col_ids`` / ``col_off``."""
+    NT, P = hidden.shape
+    N, C = _group_sizes(hidden, col_ids, col_off, groups)
     gather = col_ids is not None
     launch, cols_per_split = lse_fwd_launch(N, C, P, hidden.dtype, target_of(hidden.device), gather=gather,
-                                            mask_hits=mask_hits, num_splits=num_splits)
+                                            mask_hits=mask_hits, num_splits=num_splits, groups=groups)
     splits = launch.grid[1]
-    out_m = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
-    out_l = torch.empty((splits, N), dtype=torch.float32, device=hidden.device)
-    out_t = torch.empty((N,), dtype=torch.float32, device=hidden.device)
+    out_m = torch.empty((splits, NT), dtype=torch.float32, device=hidden.device)
+    out_l = torch.empty((splits, NT), dtype=torch.float32, device=hidden.device)
+    out_t = torch.empty((NT,), dtype=torch.float32, device=hidden.device)
     launch(hidden, weight, col_ids if gather else col_off, col_off, targets, tgt_off,
            out_m, out_l, out_t, N, P, C, cols_per_split)
     # log l may be −inf for a split holding only accidental hits; the max term keeps the sum finite
@@ -311,21 +354,34 @@ def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_
 
 
 def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits: bool, sub_target: bool,
-                 chunk_cols: int | None = None):
+                 chunk_cols: int | None = None, groups: int = 1):
     """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns.
 
     Per chunk of columns (``dlogit_columns``, or ``chunk_cols``): ``_softmax_dlogit_kernel`` writes the chunk's
     dlogit in the operand dtype and the bias gradient's per-row-block fp32 partials; two cuBLAS GEMMs give
     dH += dlogit · W_chunk and dW_chunk = dlogitᵀ · H (fp32 accumulation, ``_mm_f32``). Deterministic: one
-    writer per element, chunks and row-block partials added in order, no atomics."""
-    N, P = hidden.shape
-    C = col_off.numel()
+    writer per element, chunks and row-block partials added in order, no atomics.
+
+    ``groups`` (``softmax_lse_fwd``'s): where every group's dlogit fits one chunk, one launch over all of them
+    and batched GEMMs; else group after group."""
+    NT, P = hidden.shape
+    N, C = _group_sizes(hidden, col_ids, col_off, groups)
+    if chunk_cols is not None and (not isinstance(chunk_cols, int) or chunk_cols < 1):
+        raise ValueError(f"softmax_grad: chunk_cols is a positive number of columns, got {chunk_cols!r}")
+    if groups > 1:
+        if chunk_cols is None and dlogit_columns(NT, C, hidden.dtype.itemsize) == C and N * C:
+            return _grouped_grad(hidden, weight, col_ids, col_off, targets, lse, g, groups, N, C,
+                                 dict(gather=col_ids is not None, mask_hits=mask_hits, sub_target=sub_target))
+        parts = [softmax_grad(hidden[k * N:(k + 1) * N], weight,
+                              None if col_ids is None else col_ids[k * C:(k + 1) * C], col_off[k * C:(k + 1) * C],
+                              targets[k * N:(k + 1) * N], lse[k * N:(k + 1) * N], g[k * N:(k + 1) * N],
+                              mask_hits=mask_hits, sub_target=sub_target, chunk_cols=chunk_cols)
+                 for k in range(groups)]
+        return tuple(torch.cat(t) for t in zip(*parts))
     target = target_of(hidden.device)
     gather = col_ids is not None
     ids = col_ids if gather else col_off
     flags = dict(gather=gather, mask_hits=mask_hits, sub_target=sub_target)
-    if chunk_cols is not None and (not isinstance(chunk_cols, int) or chunk_cols < 1):
-        raise ValueError(f"softmax_grad: chunk_cols is a positive number of columns, got {chunk_cols!r}")
     if N == 0 or C == 0:  # nothing to launch: the sums over no rows or no columns
         zeros = functools.partial(torch.zeros, dtype=torch.float32, device=hidden.device)
         return zeros((N, P)), zeros((C, P)), zeros((C,))
@@ -339,7 +395,7 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
         w = min(cw, C - c0)
         dl, db = dl_buf[:N * w].view(N, w), db_buf[:rows * w].view(rows, w)
         launch = full if w == cw else dlogit_launch(N, w, P, hidden.dtype, target, **flags)
-        launch(hidden, weight, ids, col_off, targets, lse, g, dl, db, N, P, c0, w)
+        launch(hidden, weight, ids, col_off, targets, lse, g, dl, db, N, P, c0, w, C)
         w_chunk = weight.index_select(0, col_ids[c0:c0 + w]) if gather else weight[c0:c0 + w]
         part = _mm_f32(dl, w_chunk)
         dh = part if dh is None else dh.add_(part)
@@ -354,22 +410,43 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
     return dh, dwc, doff
 
 
-def _row_scale(grad_out: torch.Tensor, N: int, reduction: str) -> torch.Tensor:
-    """Per-row upstream gradient g_n (fp32, (N,)), without a host sync."""
+def _grouped_grad(hidden, weight, col_ids, col_off, targets, lse, g, groups: int, N: int, C: int, flags: dict):
+    """``softmax_grad`` of ``groups`` groups in one chunk: one dlogit launch over all of them (its grid's third
+    dimension), then per group dH = dlogit · W_group and dW_group = dlogitᵀ · H as two batched GEMMs (fp32
+    accumulation, ``_bmm_f32``), the bias partials summed per group in row-block order."""
+    NT, P = hidden.shape
+    launch = dlogit_launch(N, C, P, hidden.dtype, target_of(hidden.device), groups=groups, **flags)
+    rows = launch.grid[0]
+    dl = torch.empty((NT, C), dtype=hidden.dtype, device=hidden.device)
+    db = torch.empty((groups * rows, C), dtype=torch.float32, device=hidden.device)
+    launch(hidden, weight, col_ids if flags["gather"] else col_off, col_off, targets, lse, g, dl, db, N, P, 0, C, C)
+    w_cols = weight.index_select(0, col_ids)
+    dl3 = dl.view(groups, N, C)
+    dh = _bmm_f32(dl3, w_cols.view(groups, C, P)).view(NT, P)
+    dwc = _bmm_f32(dl3.transpose(1, 2), hidden.view(groups, N, P)).view(groups * C, P)
+    return dh, dwc, db.view(groups, rows, C).sum(1).view(groups * C)
+
+
+def _row_scale(grad_out: torch.Tensor, N: int, reduction: str, groups: int = 1) -> torch.Tensor:
+    """Per-row upstream gradient g_n (fp32, (N,)), without a host sync; ``groups``: the loss is one value per
+    group of N / groups rows (``_reduce``'s)."""
     g = grad_out.to(torch.float32)
     if reduction == "none":
         return g.reshape(N).contiguous()
-    g = g.reshape(1).expand(N)
+    g = g.reshape(groups, 1).expand(groups, N // groups)
     if reduction == "mean":
-        g = g / N
-    return g.contiguous()
+        g = g / (N // groups)
+    return g.reshape(N).contiguous()
 
 
-def _reduce(loss: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+def _reduce(loss: torch.Tensor, reduction: str, dtype: torch.dtype, groups: int | None = None) -> torch.Tensor:
+    """The rows' losses reduced: to a scalar, or with ``groups`` to one value per group (equal runs of rows)."""
+    if reduction != "none" and groups is not None:
+        loss = loss.view(groups, -1)
     if reduction == "mean":
-        return loss.mean().to(dtype)
+        return loss.mean(-1).to(dtype)
     if reduction == "sum":
-        return loss.sum().to(dtype)
+        return loss.sum(-1).to(dtype)
     return loss.to(dtype)
 
 
@@ -406,16 +483,35 @@ def _sampled_fwd(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, 
                  true_expected: Tensor, sampled_expected: Tensor, remove_accidental_hits: bool, reduction: str,
                  sparse_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, samp_off, lse, true_logit): the fp32 sample offsets and the row statistics backward reads (it
-    recomputes logit tiles; no N × S tensor is ever stored). ``sparse_grad`` is for backward only."""
+    recomputes logit tiles; no N × S tensor is ever stored). ``sparse_grad`` is for backward only.
+
+    ``sampled_ids`` (S,), or (G, S): G groups, each a run of N / G rows with its own samples (``sampled_expected``
+    of the same shape), the loss then one per group ((G,); (N,) with 'none')."""
     _check_inputs(hidden, weight, bias)
     hidden, weight, targets, sampled_ids = (t.contiguous() for t in (hidden, weight, targets, sampled_ids))
+    groups = _groups_of(hidden, targets, sampled_ids, sampled_expected, true_expected)
     bias32 = bias.to(torch.float32)
-    samp_off = (bias32.index_select(0, sampled_ids) - torch.log(sampled_expected).to(torch.float32))
+    ids = sampled_ids.view(-1)
+    samp_off = (bias32.index_select(0, ids) - torch.log(sampled_expected.reshape(-1)).to(torch.float32))
     true_off = (bias32.index_select(0, targets) - torch.log(true_expected).to(torch.float32))
-    lse_s, true_logit = softmax_lse_fwd(hidden, weight, sampled_ids, samp_off.contiguous(), targets,
-                                        true_off.contiguous(), mask_hits=remove_accidental_hits)
+    lse_s, true_logit = softmax_lse_fwd(hidden, weight, ids, samp_off.contiguous(), targets,
+                                        true_off.contiguous(), mask_hits=remove_accidental_hits, groups=groups)
     lse = torch.logaddexp(lse_s, true_logit)  # the true class is column 0 of TF's logit row
-    return _reduce(lse - true_logit, reduction, hidden.dtype), samp_off, lse, true_logit
+    return (_reduce(lse - true_logit, reduction, hidden.dtype, groups if sampled_ids.dim() == 2 else None),
+            samp_off, lse, true_logit)
+
+
+def _groups_of(hidden, targets, sampled_ids, sampled_expected, true_expected) -> int:
+    """The group count of ``_sampled_fwd``'s arguments, their shapes checked."""
+    N = hidden.shape[0]
+    groups = sampled_ids.shape[0] if sampled_ids.dim() == 2 else 1
+    if sampled_ids.dim() not in (1, 2) or sampled_expected.shape != sampled_ids.shape or N % groups \
+            or targets.shape != (N,) or true_expected.shape != (N,):
+        raise ValueError(f"sampled softmax: sampled_ids (S,) or (groups, S) with sampled_expected of its shape, "
+                         f"the rows ({N}) a multiple of the groups, targets and true_expected (N,); got ids "
+                         f"{tuple(sampled_ids.shape)}, sampled_expected {tuple(sampled_expected.shape)}, targets "
+                         f"{tuple(targets.shape)}, true_expected {tuple(true_expected.shape)}")
+    return groups
 
 
 def _sampled_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor, sampled_ids: Tensor,
@@ -425,9 +521,10 @@ def _sampled_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tens
     targets)`` (placeholders unless ``need_rows``)."""
     hidden, weight, targets, sampled_ids = (t.contiguous() for t in (hidden, weight, targets, sampled_ids))
     N, P = hidden.shape
-    g = _row_scale(grad_out, N, reduction)
-    dh, dws, doff = softmax_grad(hidden, weight, sampled_ids, samp_off, targets, lse, g,
-                                 mask_hits=remove_accidental_hits, sub_target=False)
+    groups = sampled_ids.shape[0] if sampled_ids.dim() == 2 else 1
+    g = _row_scale(grad_out, N, reduction, groups)
+    dh, dws, doff = softmax_grad(hidden, weight, sampled_ids.view(-1), samp_off, targets, lse, g,
+                                 mask_hits=remove_accidental_hits, sub_target=False, groups=groups)
     # the true column: dlogit_true = g (p_true − 1), an O(N·P) gather/scatter
     d_true = g * torch.expm1(true_logit - lse)
     w_t = weight.index_select(0, targets).to(torch.float32)
@@ -477,7 +574,7 @@ def _sampled_backward(ctx, grad_out, *_):
     need = ctx.needs_input_grad
     dh, rows_w, rows_b = _sampled_backward_op(grad_out, hidden, weight, targets, sampled_ids, samp_off, lse,
                                               true_logit, mask_hits, reduction, need[1] or need[2])
-    ids = torch.cat([sampled_ids, targets])
+    ids = torch.cat([sampled_ids.view(-1), targets])
     grad_w = _rows_grad(ids, rows_w, V, (V, hidden.shape[1]), weight.dtype, sparse) if need[1] else None
     grad_b = _rows_grad(ids, rows_b, V, (V,), bias_dtype, sparse) if need[2] else None
     return dh.to(hidden.dtype) if need[0] else None, grad_w, grad_b, *(None,) * 7
@@ -509,7 +606,11 @@ def sampled_softmax_loss_triton(hidden, targets, weight, bias, sampled_ids, true
     """TF sampled softmax loss, fused (see module docstring). hidden (N, P), targets (N,), weight (V, P),
     bias (V,), sampled_ids (S,), true_expected (N,), sampled_expected (S,) expected counts (any float dtype).
     With ``sparse_grad`` the weight and bias gradients are sparse COO tensors (uncoalesced) over
-    ``sampled_ids ∪ targets``. The operator ``elmo_fast::sampled_softmax_triton`` and its backward."""
+    ``sampled_ids ∪ targets``. The operator ``elmo_fast::sampled_softmax_triton`` and its backward.
+
+    Groups: ``sampled_ids`` and ``sampled_expected`` (G, S) make G losses at once, group k the rows
+    k·N/G .. (k+1)·N/G − 1 against its own samples (one launch of each kernel for all; the loss (G,), or (N,)
+    with 'none'): the values and gradients of G calls, the table's gradients summed."""
     return _sampled_op(hidden, weight, bias, targets.long(), sampled_ids.long(), true_expected, sampled_expected,
                        bool(remove_accidental_hits), reduction, bool(sparse_grad))[0]
 

@@ -651,7 +651,7 @@ def test_sampled_softmax_pair_module_and_fallbacks():
         auto = sampled_softmax_loss_pair((hs[0], ts[0], *samples[0]), (hs[1], ts[1], *samples[1]), sm.softmax_W,
                                          sm.softmax_b, backend="cpu")
     assert "pair" not in type(auto[0].grad_fn).__name__
-    with pytest.raises(RuntimeError, match="forward_pair is the sampled softmax of training"):
+    with pytest.raises(RuntimeError, match="forward_pair / forward_groups are the sampled softmax of training"):
         sm.eval().forward_pair(hs[0], ts[0], samples[0], hs[1], ts[1], samples[1])
 
 

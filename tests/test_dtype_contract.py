@@ -95,13 +95,17 @@ def test_char_cnn_and_highway_autocast_run_bf16_variants():
 @pytest.mark.triton
 @requires_triton
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
+@pytest.mark.parametrize("sampled", [True, False, "groups"], ids=["sampled", "full", "groups"])
 def test_softmax_autocast_runs_bf16_variant(sampled, device):
     W, b = _params((40, 16), (40,), device=device)
     hidden = torch.randn(6, 16, device=device)
     targets = torch.randint(0, 40, (6,), device=device)
     with _autocast(device), probe() as counts:
-        if sampled:
+        if sampled == "groups":  # the trainer's call: two groups' rows (fp32 here) cast once, as one call's
+            loss = sum(ops.sampled_softmax_loss_groups([(hidden, targets, torch.arange(8, device=device), 9),
+                                                        (hidden * 2, targets, torch.arange(3, 11, device=device),
+                                                         12)], W, b, backend="triton"))
+        elif sampled:
             loss = ops.sampled_softmax_loss(hidden, targets, W, b, torch.arange(8, device=device), 9,
                                             backend="triton")
         else:

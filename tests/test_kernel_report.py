@@ -93,8 +93,8 @@ def test_highway_launches_match_report(spy, dtype):
 
 @requires_triton
 @DTYPES
-@pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "full"])
-def test_softmax_launches_match_report(spy, dtype, sampled):
+@pytest.mark.parametrize("sampled,groups", [(True, 1), (False, 1), (True, 3)], ids=["sampled", "full", "groups"])
+def test_softmax_launches_match_report(spy, dtype, sampled, groups):
     import kernel_report
 
     from elmo_fast import ops
@@ -105,14 +105,17 @@ def test_softmax_launches_match_report(spy, dtype, sampled):
     w = torch.randn(V, P, dtype=dtype, requires_grad=True)
     b = torch.randn(V, dtype=dtype, requires_grad=True)
     y = torch.randint(0, V, (N,))
-    if sampled:
+    if groups > 1:  # the trainer's call: every group its own rows and samples
+        loss = sum(ops.sampled_softmax_loss_groups([(h * (k + 1), y, *ops.log_uniform_sample(S, V))
+                                                    for k in range(groups)], w, b, backend="triton"))
+    elif sampled:
         ids, tries = ops.log_uniform_sample(S, V)
         loss = ops.sampled_softmax_loss(h, y, w, b, ids, tries, backend="triton")
     else:
         loss = ops.full_softmax_nll(h, y, w, b, backend="triton")
     loss.backward()
     _check(spy, kernel_report.softmax_cases(N, S if sampled else V, P, dtype, INTERPRETER, sampled=sampled,
-                                            train=True))
+                                            train=True, groups=groups))
 
 
 @requires_triton
@@ -159,14 +162,20 @@ def test_softmax_l2_bytes_and_chunks_by_hand():
 
     built = kernel_report.softmax_cases(7680, 8192, 512, torch.bfloat16, H100, sampled=True, train=True)
     (fwd,), (bwd,) = built
-    assert bwd[1].kernel is KS._softmax_dlogit_kernel and bwd[1].grid == (60, 64)
+    assert bwd[1].kernel is KS._softmax_dlogit_kernel and bwd[1].grid == (60, 64, 1)
     assert bwd[7] == 60 * 64 * 256 * 512 * 2 + 7680 * 8192 * 2 + 60 * 8192 * 4 and bwd[8] == 1
     assert fwd[7] == 60 * 64 * 256 * 512 * 2 + fwd[1].grid[1] * 7680 * 8
+    # the original config fused: 3 towers x 2 directions, 2,560 rows each, one call
+    (fwd6,), (bwd6,) = kernel_report.softmax_cases(2560, 8192, 512, torch.bfloat16, H100, sampled=True, train=True,
+                                                   groups=6)
+    assert bwd6[1].grid == (20, 64, 6) and fwd6[1].grid[::2] == (20, 6)
+    assert bwd6[7] == 6 * (20 * 64 * 256 * 512 * 2 + 2560 * 8192 * 2 + 20 * 8192 * 4) and bwd6[8] == 1
+    assert bwd6[3] == 6 * 2.0 * 2560 * 8192 * 512 == bwd[3] * 2
     V = 793471
     full = kernel_report.softmax_cases(7680, V, 512, torch.bfloat16, H100, sampled=False, train=True)[1:]
     cw = KS.dlogit_columns(7680, V, 2)
     assert cw * 7680 * 2 <= KS.DLOGIT_BYTES and cw % 128 == 0
-    assert sum(e[0][-1] * e[0][2][-1] for e in full) == V  # launches x columns each
+    assert sum(e[0][-1] * e[0][2][-2] for e in full) == V  # launches x columns each
 
 
 def test_report_subset_compiles_for_sm90(tmp_path):

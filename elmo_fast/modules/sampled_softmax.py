@@ -136,18 +136,28 @@ class SampledSoftmaxLoss(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The two directions' sampled losses with their explicit sample sets (training mode, sampled softmax):
         ``(self(hidden_f, targets_f, samples_f), self(hidden_b, targets_b, samples_b))``, the same values and
-        gradients, through ``ops.sampled_softmax_loss_pair`` (on the cpu backend one operator: one gradient
-        tensor for the table instead of two that autograd adds). ``last_samples`` is the backward direction's."""
+        gradients, as :meth:`forward_groups` of the two."""
+        return self.forward_groups([(hidden_f, targets_f, samples_f), (hidden_b, targets_b, samples_b)])
+
+    def forward_groups(self, groups) -> tuple[torch.Tensor, ...]:
+        """Sampled losses of several groups over this table, each ``(hidden, targets, (ids, num_tries))`` with its
+        explicit sample set (training mode, sampled softmax): ``self(hidden, targets, samples)`` of each, the same
+        values and gradients, through ``ops.sampled_softmax_loss_groups`` (on the triton backend one launch of each
+        kernel for all the groups; on the cpu backend each pair as one operator). ``last_samples`` is the last
+        group's."""
         if not (self.training and self.sample_softmax):
-            raise RuntimeError("forward_pair is the sampled softmax of training: call train(), with sample_softmax")
+            raise RuntimeError("forward_pair / forward_groups are the sampled softmax of training: call train(), "
+                               "with sample_softmax")
         W, b = self.softmax_W, self.softmax_b
-        hs = [h.reshape(-1, h.shape[-1]) for h in (hidden_f, hidden_b)]
-        hs = [h.to(W.dtype) if h.dtype != W.dtype else h for h in hs]
-        self.last_samples = samples_b
-        return ops.sampled_softmax_loss_pair((hs[0], targets_f.reshape(-1), *samples_f),
-                                             (hs[1], targets_b.reshape(-1), *samples_b), W, b,
-                                             remove_accidental_hits=self.remove_accidental_hits,
-                                             reduction=self.reduction, backend=self.backend, sparse_grad=self.sparse)
+        items = []
+        for hidden, targets, (ids, tries) in groups:
+            h = hidden.reshape(-1, hidden.shape[-1])
+            items.append((h.to(W.dtype) if h.dtype != W.dtype else h, targets.reshape(-1), ids, tries))
+        if items:
+            self.last_samples = groups[-1][2]
+        return ops.sampled_softmax_loss_groups(items, W, b, remove_accidental_hits=self.remove_accidental_hits,
+                                               reduction=self.reduction, backend=self.backend,
+                                               sparse_grad=self.sparse)
 
     # ---- checkpointing -------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:

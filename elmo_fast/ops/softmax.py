@@ -4,6 +4,9 @@
   check per sample set, no host loop per draw).
 * :func:`sampled_softmax_loss`: TF ``sampled_softmax_loss`` given a drawn sample set; the Triton backend is one
   fused kernel pair that never writes the (N × S) logits, with optional sparse weight/bias gradients.
+* :func:`sampled_softmax_loss_groups` (and its two-group form :func:`sampled_softmax_loss_pair`): several
+  sampled losses over one table, each group with its own rows and samples; on the Triton backend one launch of
+  each kernel for all the groups.
 * :func:`full_softmax_nll`: exact NLL over the vocabulary; the Triton backend never materialises N × V.
 """
 from __future__ import annotations
@@ -156,22 +159,69 @@ def sampled_softmax_loss_pair(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two :func:`sampled_softmax_loss` calls over one table, bilm-tf's two directions: ``forward`` and
     ``backward`` are each ``(hidden, targets, sampled_ids, num_tries)``; returns (loss_f, loss_b), the same values
-    and gradients as two calls. On the ``cpu`` backend one operator, whose table gradients are one tensor each
-    (two calls' sparse gradients are added by autograd: a copy of both); elsewhere two calls."""
-    h_f, h_b = forward[0], backward[0]
-    be = backend_for(backend, h_f.device, "sampled_softmax", h_f.dtype)
-    if (be != "cpu" or h_b.dtype != h_f.dtype or weight.dtype != h_f.dtype
-            or prec.compute_dtype(h_f) is not None):  # autocast, mixed dtypes: two calls cast as one does
-        kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, backend=backend,
-                  sparse_grad=sparse_grad)
-        return tuple(sampled_softmax_loss(h, t, weight, bias, ids, tries, **kw)
-                     for h, t, ids, tries in (forward, backward))
-    args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (forward, backward)]
-    with prec.no_autocast(h_f.device):
-        (bias,) = prec.reference_inputs(h_f.dtype, bias)
-        return sampled_softmax_pair_loss_cpu(*args[0], *args[1], weight, bias,
-                                             remove_accidental_hits=remove_accidental_hits, reduction=reduction,
-                                             sparse_grad=sparse_grad)
+    and gradients as two calls (:func:`sampled_softmax_loss_groups` of the two)."""
+    return sampled_softmax_loss_groups([forward, backward], weight, bias,
+                                       remove_accidental_hits=remove_accidental_hits, reduction=reduction,
+                                       backend=backend, sparse_grad=sparse_grad)
+
+
+def sampled_softmax_loss_groups(
+    groups,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    remove_accidental_hits: bool = True,
+    reduction: str = "mean",
+    backend: str | None = "auto",
+    sparse_grad: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`sampled_softmax_loss` of each group over one table: ``groups`` a sequence of ``(hidden, targets,
+    sampled_ids, num_tries)`` (the trainer's: every tower's two directions); returns their losses, the same values
+    and gradients as one call per group (the table's gradients summed).
+
+    How: on the ``triton`` backend, where the groups share the row count, the sample count and the dtype, one
+    operator call for all of them (each kernel launched once, batched GEMMs: a step's host work does not grow
+    with the towers); on the ``cpu`` backend each consecutive pair as one operator (one gradient tensor for the
+    table instead of two that autograd adds); elsewhere, or under autocast on the cpu, one call per group."""
+    groups = [tuple(g) for g in groups]
+    if not groups or any(len(g) != 4 for g in groups):
+        raise ValueError("sampled_softmax_loss_groups: groups is a non-empty sequence of (hidden, targets, "
+                         f"sampled_ids, num_tries), got {len(groups)} groups of lengths {[len(g) for g in groups]}")
+    kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
+    h0 = groups[0][0]
+    be = backend_for(backend, h0.device, "sampled_softmax", prec.compute_dtype(h0) or h0.dtype)
+    alike = all(g[0].dtype == h0.dtype and g[0].dim() == h0.dim() == 2 and g[0].shape[0] == h0.shape[0]
+                and g[2].numel() == groups[0][2].numel() for g in groups)
+    if be == "triton" and len(groups) > 1 and alike:
+        return _triton_groups(groups, weight, bias, **kw)
+    if (be == "cpu" and len(groups) % 2 == 0 and weight.dtype == h0.dtype and all(g[0].dtype == h0.dtype
+                                                                                  for g in groups)
+            and prec.compute_dtype(h0) is None):  # autocast, mixed dtypes: calls cast as one does
+        out: tuple = ()
+        for f, b in zip(groups[::2], groups[1::2]):
+            args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in (f, b)]
+            with prec.no_autocast(h0.device):
+                (b32,) = prec.reference_inputs(h0.dtype, bias)
+                out += sampled_softmax_pair_loss_cpu(*args[0], *args[1], weight, b32, **kw)
+        return out
+    return tuple(sampled_softmax_loss(h, t, weight, bias, ids, tries, backend=backend, **kw)
+                 for h, t, ids, tries in groups)
+
+
+def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, sparse_grad):
+    """The groups' hidden, targets and expected counts side by side, their sample sets stacked: one call of the
+    Triton operator in its grouped form (``kernels.softmax.sampled_softmax_loss_triton``), its losses split."""
+    args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in groups]
+    hidden, weight = _low_precision(torch.cat([a[0] for a in args]), weight)
+    with prec.no_autocast(hidden.device):
+        from ..kernels.softmax import sampled_softmax_loss_triton
+
+        loss = sampled_softmax_loss_triton(hidden, torch.cat([a[1] for a in args]), weight, bias,
+                                           torch.stack([a[2] for a in args]), torch.cat([a[3] for a in args]),
+                                           torch.stack([a[4] for a in args]),
+                                           remove_accidental_hits=remove_accidental_hits, reduction=reduction,
+                                           sparse_grad=sparse_grad)
+    return tuple(loss.split(args[0][0].shape[0])) if reduction == "none" else tuple(loss.unbind(0))
 
 
 def _low_precision(hidden, weight):

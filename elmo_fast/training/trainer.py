@@ -354,11 +354,24 @@ class Trainer:
     def _head_loss(self, top_f, top_b, tf, tb, samples):
         """One tower's loss from its top layers (B, T, P) and targets (B, T): bilm-tf's mean of the two directions'
         sampled-softmax losses (each direction with its own sample set), or the forward LM's alone."""
+        return self._head_losses([(top_f, top_b, tf, tb, samples)])[0]
+
+    def _head_losses(self, heads):
+        """``_head_loss`` of each tower's ``(top_f, top_b, tf, tb, samples)``. With the sampled softmax and both
+        directions every tower's two directions go to one softmax call (``SampledSoftmax.forward_groups``: on the
+        triton backend one launch of each kernel for all the towers, on the cpu backend one operator a tower)."""
         sm = self.softmax
-        if samples is not None and self.cfg.bidirectional:  # one softmax operator for both (one table gradient)
-            ids, tries = samples
-            lf, lb = sm.forward_pair(top_f, tf, (ids[0], tries[0]), top_b, tb, (ids[1], tries[1]))
-            return 0.5 * (lf.float() + lb.float())
+        if self.cfg.bidirectional and all(h[4] is not None for h in heads):
+            groups = []
+            for top_f, top_b, tf, tb, (ids, tries) in heads:
+                groups += [(top_f, tf, (ids[0], tries[0])), (top_b, tb, (ids[1], tries[1]))]
+            losses = sm.forward_groups(groups)
+            return [0.5 * (lf.float() + lb.float()) for lf, lb in zip(losses[::2], losses[1::2])]
+        return [self._head_loss_each(*h) for h in heads]
+
+    def _head_loss_each(self, top_f, top_b, tf, tb, samples):
+        """``_head_loss`` one direction at a time (the full softmax, or the forward LM alone)."""
+        sm = self.softmax
         losses = []
         for d, (top, targets) in enumerate(((top_f, tf), (top_b, tb))[: 1 + self.cfg.bidirectional]):
             h = top.reshape(-1, self.P)  # under autocast the softmax runs its bf16 variant, fp32 accumulation
@@ -413,7 +426,7 @@ class Trainer:
         with self._autocast(), row_groups(groups):
             top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
             parts = [t.split(B, 0) if t is not None else [None] * len(B) for t in (top_f, top_b, tf, tb)]
-            losses = [self._head_loss(*(p[g] for p in parts), samples[g]) for g in range(len(towers))]
+            losses = self._head_losses([(*(p[g] for p in parts), samples[g]) for g in range(len(towers))])
         # the generators are left where the last tower's own step leaves them: its group draws last at each site
         (torch.stack(losses).sum() * (cfg.unroll_steps * scale)).backward()
         for tw, h, c in zip(towers, h_n.detach().split(B, 2), c_n.detach().split(B, 2)):

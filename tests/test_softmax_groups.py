@@ -1,0 +1,143 @@
+"""Several sampled softmaxes over one table in one call (``ops.sampled_softmax_loss_groups``, the trainer's every
+tower's two directions): each group its own rows and sample set. The Triton backend runs them as one grouped call
+(each kernel launched once for all the groups, batched GEMMs): checked against the fp64 reference and against one
+call per group, forward and every gradient, at shapes that cross the interpreter's tiles (rows 21 against 16,
+samples 40 against 32), with accidental hits and a repeated target in every group."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import count_launches, poison_allocations, requires_triton, triton_device
+from elmo_fast import ops
+from test_softmax import _close
+
+pytestmark = [pytest.mark.triton, requires_triton]
+
+
+def _groups(G, N, P, V, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(G):
+        ids, tries = ops.log_uniform_sample(S, V, generator=g)
+        t = torch.randint(0, V, (N,), generator=g)
+        t[:2] = ids[:2]  # accidental hits
+        t[3] = t[4]  # a repeated target
+        out.append((torch.randn(N, P, generator=g, dtype=torch.float64), t, ids, tries))
+    w = torch.randn(V, P, generator=g, dtype=torch.float64) / math.sqrt(P)
+    return out, w, 0.3 * torch.randn(V, generator=g, dtype=torch.float64)
+
+
+def _run(groups, w, b, backend, dtype, dev, *, reduction, sparse=False, grouped=True, seed=1):
+    """(losses, [dh per group], dW, db) of the groups' losses weighted by a random upstream gradient."""
+    hs = [h.to(dev, dtype).requires_grad_() for h, *_ in groups]
+    wd, bd = w.to(dev, dtype).requires_grad_(), b.to(dev, dtype).requires_grad_()
+    items = [(h, t.to(dev), ids.to(dev), tries) for h, (_, t, ids, tries) in zip(hs, groups)]
+    kw = dict(reduction=reduction, backend=backend, sparse_grad=sparse)
+    if grouped:
+        losses = ops.sampled_softmax_loss_groups(items, wd, bd, **kw)
+    else:
+        losses = [ops.sampled_softmax_loss(h, t, wd, bd, ids, tries, **kw) for h, t, ids, tries in items]
+    g = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(loss.shape, generator=g, dtype=torch.float64).to(dev, loss.dtype) for loss in losses]
+    grads = torch.autograd.grad(losses, [*hs, wd, bd], ups)
+    dense = [gr.to_dense() if gr.is_sparse else gr for gr in grads]
+    return [loss.detach() for loss in losses], dense[:len(hs)], dense[-2], dense[-1]
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    poison_allocations(monkeypatch, ("empty",))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return count_launches(monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_groups_match_the_reference(nan_empty, launches, reduction, dtype):
+    """Three groups of 21 rows, 40 samples each: every group's loss and hidden gradient and the table's gradients
+    within the accuracy budget of the fp64 reference (``test_softmax._close``), each kernel launched once."""
+    groups, w, b = _groups(3, 21, 24, 300, 40, seed=4)
+    got = _run(groups, w, b, "triton", dtype, triton_device(), reduction=reduction)
+    assert launches == {"_softmax_lse_fwd_kernel": 1, "_softmax_dlogit_kernel": 1}
+    ref64 = _run(groups, w, b, "reference", torch.float64, "cpu", reduction=reduction)
+    refdt = _run(groups, w, b, "reference", dtype, "cpu", reduction=reduction)
+    for k in range(3):
+        assert got[0][k].dtype == dtype and got[0][k].shape == ref64[0][k].shape
+        _close(got[0][k], refdt[0][k], ref64[0][k], dtype, f"loss of group {k}")
+        _close(got[1][k], refdt[1][k], ref64[1][k], dtype, f"dh of group {k}")
+    _close(got[2], refdt[2], ref64[2], dtype, "dW")
+    _close(got[3], refdt[3], ref64[3], dtype, "db")
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_groups_equal_one_call_per_group(nan_empty, reduction, sparse):
+    """fp32: the grouped call against one triton call per group: the losses bitwise (the same tiles), the
+    gradients to fp32 rounding (batched GEMMs, the table's rows summed once instead of per call)."""
+    groups, w, b = _groups(4, 21, 24, 300, 40, seed=5)
+    dev = triton_device()
+    one = _run(groups, w, b, "triton", torch.float32, dev, reduction=reduction, sparse=sparse)
+    each = _run(groups, w, b, "triton", torch.float32, dev, reduction=reduction, sparse=sparse, grouped=False)
+    for a, c in zip(one[0], each[0]):
+        assert torch.equal(a, c)
+    for a, c in zip([*one[1], one[2], one[3]], [*each[1], each[2], each[3]]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_over_the_dlogit_budget_go_one_by_one(launches, monkeypatch):
+    """Where every group's dlogit at once would pass the backward's budget (``dlogit_columns`` below the
+    columns), the groups run one after the other, each in column chunks: the same values."""
+    from elmo_fast.kernels import softmax as KS
+
+    groups, w, b = _groups(2, 21, 24, 300, 40, seed=6)
+    dev = triton_device()
+    whole = _run(groups, w, b, "triton", torch.float32, dev, reduction="mean")
+    launches.clear()
+    monkeypatch.setattr(KS, "dlogit_columns", lambda N, C, itemsize: min(C, 16))
+    chunked = _run(groups, w, b, "triton", torch.float32, dev, reduction="mean")
+    assert launches == {"_softmax_lse_fwd_kernel": 1, "_softmax_dlogit_kernel": 2 * 3}  # 2 groups x 40 / 16
+    for a, c in zip([*whole[0], *whole[1], whole[2], whole[3]], [*chunked[0], *chunked[1], chunked[2], chunked[3]]):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_unlike_groups_run_one_call_each(launches):
+    """Groups of different row counts or sample counts cannot share a launch: one call each, the same values as
+    the per-group calls."""
+    (g1,), w, b = _groups(1, 21, 24, 300, 40, seed=7)
+    (g2,), _, _ = _groups(1, 17, 24, 300, 40, seed=8)
+    (g3,), _, _ = _groups(1, 21, 24, 300, 33, seed=9)
+    dev = triton_device()
+    got = _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean")
+    assert launches["_softmax_lse_fwd_kernel"] == 3
+    each = _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean", grouped=False)
+    for a, c in zip([*got[0], *got[1]], [*each[0], *each[1]]):
+        assert torch.equal(a, c)
+
+
+def test_groups_refuse_bad_input():
+    from elmo_fast.kernels.softmax import sampled_softmax_loss_triton, softmax_lse_fwd
+
+    groups, w, b = _groups(2, 6, 8, 50, 5)
+    w32, b32 = w.float(), b.float()
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        ops.sampled_softmax_loss_groups([], w32, b32)
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        ops.sampled_softmax_loss_groups([groups[0][:3]], w32, b32)
+    h = torch.randn(12, 8)
+    t = torch.zeros(12, dtype=torch.long)
+    ids = torch.stack([groups[0][2], groups[1][2]])
+    q = torch.full((2, 5), 0.5)
+    with pytest.raises(ValueError, match="sampled_expected of its shape"):
+        sampled_softmax_loss_triton(h, t, w32, b32, ids, torch.ones(12), q[0])
+    with pytest.raises(ValueError, match="a multiple of the groups"):
+        sampled_softmax_loss_triton(h[:11], t[:11], w32, b32, ids, torch.ones(11), q)
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        softmax_lse_fwd(h, w32, ids.view(-1), q.view(-1), t, torch.zeros(12), mask_hits=True, groups=5)
+    with pytest.raises(ValueError, match="gathered columns"):
+        softmax_lse_fwd(h, w32, None, torch.zeros(10), t, torch.zeros(12), mask_hits=False, groups=2)
