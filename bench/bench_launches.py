@@ -13,7 +13,9 @@ patching the calls that make them; torch operator calls beside, each about one m
 * ``train-step-det``: the same in deterministic mode (``deterministic: true``, ``elmo_fast.determinism``);
 * ``train-step-loop-graphs``: ``train-step`` with the LSTMP time loops replayed from loop graphs (the GPU default,
   ``kernels/lstmp_graphs.py``; on the CPU their ``record`` stand-in, whose replay counts as one launch, as a
-  CUDA graph's does). The other cases run with loop graphs off (``ELMO_FAST_LOOP_GRAPHS=0``): every launch.
+  CUDA graph's does). The other cases run with loop graphs off (``ELMO_FAST_LOOP_GRAPHS=0``): every launch, but
+* ``train-step-towers3``: ``--config original``'s step on one GPU, its 3 towers in one pass (``fuse_towers``), with
+  loop graphs (no budget: a record of what the towers add).
 
 The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
 small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
@@ -104,16 +106,17 @@ def measure_forward(device: torch.device, cuda_graph: bool = False, steps: int =
 
 
 @contextlib.contextmanager
-def _trainer(device: torch.device, deterministic: bool, steps: int = STEPS):
+def _trainer(device: torch.device, deterministic: bool, steps: int = STEPS, towers: int = 1):
     """A Trainer at the original configuration's structure (small widths, ``steps`` unroll steps) on a tiny
-    corpus."""
+    corpus; ``towers`` > 1: that many towers in one pass (``fuse_towers``), as --config original on one GPU."""
     from elmo_fast.chars import Vocabulary
     from elmo_fast.training import configs
     from elmo_fast.training.trainer import Trainer
 
     opts = small_original_options()
     cfg = configs.original()
-    cfg.towers = 1  # one tower a step (the preset is bilm-tf's 3)
+    cfg.towers = towers  # one tower a step by default (the preset is bilm-tf's 3)
+    cfg.fuse_towers = "on" if towers > 1 else "off"
     cfg.char_embed_dim = opts["char_cnn"]["embedding"]["dim"]
     cfg.filters = opts["char_cnn"]["filters"]
     cfg.lstm_dim, cfg.projection_dim = opts["lstm"]["dim"], opts["lstm"]["projection_dim"]
@@ -138,12 +141,13 @@ def _probed_step(trainer):
 
 
 def measure_train_step(device: torch.device, deterministic: bool = False, graphs: bool = False,
-                       steps: int = STEPS) -> dict:
-    with _trainer(device, deterministic, steps) as trainer, common.loop_graphs(graphs, device):
+                       steps: int = STEPS, towers: int = 1) -> dict:
+    with _trainer(device, deterministic, steps, towers) as trainer, common.loop_graphs(graphs, device):
         for _ in range(2 if graphs else 1):  # warm-up (and the loop graphs' capture)
             trainer.train_step()
         counts = _probed_step(trainer)
-    return _row("train-step-loop-graphs" if graphs else "train-step-det" if deterministic else "train-step", counts)
+    case = "train-step-loop-graphs" if graphs else "train-step-det" if deterministic else "train-step"
+    return _row(f"train-step-towers{towers}" if towers > 1 else case, counts)
 
 
 def measure_train_steps(device: torch.device, steps: int = STEPS) -> dict[str, dict]:
@@ -170,7 +174,8 @@ def _row(case: str, counts) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det,train-step-loop-graphs")
+    ap.add_argument("--cases", default="forward,forward-graph,train-step,train-step-det,train-step-loop-graphs,"
+                    "train-step-towers3")
     ap.add_argument("--steps", type=int, default=STEPS, help="tokens of the forward / unroll steps of the training "
                     "step (the budget scales with them: budget())")
     args = ap.parse_args(argv)
@@ -188,7 +193,8 @@ def main(argv=None) -> int:
         fn = {"forward": lambda: measure_forward(dev, steps=n), "forward-graph": lambda: measure_forward(dev, True, n),
               "train-step": lambda: measure_train_step(dev, steps=n),
               "train-step-det": lambda: measure_train_step(dev, deterministic=True, steps=n),
-              "train-step-loop-graphs": lambda: measure_train_step(dev, graphs=True, steps=n)}[case]
+              "train-step-loop-graphs": lambda: measure_train_step(dev, graphs=True, steps=n),
+              "train-step-towers3": lambda: measure_train_step(dev, graphs=True, steps=n, towers=3)}[case]
         rows.append(fn())
         if n != STEPS:  # the CSV's case names the step count when it is not the budget's 20
             rows[-1]["case"] += f" ({n} steps)"
