@@ -146,23 +146,14 @@ def _sampled_inputs(hidden, targets, weight, bias, sampled_ids, num_tries, reduc
             expected_count_reference(sampled_ids, num_tries, S, V))
 
 
-def sampled_softmax_loss_pair(
-    forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
-    backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    remove_accidental_hits: bool = True,
-    reduction: str = "mean",
-    backend: str | None = "auto",
-    sparse_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_softmax_loss_pair(forward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                              backward: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                              weight: torch.Tensor, bias: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Two :func:`sampled_softmax_loss` calls over one table, bilm-tf's two directions: ``forward`` and
     ``backward`` are each ``(hidden, targets, sampled_ids, num_tries)``; returns (loss_f, loss_b), the same values
-    and gradients as two calls (:func:`sampled_softmax_loss_groups` of the two)."""
-    return sampled_softmax_loss_groups([forward, backward], weight, bias,
-                                       remove_accidental_hits=remove_accidental_hits, reduction=reduction,
-                                       backend=backend, sparse_grad=sparse_grad)
+    and gradients as two calls: :func:`sampled_softmax_loss_groups` of the two, whose keyword ``options`` these are
+    (remove_accidental_hits, reduction, backend, sparse_grad)."""
+    return sampled_softmax_loss_groups([forward, backward], weight, bias, **options)
 
 
 def sampled_softmax_loss_groups(
