@@ -76,19 +76,22 @@ def _highway(dev, g):
 
 def _softmax(sampled: bool):
     def make(dev, g):
-        from .softmax import full_softmax_nll, sampled_softmax_loss
+        from .softmax import full_softmax_nll, sampled_softmax_loss_groups
 
         N, P, V, S = 10, 16, 50, 8
         targets = torch.randint(0, V, (N,), generator=g)
         ids = torch.randperm(V, generator=g)[:S]
-        targets[0] = ids[0]  # an accidental hit
-        targets, ids = targets.to(dev), ids.to(dev)
+        ids2 = torch.randperm(V, generator=g)[:S]
+        targets[0], targets[N // 2] = ids[0], ids2[1]  # an accidental hit in each group
+        targets, ids, ids2 = targets.to(dev), ids.to(dev), ids2.to(dev)
         floats = [_randn(g, dev, N, P), _randn(g, dev, V, P, scale=0.3), _randn(g, dev, V, scale=0.1)]
 
         def run(backend, hidden, weight, bias):
-            if sampled:
-                return sampled_softmax_loss(hidden, targets, weight, bias, ids, S + 3, reduction="none",
-                                            backend=backend)
+            if sampled:  # as the trainer calls it: two groups (rows and samples of their own) in one call
+                h = hidden.split(N // 2)
+                t = targets.split(N // 2)
+                return sampled_softmax_loss_groups([(h[0], t[0], ids, S + 3), (h[1], t[1], ids2, S + 5)], weight,
+                                                   bias, reduction="none", backend=backend)
             return full_softmax_nll(hidden, targets, weight, bias, "none", backend=backend)
         return run, floats
     return make
