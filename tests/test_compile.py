@@ -164,7 +164,8 @@ def test_bilm_exports(tiny_model):
 @pytest.mark.skipif(not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_softmax_losses_compile_whole_and_match_eager(dtype):
-    """The Triton sampled and full softmax, forward and backward, in one compiled graph. On a GPU torch.compile
+    """The Triton sampled softmax (one call and the grouped call) and the full softmax, forward and backward, in one
+    compiled graph. On a GPU torch.compile
     traces the operators, the backward's fp32-output GEMMs (``_mm_f32``) included (under the interpreter the
     operators stay opaque: the plumbing only)."""
     dev = triton_device()
@@ -173,10 +174,13 @@ def test_softmax_losses_compile_whole_and_match_eager(dtype):
     h, W, b = (torch.randn(*shape, generator=gen).to(dev, dtype).requires_grad_() for shape in ((N, P), (V, P), (V,)))
     t = torch.randint(0, V, (N,), generator=gen).to(dev)
     ids, tries = elmo_fast.ops.log_uniform_sample(S, V, generator=gen)
-    ids = ids.to(dev)
+    ids2, tries2 = elmo_fast.ops.log_uniform_sample(S, V, generator=gen)
+    ids, ids2 = ids.to(dev), ids2.to(dev)
 
     def loss(h, W, b):
-        return (elmo_fast.ops.sampled_softmax_loss(h, t, W, b, ids, tries, backend="triton")
+        lf, lb = elmo_fast.ops.sampled_softmax_loss_groups([(h, t, ids, tries), (2 * h, t, ids2, tries2)], W, b,
+                                                           backend="triton")  # the trainer's grouped call
+        return (elmo_fast.ops.sampled_softmax_loss(h, t, W, b, ids, tries, backend="triton") + lf + 0.5 * lb
                 + elmo_fast.ops.full_softmax_nll(h, t, W, b, backend="triton"))
 
     _no_breaks(loss, h, W, b)
