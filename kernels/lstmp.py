@@ -107,7 +107,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast.kernels import lstmp_graphs as graphs
-from elmo_fast.kernels._common import H100, Target, acc_dtype, cuda_target, tanh, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, target_of, tl_acc_dtype, triton_operator
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -878,10 +878,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
 
 
 def device_target(device: torch.device) -> Target:
-    """The launchers' target: the interpreter on CPU tensors, else the GPU's SM count (read once per GPU)."""
-    if device.type != "cuda":
-        return Target(interpret=True, sms=H100.sms)
-    return cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+    """The launchers' target: every op's (``_common.target_of``: the interpreter on CPU tensors, else the GPU's SMs
+    and shared memory, read once per GPU), under a name of this module that the tests swap for a pretend GPU."""
+    return target_of(device)
 
 
 def _bind(launch: Launch, bufs: dict, **constexprs):
