@@ -263,7 +263,7 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
                 rows.append(dict(
                     meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     kernel=name, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train" if training else "infer",
-                    grid="x".join(map(str, launch.grid)), tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}",
+                    grid="x".join(map(str, launch.grid)), tile=_tile_text(t),
                     us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                     est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops,
                     **_calibrated([(name, launch)], B, dtype, p50),
@@ -306,13 +306,18 @@ def _plan_with(name, tile, B, T, dtype, device, dims) -> dict:
         reverse=TRAIN_FLAGS["reverse"], residual=TRAIN_FLAGS["residual"])
 
 
+def _tile_text(t) -> str:
+    """A tile as the rows name it (``BMxBNxBK wWARPS sSTAGES``; kernel_fit_rows.csv joins on it)."""
+    return f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}"
+
+
 def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes, cal) -> dict:
     p50, p20, p80 = times
     t = launch.tile
     return dict(meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 kernel=kernel, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
                 grid="x".join(map(str, launch.grid)),
-                tile=f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" fused" if t.fused else "")
+                tile=_tile_text(t) + (" fused" if t.fused else "")
                 + (f" stationary g{t.groups}" if t.stationary else "")
                 + (" (tuned)" if tuned else ""),
                 us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
