@@ -6,7 +6,9 @@
   sampled: N=7,680 (384 rows × 20 steps), S=8,192, P=512, V=793,471, fwd+bwd;
   full: N=2,048, V=793,471, fwd (evaluation) and fwd+bwd.
   Providers: ``torch`` (unfused: gathers, matmul, logsumexp, autograd; the reference path) and ``triton``
-  (fused kernels; dense and sparse weight gradients). Reports ms (p50/p20/p80), TFLOP/s and peak memory, and
+  (fused kernels; dense and sparse weight gradients); and the trainer's grouped call (``groups_rows``: every
+  tower's two directions in one call against one call a group, at the original config's 6 x 2,560 rows and a
+  one-tower step's 2 x 7,680). Reports ms (p50/p20/p80), TFLOP/s and peak memory, and
   appends CSV rows (device, versions, git commit, command) to ``$ELMO_FAST_BENCH_CSV``, else
   build/bench/softmax.csv, or the committed bench/results/softmax.csv with ``ELMO_FAST_BENCH_RECORD=1``
   (bench/common.py). Correctness is checked first; no speedup is printed on a mismatch.
@@ -149,6 +151,48 @@ def run_gpu(N_s=7680, S=8192, P=512, V=793_471, N_f=2048, dtype=torch.bfloat16) 
     return rows
 
 
+def groups_rows(N=2560, S=8192, P=512, V=793_471, groups=6, dtype=torch.bfloat16, device="cuda",
+                reps=5) -> list[dict]:
+    """The trainer's grouped call against one call per group, forward and backward (dense table gradients):
+    ``groups`` sample sets of S over N rows each (defaults: the original config fused, 3 towers x 2 directions x
+    2,560 rows; 2 x 7,680 is a one-tower step at 384 rows). Providers ``triton-calls`` (one sampled_softmax_loss
+    call per group, as the trainer ran before the grouped call) and ``triton-groups`` (one
+    sampled_softmax_loss_groups call), after a check that both give the same losses. Under the interpreter (CPU
+    tensors) the same code runs with a plain clock: a smoke run, not numbers."""
+    dev = torch.device(device)
+    meta = {**common.environment(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dtype": str(dtype).replace("torch.", "")}
+    hidden, _, weight, bias, _, _ = make_problem(N * groups, P, V, 0, dtype, dev)
+    g = torch.Generator(device=dev).manual_seed(1)
+    sets = [ops.log_uniform_sample(S, V, generator=g, device=dev) for _ in range(groups)]
+    targets = torch.randint(0, V, (N * groups,), device=dev, generator=g)
+
+    def step(grouped: bool):
+        h, w, b = (t.detach().requires_grad_() for t in (hidden, weight, bias))
+        items = [(hk, tk, ids, tries) for hk, tk, (ids, tries) in zip(h.split(N), targets.split(N), sets)]
+        if grouped:
+            losses = ops.sampled_softmax_loss_groups(items, w, b, backend="triton")
+        else:
+            losses = [ops.sampled_softmax_loss(hk, tk, w, b, ids, tries, backend="triton")
+                      for hk, tk, ids, tries in items]
+        torch.stack(losses).float().sum().backward()
+        return torch.stack(losses).float()
+
+    a, c = step(False), step(True)
+    if not torch.allclose(a, c, rtol=1e-2, atol=1e-2):
+        raise AssertionError(f"grouped sampled softmax disagrees with one call per group ({a} vs {c}); "
+                             "not benchmarking")
+    shape = f"groups={groups},N={N},S={S},P={P},V={V}"
+    flops = groups * 3 * 2.0 * N * (S + 1) * P
+    rows = []
+    for provider, grouped in (("triton-calls", False), ("triton-groups", True)):
+        p50, p20, p80 = common.time_ms(lambda grouped=grouped: step(grouped), dev, reps)
+        rows.append({**meta, "op": "sampled_softmax", "provider": provider, "mode": "fwd+bwd", "shape": shape,
+                     "ms_p50": f"{p50:.4f}", "ms_p20": f"{p20:.4f}", "ms_p80": f"{p80:.4f}",
+                     "tflops": f"{flops / (p50 * 1e-3) / 1e12:.1f}", "peak_mem_mib": "nan"})
+    return rows
+
+
 KERNEL_FIELDS = ["date", "op", "kernel", "mode", "shape", "dtype", "grid", "tile", "us_p50", "us_p20", "us_p80",
                  "l2_gb", "l2_tbps", "device", "torch", "triton", "cuda", "commit", "command"]
 
@@ -224,6 +268,10 @@ def _print(rows):
         for prov in ("triton", "triton-sparse-grad"):
             if t and (op, mode, prov) in by:
                 print(f"speedup {op} {mode} {prov}: {t / by[(op, mode, prov)]:.2f}x over unfused torch")
+    calls = {r["shape"]: float(r["ms_p50"]) for r in rows if r["provider"] == "triton-calls"}
+    for r in rows:
+        if r["provider"] == "triton-groups" and r["shape"] in calls:
+            print(f"grouped call {r['shape']}: {calls[r['shape']] / float(r['ms_p50']):.2f}x over one call a group")
 
 
 def _print_kernels(rows):
@@ -236,7 +284,7 @@ def _print_kernels(rows):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_softmax_real_sizes():
-    rows = run_gpu()
+    rows = run_gpu() + groups_rows() + groups_rows(7680, groups=2)
     path = write_rows(rows)
     _print(rows)
     print(f"rows appended to {path}")
@@ -246,7 +294,7 @@ def test_gpu_softmax_real_sizes():
 if __name__ == "__main__":
     if not torch.cuda.is_available():
         sys.exit("the GPU part needs a CUDA GPU; run the CPU part with `python -m pytest -q bench/bench_softmax.py`")
-    rows = run_gpu()
+    rows = run_gpu() + groups_rows() + groups_rows(7680, groups=2)
     _print(rows)
     print(f"rows appended to {write_rows(rows)}")
     _print_kernels(kernel_rows())

@@ -39,3 +39,19 @@ def test_kernel_rows_time_each_softmax_kernel_with_its_l2_count(dtype, tmp_path,
     with open(tmp_path / "k.csv") as fh:
         got = list(csv.DictReader(fh))
     assert len(got) == 3 and all(r["commit"] and r["device"] for r in got)  # where each row ran
+
+
+def test_groups_rows_time_the_grouped_call_against_one_call_a_group(tmp_path, monkeypatch):
+    """``groups_rows`` (the GPU run's comparison of the trainer's grouped call with one call a group) at a small
+    shape on ``triton_device()``: both providers' rows, after their agreement check; printed and appended as the
+    GPU entry points do."""
+    import bench_softmax
+
+    rows = bench_softmax.groups_rows(21, 40, 24, 300, groups=3, dtype=torch.float32, device=triton_device(), reps=1)
+    assert [r["provider"] for r in rows] == ["triton-calls", "triton-groups"]
+    assert all(r["shape"] == "groups=3,N=21,S=40,P=24,V=300" and float(r["ms_p50"]) > 0 for r in rows)
+    monkeypatch.setenv("ELMO_FAST_BENCH_CSV", str(tmp_path / "s.csv"))
+    bench_softmax._print(rows)
+    bench_softmax.write_rows(rows)
+    with open(tmp_path / "s.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 2
