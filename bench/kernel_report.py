@@ -586,10 +586,15 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
         for key, rows, groups in calls:
             for phase, o in sampled_softmax_ops(rows, groups, dt).items():
                 ops[f"{key}/{phase}"] = o
-        ops["optimizer/step"] = [TorchOp("grad norm + dense Adagrad over 93.6M params (fp32 state)", 0,
-                                         6 * N_PARAMS * 4, 8 * 40, False),
-                                 TorchOp("sparse Adagrad on the touched softmax rows", 0, 6 * (S + nt) * P * 4, 12,
-                                         False)]
+        dense = TorchOp("grad norm + dense Adagrad over 93.6M params (fp32 state)", 0, 6 * N_PARAMS * 4, 8 * 40,
+                        False)
+        # the softmax rows a step touches, at most: every sample set's S and both directions' targets
+        ops["optimizer/step"] = [dense, TorchOp("sparse Adagrad on the touched softmax rows (2 sample sets, 2 x "
+                                                "B x T targets)", 0, 6 * (2 * S + 2 * nt) * P * 4, 12, False)]
+        if size.name == TOWERS_SIZE:  # the original config's towers: 2 sample sets each, one optimizer step
+            ops["optimizer towers/step"] = [dense, TorchOp(
+                "sparse Adagrad on the touched softmax rows (2 sample sets a tower)", 0,
+                6 * (2 * ORIGINAL_TOWERS * S + 2 * nt) * P * 4, 12, False)]
     return ops
 
 
@@ -705,6 +710,7 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                                                 + kern(size, dt, "sampled_softmax", "bwd", "towers")
                                                 + torch_us(size, dt, ["sampled_softmax towers/fwd",
                                                                       "sampled_softmax towers/bwd"]))
+                    row["optimizer_towers_us"] = torch_us(size, dt, ["optimizer towers/step"])
                 opt = torch_us(size, dt, ["optimizer/step"])
                 total = enc + lstm + enc_b + lstm_b + soft + opt
                 total_g = total - lstm - lstm_b + chains_graph_us(size, dt, ("fwd", "bwd"))
@@ -722,16 +728,18 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
 
 def _original_config(rows: list[dict]) -> None:
     """The original config's step on one GPU (``--config original``: 3 towers of 128 rows), with loop graphs, on
-    the B=384 rows: the towers one after the other (3 x the B=128 step, one optimizer step) and fused
-    (``fuse_towers``: encoder and LSTMs over the 384 rows at once, each tower's softmax over its own 128)."""
+    the B=384 rows: the towers one after the other (3 x the B=128 step) and fused (``fuse_towers``: encoder and
+    LSTMs over the 384 rows at once, every tower's two directions in one softmax call); either way one optimizer
+    step over every tower's rows (``optimizer towers/step``: 6 sample sets)."""
     by = {(r["size"], r["dtype"]): r for r in rows}
     n = ORIGINAL_TOWERS  # 3 x 128 = the B=384 rows
     for (name, dt), big in by.items():
         small = by.get(("train B=128", dt))
         if name != TOWERS_SIZE or small is None or "train_step_graph_us" not in big:
             continue
-        seq = n * (small["train_step_graph_us"] - small["optimizer_us"]) + small["optimizer_us"]
-        fused = big["train_step_graph_us"] - big["softmax_us"] + big["softmax_towers_us"]
+        opt = big["optimizer_towers_us"]
+        seq = n * (small["train_step_graph_us"] - small["optimizer_us"]) + opt
+        fused = big["train_step_graph_us"] - big["softmax_us"] - big["optimizer_us"] + big["softmax_towers_us"] + opt
         size = next(z for z in SIZES if z.name == "train B=128")
         tokens = n * size.B * size.T
         big.update(towers_seq_graph_us=seq, towers_seq_tokens_per_s=tokens / (seq * 1e-6),
@@ -766,7 +774,8 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
                   and c.choice == 0 and not c.variant]
             if not cs:
                 continue
-            per = 1 / cs[0].launch.grid[2]  # one direction: one group of the call
+            per = 1 / next(c for c in cs if c.phase == "fwd").launch.grid[2]  # one direction: one group (the
+            # forward's grid has them all; a backward that goes group after group has one a launch)
             fwd = sum(c.l2 * c.repeat for c in cs if c.phase == "fwd") * per
             bwd = sum(c.l2 * c.repeat for c in cs if c.phase == "bwd") * per
             est = sum(estimate_us(c, graph=True) * c.repeat for c in cs) * per

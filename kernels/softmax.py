@@ -3,13 +3,13 @@
 The same kernels serve both ops. A "column" is a candidate class: for the sampled loss the S sampled ids
 (rows of ``weight`` gathered through ``sampled_ids``), for the full softmax every vocabulary row.
 
-* ``_softmax_lse_fwd_kernel`` — grid (row blocks, column splits). Each program computes logit tiles
+* ``_softmax_lse_fwd_kernel`` — grid (row blocks, column splits, groups). Each program computes logit tiles
   ``h · w_cᵀ + off_c`` (``off_c = b_c − log Q_c`` for samples, ``b_c`` for the full softmax) over a K loop on
   P, masks accidental hits, and keeps an online log-sum-exp (running max m, running sum l_sum, fp32) over its
   column range. Split 0 also computes the target logit ``h · w_y + off_y`` by a gathered dot. The (N × S) or
   (N × V) logits never leave registers; the host combines the per-split (m, l_sum) (a few numbers per row).
 * Backward, per chunk of columns (all S sampled columns at once; the full softmax's V in chunks of at most
-  ``DLOGIT_BYTES``): ``_softmax_dlogit_kernel`` — grid (row blocks, column blocks) — recomputes each logit tile
+  ``DLOGIT_BYTES``): ``_softmax_dlogit_kernel`` — grid (row blocks, column blocks, groups) — recomputes each logit tile
   once and writes ``dlogit = g_n · softmax`` (minus ``g_n`` at the target column for the full softmax) in the
   operand dtype, with the bias gradient's fp32 column sums per row block; then two cuBLAS GEMMs,
   ``dH += dlogit · W_chunk`` and ``dW_chunk = dlogitᵀ · H``, accumulate in fp32. One writer per element, partials
@@ -136,7 +136,8 @@ def _softmax_dlogit_kernel(
     """Grid (row blocks, column blocks, groups) over the CW columns c0 .. c0 + CW: DL[n, j] = dlogit[n, c0 + j]
     rounded to the operand dtype (the GEMM operand backward multiplies with), DB[row block, j] = the row block's
     fp32 sum of dlogit[:, c0 + j] (the bias gradient's partial, before rounding). One writer per element:
-    deterministic. Groups (``_group``): N rows and C columns (ids, offsets) each, one after the other."""
+    deterministic. Groups (``_group_rows``, ``_group_cols``): N rows and C columns (ids, offsets) each, one after
+    the other."""
     grp = tl.program_id(2)
     rows = _group_rows(grp, N, BLOCK_N)
     COL_IDS, COL_OFF = _group_cols(COL_IDS, COL_OFF, grp, C, GATHER)
@@ -163,7 +164,8 @@ def _softmax_lse_fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Grid (row blocks, column splits, groups); a group's N rows against its own C columns (``_group``)."""
+    """Grid (row blocks, column splits, groups); a group's N rows against its own C columns (``_group_rows``,
+    ``_group_cols``)."""
     pid_s = tl.program_id(1)
     grp = tl.program_id(2)
     rows = _group_rows(grp, N, BLOCK_N)
@@ -228,10 +230,11 @@ def _tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
 
 
 def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
-    """(splits, tiles per split) of ``n_tiles`` column tiles over ``programs`` row blocks: ``requested``, else
-    the count, from 2 to 8 programs an SM, whose last wave of one program an SM is the fullest (the fewest splits
-    on a tie; at least 2 programs an SM where a split count gives them): at the training shape, 60 row blocks x 11
-    splits = 5 x 132 programs."""
+    """(splits, tiles per split) of ``n_tiles`` column tiles over ``programs`` row blocks (every group's):
+    ``requested``, else the count, from 2 to 8 programs an SM, whose last wave of one program an SM is the fullest
+    (the fewest splits on a tie; at least 2 programs an SM where a split count gives them): one direction at the
+    training shape, 60 row blocks x 11 splits = 5 x 132 programs; the trainer's two directions in one call, 120 row
+    blocks x 3 splits = 360 programs (0.91 of 3 waves: no split count up to 8 an SM fills them whole)."""
     def split(want: int) -> tuple[int, int]:
         if n_tiles == 0:  # no columns: one split of none (its log-sum-exp is -inf)
             return 1, 0
@@ -335,8 +338,9 @@ def _group_sizes(hidden, col_ids, col_off, groups: int) -> tuple[int, int]:
 
 def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_hits: bool,
                     num_splits: int | None = None, groups: int = 1):
-    """Returns (lse over the columns (N,) fp32, target logit (N,) fp32). ``col_ids`` None = all V rows.
-    ``groups``: the rows are that many equal runs, each against its own run of ``col_ids`` / ``col_off``."""
+    """Returns (lse over the columns (N,) fp32, target logit (N,) fp32) for ``hidden``'s N rows. ``col_ids`` None
+    = all V rows. ``groups``: the rows are that many equal runs, each against its own run of ``col_ids`` /
+    ``col_off`` (C / groups entries each)."""
     NT, P = hidden.shape
     N, C = _group_sizes(hidden, col_ids, col_off, groups)
     gather = col_ids is not None
@@ -355,7 +359,8 @@ def softmax_lse_fwd(hidden, weight, col_ids, col_off, targets, tgt_off, *, mask_
 
 def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits: bool, sub_target: bool,
                  chunk_cols: int | None = None, groups: int = 1):
-    """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns.
+    """fp32 (dH (N, P), dW_cols (C, P), d_off (C,)) of Σ_n g_n·(lse_n − …) w.r.t. the tile columns (N: every
+    group's rows, C: every group's columns).
 
     Per chunk of columns (``dlogit_columns``, or ``chunk_cols``): ``_softmax_dlogit_kernel`` writes the chunk's
     dlogit in the operand dtype and the bias gradient's per-row-block fp32 partials; two cuBLAS GEMMs give
@@ -574,7 +579,7 @@ def _sampled_backward(ctx, grad_out, *_):
     need = ctx.needs_input_grad
     dh, rows_w, rows_b = _sampled_backward_op(grad_out, hidden, weight, targets, sampled_ids, samp_off, lse,
                                               true_logit, mask_hits, reduction, need[1] or need[2])
-    ids = torch.cat([sampled_ids.view(-1), targets])
+    ids = torch.cat([sampled_ids.reshape(-1), targets])
     grad_w = _rows_grad(ids, rows_w, V, (V, hidden.shape[1]), weight.dtype, sparse) if need[1] else None
     grad_b = _rows_grad(ids, rows_b, V, (V,), bias_dtype, sparse) if need[2] else None
     return dh.to(hidden.dtype) if need[0] else None, grad_w, grad_b, *(None,) * 7

@@ -41,12 +41,14 @@ def spy(monkeypatch):
 
 
 def _norm(kernel, grid, meta, args):
-    """A launch as a comparable tuple; the LSTMP step index (never specialised) is masked."""
+    """A launch as a comparable tuple; the LSTMP step index and the softmax backward's chunk offset (never
+    specialised: multiples of the chunk width) are masked."""
     import kernel_report
 
     desc = kernel_report.describe(args)
-    if "s" in kernel.arg_names:
-        desc[kernel.arg_names.index("s")] = "s"
+    for name in ("s", "c0"):
+        if name in kernel.arg_names:
+            desc[kernel.arg_names.index(name)] = name
     return kernel.__name__, tuple(grid), tuple(sorted((k, str(v)) for k, v in meta.items())), tuple(map(str, desc))
 
 
@@ -93,9 +95,17 @@ def test_highway_launches_match_report(spy, dtype):
 
 @requires_triton
 @DTYPES
-@pytest.mark.parametrize("sampled,groups", [(True, 1), (False, 1), (True, 3)], ids=["sampled", "full", "groups"])
-def test_softmax_launches_match_report(spy, dtype, sampled, groups):
+@pytest.mark.parametrize("sampled,groups,budget", [(True, 1, None), (False, 1, None), (True, 3, None), (True, 3, 16)],
+                         ids=["sampled", "full", "groups", "groups-over-budget"])
+def test_softmax_launches_match_report(spy, dtype, sampled, groups, budget, monkeypatch):
+    """The report's softmax launches are the runtime's; 'groups-over-budget': the backward's dlogit budget cut to 16
+    columns, so the groups go one after the other, each in column chunks, in the runtime and in the report."""
     import kernel_report
+
+    from elmo_fast.kernels import softmax as KS
+
+    if budget:
+        monkeypatch.setattr(KS, "dlogit_columns", lambda N, C, itemsize: min(C, budget))
 
     from elmo_fast import ops
     from elmo_fast.kernels._common import INTERPRETER

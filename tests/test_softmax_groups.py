@@ -141,3 +141,27 @@ def test_groups_refuse_bad_input():
         softmax_lse_fwd(h, w32, ids.view(-1), q.view(-1), t, torch.zeros(12), mask_hits=True, groups=5)
     with pytest.raises(ValueError, match="gathered columns"):
         softmax_lse_fwd(h, w32, None, torch.zeros(10), t, torch.zeros(12), mask_hits=False, groups=2)
+
+
+def test_groups_of_no_rows_and_strided_ids():
+    """Groups of no rows give one empty loss each ('none') or zeros ('sum'); (G, S) ids that are a transposed
+    view (not contiguous) run forward and backward."""
+    from elmo_fast.kernels.softmax import sampled_softmax_loss_triton
+
+    dev = triton_device()
+    groups, w, b = _groups(2, 6, 8, 50, 5, seed=2)
+    w32, b32 = w.to(dev, torch.float32), b.to(dev, torch.float32)
+    empty = [(torch.zeros(0, 8, device=dev), torch.zeros(0, dtype=torch.long, device=dev), ids.to(dev), tries)
+             for _, _, ids, tries in groups]
+    none = ops.sampled_softmax_loss_groups(empty, w32, b32, reduction="none", backend="triton")
+    assert len(none) == 2 and all(loss.shape == (0,) for loss in none)
+    total = ops.sampled_softmax_loss_groups(empty, w32, b32, reduction="sum", backend="triton")
+    assert len(total) == 2 and all(loss.item() == 0 for loss in total)
+    h = torch.randn(12, 8, device=dev, requires_grad=True)
+    t = torch.cat([g[1] for g in groups]).to(dev)
+    ids = torch.stack([g[2] for g in groups], 1).to(dev).t()  # (2, S), not contiguous
+    assert not ids.is_contiguous()
+    q = torch.full((2, 5), 0.5, device=dev)
+    loss = sampled_softmax_loss_triton(h, t, w32, b32, ids, torch.full((12,), 0.1, device=dev), q)
+    loss.sum().backward()
+    assert loss.shape == (2,) and torch.isfinite(h.grad).all()

@@ -76,7 +76,7 @@ def _highway(dev, g):
 
 def _softmax(sampled: bool):
     def make(dev, g):
-        from .softmax import full_softmax_nll, sampled_softmax_loss_groups
+        from .softmax import full_softmax_nll, sampled_softmax_loss, sampled_softmax_loss_groups
 
         N, P, V, S = 10, 16, 50, 8
         targets = torch.randint(0, V, (N,), generator=g)
@@ -87,11 +87,14 @@ def _softmax(sampled: bool):
         floats = [_randn(g, dev, N, P), _randn(g, dev, V, P, scale=0.3), _randn(g, dev, V, scale=0.1)]
 
         def run(backend, hidden, weight, bias):
-            if sampled:  # as the trainer calls it: two groups (rows and samples of their own) in one call
+            if sampled:  # as the trainer calls it: two groups (rows and samples of their own) in one call; and
+                # one call alone (its backward's host path differs: the one-group chunk loop)
                 h = hidden.split(N // 2)
                 t = targets.split(N // 2)
-                return sampled_softmax_loss_groups([(h[0], t[0], ids, S + 3), (h[1], t[1], ids2, S + 5)], weight,
-                                                   bias, reduction="none", backend=backend)
+                return (*sampled_softmax_loss_groups([(h[0], t[0], ids, S + 3), (h[1], t[1], ids2, S + 5)], weight,
+                                                     bias, reduction="none", backend=backend),
+                        sampled_softmax_loss(hidden, targets, weight, bias, ids, S + 3, reduction="none",
+                                             backend=backend))
             return full_softmax_nll(hidden, targets, weight, bias, "none", backend=backend)
         return run, floats
     return make

@@ -151,8 +151,8 @@ def sampled_softmax_loss_pair(forward: tuple[torch.Tensor, torch.Tensor, torch.T
                               weight: torch.Tensor, bias: torch.Tensor, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Two :func:`sampled_softmax_loss` calls over one table, bilm-tf's two directions: ``forward`` and
     ``backward`` are each ``(hidden, targets, sampled_ids, num_tries)``; returns (loss_f, loss_b), the same values
-    and gradients as two calls: :func:`sampled_softmax_loss_groups` of the two, whose keyword ``options`` these are
-    (remove_accidental_hits, reduction, backend, sparse_grad)."""
+    and gradients as two calls (up to a rounding of the 16-bit table gradients): :func:`sampled_softmax_loss_groups`
+    of the two, whose keyword ``options`` these are (remove_accidental_hits, reduction, backend, sparse_grad)."""
     return sampled_softmax_loss_groups([forward, backward], weight, bias, **options)
 
 
@@ -172,8 +172,11 @@ def sampled_softmax_loss_groups(
 
     How: on the ``triton`` backend, where the groups share the row count, the sample count and the dtype, one
     operator call for all of them (each kernel launched once, batched GEMMs: a step's host work does not grow
-    with the towers); on the ``cpu`` backend each consecutive pair as one operator (one gradient tensor for the
-    table instead of two that autograd adds); elsewhere, or under autocast on the cpu, one call per group."""
+    with the towers); on the ``cpu`` backend, where the groups come in pairs (an even count, the trainer's
+    directions), each consecutive pair as one operator (one gradient tensor for the table instead of two that
+    autograd adds); elsewhere, or under autocast on the cpu, one call per group. The values are those of one call
+    per group; in 16-bit the table's gradients may differ by a rounding (summed in fp32 and rounded once, where
+    separate calls round each group's before autograd adds them)."""
     groups = [tuple(g) for g in groups]
     if not groups or any(len(g) != 4 for g in groups):
         raise ValueError("sampled_softmax_loss_groups: groups is a non-empty sequence of (hidden, targets, "
@@ -203,7 +206,9 @@ def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, s
     """The groups' hidden, targets and expected counts side by side, their sample sets stacked: one call of the
     Triton operator in its grouped form (``kernels.softmax.sampled_softmax_loss_triton``), its losses split."""
     args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in groups]
-    hidden, weight = _low_precision(torch.cat([a[0] for a in args]), weight)
+    low = prec.compute_dtype(args[0][0])  # under autocast each group cast before the stacking (half its bytes)
+    hidden = torch.cat(prec.activations(low, *(a[0] for a in args)))
+    weight = prec.cast_weight(weight, low) if low is not None else weight
     with prec.no_autocast(hidden.device):
         from ..kernels.softmax import sampled_softmax_loss_triton
 
@@ -212,7 +217,8 @@ def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, s
                                            torch.stack([a[4] for a in args]),
                                            remove_accidental_hits=remove_accidental_hits, reduction=reduction,
                                            sparse_grad=sparse_grad)
-    return tuple(loss.split(args[0][0].shape[0])) if reduction == "none" else tuple(loss.unbind(0))
+    n = args[0][0].shape[0]
+    return tuple(loss.split([n] * len(args))) if reduction == "none" else tuple(loss.unbind(0))
 
 
 def _low_precision(hidden, weight):

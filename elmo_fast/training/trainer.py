@@ -358,7 +358,7 @@ class Trainer:
 
     def _head_losses(self, heads):
         """``_head_loss`` of each tower's ``(top_f, top_b, tf, tb, samples)``. With the sampled softmax and both
-        directions every tower's two directions go to one softmax call (``SampledSoftmax.forward_groups``: on the
+        directions every tower's two directions go to one softmax call (``SampledSoftmaxLoss.forward_groups``: on the
         triton backend one launch of each kernel for all the towers, on the cpu backend one operator a tower)."""
         sm = self.softmax
         if self.cfg.bidirectional and all(h[4] is not None for h in heads):
