@@ -9,7 +9,7 @@ patching the calls that make them; torch operator calls beside, each about one m
 * ``forward``: ``ElmoBiLM`` inference, batch 1 x 20 tokens (22 LSTM steps with the boundaries), eager;
 * ``forward-graph`` (GPU only): the same call replayed from a CUDA graph (``cuda_graph=True``);
 * ``train-step``: one ``Trainer.train_step`` at the original configuration's structure (2 layers, 7 filter
-  widths, 2 highway layers, 20 steps, sampled softmax per direction);
+  widths, 2 highway layers, 20 steps, the sampled softmax of both directions in one grouped call);
 * ``train-step-det``: the same in deterministic mode (``deterministic: true``, ``elmo_fast.determinism``);
 * ``train-step-loop-graphs``: ``train-step`` with the LSTMP time loops replayed from loop graphs (the GPU default,
   ``kernels/lstmp_graphs.py``; on the CPU their ``record`` stand-in, whose replay counts as one launch, as a
