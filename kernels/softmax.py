@@ -231,10 +231,11 @@ def _tiles(N: int, C: int, P: int, dtype: torch.dtype, target: Target) -> dict:
 
 def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) -> tuple[int, int]:
     """(splits, tiles per split) of ``n_tiles`` column tiles over ``programs`` row blocks (every group's):
-    ``requested``, else the count, from 2 to 8 programs an SM, whose last wave of one program an SM is the fullest
-    (the fewest splits on a tie; at least 2 programs an SM where a split count gives them): one direction at the
-    training shape, 60 row blocks x 11 splits = 5 x 132 programs; the trainer's two directions in one call, 120 row
-    blocks x 3 splits = 360 programs (0.91 of 3 waves: no split count up to 8 an SM fills them whole)."""
+    ``requested``, else the count, from 2 to 16 programs an SM, whose last wave of one program an SM is the
+    fullest (the fewest splits on a tie; at least 2 programs an SM where a split count gives them): one direction at
+    the training shape, 60 row blocks x 11 splits = 5 x 132 programs; the trainer's two directions in one call (or
+    the original config's six groups of 2,560 rows), 120 row blocks x 11 splits = 10 x 132 (up to 8 an SM the best
+    was 3 splits, 0.91 of 3 waves)."""
     def split(want: int) -> tuple[int, int]:
         if n_tiles == 0:  # no columns: one split of none (its log-sum-exp is -inf)
             return 1, 0
@@ -245,7 +246,7 @@ def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) 
         return split(2 if requested is None else requested)
     sms, programs = target.sms, max(1, programs)  # no rows: an empty grid either way
     best = None
-    for want in range(triton.cdiv(2 * sms, programs), triton.cdiv(8 * sms, programs) + 1):
+    for want in range(triton.cdiv(2 * sms, programs), triton.cdiv(16 * sms, programs) + 1):
         got = split(want)
         n = programs * got[0]
         key = (n >= 2 * sms, n / (triton.cdiv(n, sms) * sms))  # an uneven split may fall short of 2 an SM

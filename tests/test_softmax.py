@@ -343,6 +343,10 @@ def test_forward_column_splits_fill_the_waves(N, C, dtype):
     assert n / (-(-n // H100.sms) * H100.sms) >= 0.9
     if (N, C, dtype) == (7680, 8192, torch.bfloat16):
         assert n == 5 * H100.sms
+        # the trainer's calls: both directions (2 x 7,680 rows), the original config's towers (6 x 2,560)
+        for n_g, g in ((7680, 2), (2560, 6)):
+            lc, _ = lse_fwd_launch(n_g, C, 512, dtype, H100, gather=True, mask_hits=True, groups=g)
+            assert lc.grid == (n_g // 128, 11, g) and math.prod(lc.grid) == 10 * H100.sms
     assert lse_fwd_launch(0, C, 512, dtype, H100, gather=False, mask_hits=False)[0].grid[0] == 0  # no rows: no error
 
 
