@@ -165,3 +165,38 @@ def test_groups_of_no_rows_and_strided_ids():
     loss = sampled_softmax_loss_triton(h, t, w32, b32, ids, torch.full((12,), 0.1, device=dev), q)
     loss.sum().backward()
     assert loss.shape == (2,) and torch.isfinite(h.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("groups,rows", [(2, 7680), (6, 2560)], ids=["one-tower", "original-towers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_groups_at_the_trainer_sizes_on_a_gpu(groups, rows, dtype):
+    """The trainer's grouped calls at their real sizes (V = 793,471, S = 8,192, P = 512: a one-tower step's two
+    directions of 7,680 rows, the original config's six groups of 2,560), compiled kernels: each group's loss and
+    hidden gradient and the table's gradient against one call per group (fp32: to fp32 rounding; bf16: to the
+    16-bit budget of a rounding, the table's rows summed once instead of per call)."""
+    dev, V, P, S = "cuda", 793_471, 512, 8192
+    g = torch.Generator(device=dev).manual_seed(0)
+    sets = [ops.log_uniform_sample(S, V, generator=g, device=dev) for _ in range(groups)]
+    h = torch.randn(groups * rows, P, device=dev, generator=g).to(dtype)
+    w = (torch.randn(V, P, device=dev, generator=g) / math.sqrt(P)).to(dtype)
+    b = torch.zeros(V, device=dev, dtype=dtype)
+    y = torch.randint(0, V, (groups * rows,), device=dev, generator=g)
+
+    def run(grouped):
+        hh, ww, bb = (t.detach().requires_grad_() for t in (h, w, b))
+        items = [(hk, yk, ids, tries) for hk, yk, (ids, tries) in zip(hh.split(rows), y.split(rows), sets)]
+        if grouped:
+            losses = ops.sampled_softmax_loss_groups(items, ww, bb, backend="triton")
+        else:
+            losses = [ops.sampled_softmax_loss(*item[:2], ww, bb, *item[2:], backend="triton") for item in items]
+        loss = torch.stack(losses).float()
+        return (loss.detach(), *torch.autograd.grad(loss.sum(), (hh, ww, bb)))
+
+    one, each = run(True), run(False)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # of the largest entry
+    for name, a, c in zip(("loss", "dh", "dW", "db"), one, each):
+        err = (a.float() - c.float()).abs().max().item()
+        assert err <= tol * c.float().abs().max().item(), (name, err)
