@@ -15,7 +15,8 @@ patching the calls that make them; torch operator calls beside, each about one m
   ``kernels/lstmp_graphs.py``; on the CPU their ``record`` stand-in, whose replay counts as one launch, as a
   CUDA graph's does). The other cases run with loop graphs off (``ELMO_FAST_LOOP_GRAPHS=0``): every launch, but
 * ``train-step-towers3``: ``--config original``'s step on one GPU, its 3 towers in one pass (``fuse_towers``), with
-  loop graphs (no budget: a record of what the towers add).
+  loop graphs: the launches of one tower's step (the towers share every launch, the softmax's included), a
+  sample-set sync per tower and direction on the CPU (on a GPU the data worker draws them ahead).
 
 The counts depend on the structure (layers, steps, filter groups), not on the widths, so the model runs at
 small widths (fast under the interpreter); the structure is the original model's. Backend ``triton``.
@@ -59,11 +60,14 @@ from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 # * train-step-det: one launch more (the char CNN's window-gradient kernel), no sync more.
 # * train-step-loop-graphs: the 4 x 121 LSTMP launches become 4 x 2 replays: 497 - 484 + 8 = 21; no sync more
 #   (a replay refills its buffers with device copies).
+# * train-step-towers3: the same 21 launches for the 3 towers fused (one pass, one grouped softmax call); the
+#   sampler's sync per sample set, 6, and the deduplication's: 7 (31 launches before the grouped call).
 BUDGET = {
     "forward": {"launches": 267, "syncs": 2, "uploads": 0},
     "train-step": {"launches": 497, "syncs": 3, "uploads": 0},
     "train-step-det": {"launches": 498, "syncs": 3, "uploads": 0},
     "train-step-loop-graphs": {"launches": 21, "syncs": 3, "uploads": 0},
+    "train-step-towers3": {"launches": 21, "syncs": 7, "uploads": 0},
 }
 STEPS = 20  # the original configuration's unroll steps (and the forward's tokens), at which BUDGET holds
 CHAINS = 4

@@ -37,13 +37,16 @@ def test_budget_at_a_few_steps_is_the_designs_count_scaled():
     assert bench_launches.budget("train-step-loop-graphs", STEPS)["launches"] == 4 * 2 + 13
 
 
-@pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det", "train-step-loop-graphs"])
+@pytest.mark.parametrize("case", ["forward", "train-step", "train-step-det", "train-step-loop-graphs",
+                                  "train-step-towers3"])
 def test_launches_and_syncs_within_budget(case):
     dev = torch.device(triton_device())
     if case == "forward":
         row = bench_launches.measure_forward(dev, steps=STEPS)
     elif case == "train-step-det":
         row = bench_launches.measure_train_step(dev, deterministic=True, steps=STEPS)
+    elif case == "train-step-towers3":  # the original config's towers fused: one tower's launches
+        row = bench_launches.measure_train_step(dev, graphs=True, steps=STEPS, towers=3)
     else:
         row = _train_steps(dev)[case]
     budget = bench_launches.budget(case, STEPS)
