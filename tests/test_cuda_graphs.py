@@ -121,6 +121,27 @@ def test_gpu_graph_replay_matches_eager(tiny_model, autocast):
     assert graphed._graphs.replays == 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_after_a_weight_update_under_autocast(tiny_model):
+    """Under bf16 autocast a recorded graph reads the weights' bf16 copies, made once per version: after an
+    in-place update the copies are made anew, and the graphs must be recorded again to read them."""
+    eager = elmo_fast.ElmoBiLM(*tiny_model).cuda()
+    graphed = elmo_fast.ElmoBiLM(*tiny_model, cuda_graph=True).cuda()
+    ids = elmo_fast.batch_to_ids(BATCHES[0]).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        for _ in range(3):
+            graphed(ids)
+        for m in (eager, graphed):  # the same update to both; the states start again
+            for p in m._bilm.parameters():
+                p.mul_(1.5)
+            m.reset_states()
+        a, b = eager(ids), graphed(ids)
+    for x, y in zip(a["activations"], b["activations"]):
+        torch.testing.assert_close(y, x, atol=3e-2, rtol=3e-2)
+    assert graphed._graphs.drops == 1
+
+
 def test_stream_order_makes_a_use_on_another_stream_wait_for_the_last():
     """StreamOrder with stand-in streams and events: a use on another stream than the last one waits for the last
     one's end (an event recorded on the last one's stream, also when its end is marked later from elsewhere), a use
@@ -218,3 +239,58 @@ def test_gpu_bilm_two_streams_equal_one(tiny_model, monkeypatch, cuda_graph):
     assert grads["1"].keys() == grads["2"].keys() and grads["1"]
     for n in grads["1"]:
         assert torch.equal(grads["2"][n], grads["1"][n]), n
+
+
+def test_graphs_are_recorded_again_when_a_watched_weight_changes(monkeypatch):
+    """A recorded graph reads the memory its kernels read at capture (a weight's storage, or a derived copy made
+    once per version of it: the bf16 casts under autocast). The stand-in capture here replays with the weight as
+    it was at capture, as such a graph would: after an in-place update or a storage swap of a watched weight the
+    cache drops its graphs and records again, so the result is the new weight's."""
+    w = torch.nn.Parameter(torch.tensor([2.0]), requires_grad=False)
+
+    def fn(x):
+        return (x * w,)
+
+    def capture(f, inputs):
+        frozen = w.detach().clone()  # what the recorded kernels would read
+        (out,) = f(*inputs)
+
+        def replay():
+            out.copy_(inputs[0] * frozen)
+        return replay, (out,)
+
+    monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
+    monkeypatch.setattr(_graphs, "capture", capture)
+    cache = _graphs.GraphCache(fn, watch=lambda: [w])
+    x = torch.tensor([1.0, 3.0])
+    for _ in range(3):  # eager, then recorded and replayed
+        torch.testing.assert_close(cache(x)[0], x * 2)
+    assert cache.replays == 2 and cache.drops == 0
+    with torch.no_grad():
+        w.mul_(5)  # in place: the version counter moves
+    torch.testing.assert_close(cache(x)[0], x * 10)
+    assert cache.drops == 1 and cache.replays == 3  # recorded again, then replayed
+    w.data = torch.tensor([-1.0])  # a storage swap: the version counter does not move
+    torch.testing.assert_close(cache(x)[0], -x)
+    assert cache.drops == 2
+    assert cache.drops == 2
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.tensor([3.0]), requires_grad=False)
+    cache = _graphs.GraphCache(lambda x: (x * holder.w,), watch=lambda: [holder.w])
+    for _ in range(3):
+        cache(x)
+    holder.w = torch.nn.Parameter(torch.tensor([4.0]), requires_grad=False)  # a new tensor object registered
+    w = holder.w  # the stand-in capture freezes the weight of this name
+    torch.testing.assert_close(cache(x)[0], x * 4)
+    assert cache.drops == 1
+    unwatched = _graphs.GraphCache(fn)  # what the cache did before it watched: the weight of the capture
+    unwatched(x)
+    unwatched(x)
+    w.data = torch.tensor([7.0])
+    torch.testing.assert_close(unwatched(x)[0], x * 4)  # stale: 4 was w at the capture
+
+
+def test_the_bilm_graphs_watch_every_weight(tiny_model):
+    m = elmo_fast.ElmoBiLM(*tiny_model, backend="reference", cuda_graph=True)
+    watched = {id(t) for t in m._graphs.watch()}
+    assert {id(p) for p in m._bilm.parameters()} <= watched and len(watched) > 10

@@ -112,7 +112,8 @@ class ElmoBiLM(nn.Module):
     ``backend``: "auto" | "reference" | "triton" | "cuda" (else ``ELMO_FAST_BACKEND``, else auto).
     ``cuda_graph``: inference (no gradient) on CUDA tensors replays a CUDA graph per (B, T) seen twice
     (``elmo_fast.models._graphs``): one launch instead of ~180 per call at the original size. Elsewhere, or
-    where capture fails, the call runs eagerly with the same results.
+    where capture fails, the call runs eagerly with the same results; after a weight changes the graphs are
+    recorded again.
     """
 
     def __init__(self, options_file, weight_file, requires_grad: bool = False, vocab_to_cache: list[str] | None = None,
@@ -120,8 +121,8 @@ class ElmoBiLM(nn.Module):
         super().__init__()
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
         check_allennlp_model(self._bilm)
-        self._graphs = GraphCache(self._graph_forward, max_graphs=8) if cuda_graph else None
         self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
+        self._graphs = GraphCache(self._graph_forward, max_graphs=8, watch=self._graph_reads) if cuda_graph else None
         self._requires_grad = requires_grad
         for p in self._bilm.parameters():
             p.requires_grad_(requires_grad)
@@ -216,6 +217,10 @@ class ElmoBiLM(nn.Module):
             token_embedding = self._bilm.token_encoder(ids)
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
+
+    def _graph_reads(self) -> list[torch.Tensor]:
+        """What a recorded forward reads besides its inputs: the biLM's weights and the boundary ids."""
+        return [*self._bilm.parameters(), *self._token_embedder.buffers()]
 
     def _graph_forward(self, inputs: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, _tag: torch.Tensor):
         """Checked char ids and explicit states -> (*activations, mask, h_n, c_n), with no host sync: every token
