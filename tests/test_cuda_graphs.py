@@ -244,15 +244,18 @@ def test_gpu_bilm_two_streams_equal_one(tiny_model, monkeypatch, cuda_graph):
 def test_graphs_are_recorded_again_when_a_watched_weight_changes(monkeypatch):
     """A recorded graph reads the memory its kernels read at capture (a weight's storage, or a derived copy made
     once per version of it: the bf16 casts under autocast). The stand-in capture here replays with the weight as
-    it was at capture, as such a graph would: after an in-place update or a storage swap of a watched weight the
-    cache drops its graphs and records again, so the result is the new weight's."""
-    w = torch.nn.Parameter(torch.tensor([2.0]), requires_grad=False)
+    it was at capture, as such a graph would: after an in-place update, a storage swap, or a new tensor object in
+    the module's slot (registered, or put there directly as ``torch.func.functional_call`` does) the cache drops
+    its graphs and records again, so the result is the new weight's; a cache that watches nothing keeps the
+    stale one."""
+    holder = torch.nn.Module()
+    holder.w = torch.nn.Parameter(torch.tensor([2.0]), requires_grad=False)
 
     def fn(x):
-        return (x * w,)
+        return (x * holder.w,)
 
     def capture(f, inputs):
-        frozen = w.detach().clone()  # what the recorded kernels would read
+        frozen = holder.w.detach().clone()  # what the recorded kernels would read
         (out,) = f(*inputs)
 
         def replay():
@@ -261,36 +264,31 @@ def test_graphs_are_recorded_again_when_a_watched_weight_changes(monkeypatch):
 
     monkeypatch.setattr(_graphs, "can_capture", lambda device: True)
     monkeypatch.setattr(_graphs, "capture", capture)
-    cache = _graphs.GraphCache(fn, watch=lambda: [w])
     x = torch.tensor([1.0, 3.0])
+    cache, unwatched = _graphs.GraphCache(fn, watch=_graphs.ModuleTensors(holder)), _graphs.GraphCache(fn)
     for _ in range(3):  # eager, then recorded and replayed
         torch.testing.assert_close(cache(x)[0], x * 2)
+        unwatched(x)
     assert cache.replays == 2 and cache.drops == 0
-    with torch.no_grad():
-        w.mul_(5)  # in place: the version counter moves
-    torch.testing.assert_close(cache(x)[0], x * 10)
-    assert cache.drops == 1 and cache.replays == 3  # recorded again, then replayed
-    w.data = torch.tensor([-1.0])  # a storage swap: the version counter does not move
-    torch.testing.assert_close(cache(x)[0], -x)
-    assert cache.drops == 2
-    assert cache.drops == 2
-    holder = torch.nn.Module()
-    holder.w = torch.nn.Parameter(torch.tensor([3.0]), requires_grad=False)
-    cache = _graphs.GraphCache(lambda x: (x * holder.w,), watch=lambda: [holder.w])
-    for _ in range(3):
-        cache(x)
-    holder.w = torch.nn.Parameter(torch.tensor([4.0]), requires_grad=False)  # a new tensor object registered
-    w = holder.w  # the stand-in capture freezes the weight of this name
-    torch.testing.assert_close(cache(x)[0], x * 4)
-    assert cache.drops == 1
-    unwatched = _graphs.GraphCache(fn)  # what the cache did before it watched: the weight of the capture
-    unwatched(x)
-    unwatched(x)
-    w.data = torch.tensor([7.0])
-    torch.testing.assert_close(unwatched(x)[0], x * 4)  # stale: 4 was w at the capture
+    steps = [("in place", lambda: holder.w.mul_(5), 10.0),
+             ("storage swap", lambda: setattr(holder.w, "data", torch.tensor([-1.0])), -1.0),
+             ("registered anew", lambda: setattr(holder, "w", torch.nn.Parameter(torch.tensor([4.0]))), 4.0),
+             ("slot written directly", lambda: holder._parameters.__setitem__("w", torch.tensor([6.0])), 6.0)]
+    for n, (what, change, value) in enumerate(steps, 1):
+        with torch.no_grad():
+            change()
+        torch.testing.assert_close(cache(x)[0], x * value, msg=what)
+        assert cache.drops == n, what
+    torch.testing.assert_close(unwatched(x)[0], x * 2)  # stale: the weight of its capture
+    holder.extra = torch.nn.Linear(1, 1)  # a new submodule: its tensors are watched from the next call on
+    assert {id(t) for t in holder.extra.parameters()} <= {id(t) for t in cache.watch()}
 
 
-def test_the_bilm_graphs_watch_every_weight(tiny_model):
+def test_the_bilm_graphs_watch_every_weight_in_its_slot(tiny_model):
     m = elmo_fast.ElmoBiLM(*tiny_model, backend="reference", cuda_graph=True)
     watched = {id(t) for t in m._graphs.watch()}
-    assert {id(p) for p in m._bilm.parameters()} <= watched and len(watched) > 10
+    assert {id(p) for p in m._bilm.parameters()} <= watched and {id(b) for b in m._token_embedder.buffers()} <= watched
+    enc = m._bilm.token_encoder
+    new = torch.nn.Parameter(enc.char_embed.detach().clone())
+    enc._parameters["char_embed"] = new  # no registration: what functional_call does
+    assert any(t is new for t in m._graphs.watch())

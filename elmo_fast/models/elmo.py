@@ -12,7 +12,7 @@ from ..modules.scalar_mix import ScalarMix
 from ..options import OptionsError
 from ..ops import _precision as prec
 from ..util import add_sentence_boundary_token_ids, check_int, configuration_error, remove_sentence_boundaries
-from ._graphs import GraphCache
+from ._graphs import GraphCache, ModuleTensors
 from .bilm import BiLM, check_ids
 
 MAX_CHAR_ID = 261
@@ -122,7 +122,9 @@ class ElmoBiLM(nn.Module):
         self._bilm = BiLM.from_files(options_file, weight_file, backend=backend, stateful=stateful)
         check_allennlp_model(self._bilm)
         self._token_embedder = ElmoCharacterEncoder(self._bilm.token_encoder, owns_encoder=False)
-        self._graphs = GraphCache(self._graph_forward, max_graphs=8, watch=self._graph_reads) if cuda_graph else None
+        # what a recorded forward reads besides its inputs: the biLM's weights and the boundary ids
+        reads = ModuleTensors(self._bilm, self._token_embedder)
+        self._graphs = GraphCache(self._graph_forward, max_graphs=8, watch=reads) if cuda_graph else None
         self._requires_grad = requires_grad
         for p in self._bilm.parameters():
             p.requires_grad_(requires_grad)
@@ -217,10 +219,6 @@ class ElmoBiLM(nn.Module):
             token_embedding = self._bilm.token_encoder(ids)
         out = self._bilm.forward_embeddings(token_embedding, mask)
         return {"activations": out["activations"], "mask": out["mask"]}
-
-    def _graph_reads(self) -> list[torch.Tensor]:
-        """What a recorded forward reads besides its inputs: the biLM's weights and the boundary ids."""
-        return [*self._bilm.parameters(), *self._token_embedder.buffers()]
 
     def _graph_forward(self, inputs: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, _tag: torch.Tensor):
         """Checked char ids and explicit states -> (*activations, mask, h_n, c_n), with no host sync: every token
