@@ -617,3 +617,50 @@ def test_full_softmax_gpu_real_size():
         refdt = full_softmax_nll_reference(h.to(dt), y, w.to(dt), b.to(dt))
         k = ops.full_softmax_nll(h.to(dt), y, w.to(dt), b.to(dt), backend="triton")
         _close(k, refdt, ref64, dt, "full nll")
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["forward", "forward_groups"])
+def test_module_under_autocast_hands_16_bit_rows_over_uncast(monkeypatch, grouped):
+    """Under autocast the op casts the rows and the table to the autocast dtype itself: the module passes bf16 top
+    layers as they are (no fp32 copy and back), with the losses and gradients of the cast path."""
+    import elmo_fast.modules.sampled_softmax as mod
+
+    m = SampledSoftmaxLoss(60, 8, 10, seed=1).train()
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 5, 8, generator=g).to(torch.bfloat16)
+    y = torch.randint(0, 60, (2, 5), generator=g)
+    samples = m.sample()
+    seen = []
+    real = mod.ops.sampled_softmax_loss_groups if grouped else mod.ops.sampled_softmax_loss
+
+    def spy(*args, **kwargs):
+        seen.append((args[0][0][0] if grouped else args[0]).dtype)
+        return real(*args, **kwargs)
+
+    def run(autocast):
+        x = h.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if grouped:
+                loss = sum(m.forward_groups([(x, y, samples), (x * 2, y, samples)]))
+            else:
+                loss = m(x, y, samples=samples)
+        loss.float().backward()
+        return loss.detach().float(), x.grad
+
+    with monkeypatch.context() as mp:
+        mp.setattr(mod.ops, "sampled_softmax_loss_groups" if grouped else "sampled_softmax_loss", spy)
+        got = run(True)
+    assert seen == [torch.bfloat16]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the cast path the module took before, by hand
+        want_h = h.clone().requires_grad_()
+        up = want_h.float()
+        if grouped:
+            want = sum(mod.ops.sampled_softmax_loss_groups(
+                [(up.reshape(-1, 8), y.reshape(-1), *samples), ((up * 2).reshape(-1, 8), y.reshape(-1), *samples)],
+                m.softmax_W, m.softmax_b))
+        else:
+            want = mod.ops.sampled_softmax_loss(up.reshape(-1, 8), y.reshape(-1), m.softmax_W, m.softmax_b, *samples)
+    want.float().backward()
+    torch.testing.assert_close(got[0], want.detach().float())
+    assert got[1].dtype == torch.bfloat16
+    torch.testing.assert_close(got[1], want_h.grad)

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from ..ops import _precision as prec
 from .._backend import check_backend_name
 
 
@@ -116,7 +117,7 @@ class SampledSoftmaxLoss(nn.Module):
         targets = targets.reshape(-1)
         W = self.softmax_W
         b = self.softmax_b
-        if hidden.dtype != W.dtype:
+        if _cast_to_table(hidden, W):
             # cast the (N, P) activations, never the (V, P) table (a full copy per call at V = 793k)
             hidden = hidden.to(W.dtype)
         if self.training and self.sample_softmax:
@@ -152,7 +153,7 @@ class SampledSoftmaxLoss(nn.Module):
         items = []
         for hidden, targets, (ids, tries) in groups:
             h = hidden.reshape(-1, hidden.shape[-1])
-            items.append((h.to(W.dtype) if h.dtype != W.dtype else h, targets.reshape(-1), ids, tries))
+            items.append((h.to(W.dtype) if _cast_to_table(h, W) else h, targets.reshape(-1), ids, tries))
         if items:
             self.last_samples = groups[-1][2]
         return ops.sampled_softmax_loss_groups(items, W, b, remove_accidental_hits=self.remove_accidental_hits,
@@ -184,3 +185,9 @@ class SampledSoftmaxLoss(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_words={self.num_words}, embedding_dim={self.embedding_dim}, num_samples={self.num_samples}, "
                 f"sparse={self.sparse}, tied={self.tied}, backend={self.backend!r}")
+
+
+def _cast_to_table(hidden: torch.Tensor, W: torch.Tensor) -> bool:
+    """Whether the loss casts ``hidden`` to the table's dtype: where they differ, but not under autocast, where the
+    op casts both to the autocast dtype (bf16 top layers would go to fp32 and back: two copies, the same values)."""
+    return hidden.dtype != W.dtype and prec.compute_dtype(hidden) is None
