@@ -377,9 +377,8 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
     if groups > 1:
         if chunk_cols is None and dlogit_columns(NT, C, hidden.dtype.itemsize) == C and N * C:
             return _grouped_grad(hidden, weight, col_ids, col_off, targets, lse, g, groups, N, C,
-                                 dict(gather=col_ids is not None, mask_hits=mask_hits, sub_target=sub_target))
-        parts = [softmax_grad(hidden[k * N:(k + 1) * N], weight,
-                              None if col_ids is None else col_ids[k * C:(k + 1) * C], col_off[k * C:(k + 1) * C],
+                                 dict(mask_hits=mask_hits, sub_target=sub_target))
+        parts = [softmax_grad(hidden[k * N:(k + 1) * N], weight, col_ids[k * C:(k + 1) * C], col_off[k * C:(k + 1) * C],
                               targets[k * N:(k + 1) * N], lse[k * N:(k + 1) * N], g[k * N:(k + 1) * N],
                               mask_hits=mask_hits, sub_target=sub_target, chunk_cols=chunk_cols)
                  for k in range(groups)]
@@ -417,15 +416,15 @@ def softmax_grad(hidden, weight, col_ids, col_off, targets, lse, g, *, mask_hits
 
 
 def _grouped_grad(hidden, weight, col_ids, col_off, targets, lse, g, groups: int, N: int, C: int, flags: dict):
-    """``softmax_grad`` of ``groups`` groups in one chunk: one dlogit launch over all of them (its grid's third
-    dimension), then per group dH = dlogit · W_group and dW_group = dlogitᵀ · H as two batched GEMMs (fp32
-    accumulation, ``_bmm_f32``), the bias partials summed per group in row-block order."""
+    """``softmax_grad`` of ``groups`` groups (gathered columns: ``col_ids``) in one chunk: one dlogit launch over
+    all of them (its grid's third dimension), then per group dH = dlogit · W_group and dW_group = dlogitᵀ · H as
+    two batched GEMMs (fp32 accumulation, ``_bmm_f32``), the bias partials summed per group in row-block order."""
     NT, P = hidden.shape
-    launch = dlogit_launch(N, C, P, hidden.dtype, target_of(hidden.device), groups=groups, **flags)
+    launch = dlogit_launch(N, C, P, hidden.dtype, target_of(hidden.device), gather=True, groups=groups, **flags)
     rows = launch.grid[0]
     dl = torch.empty((NT, C), dtype=hidden.dtype, device=hidden.device)
     db = torch.empty((groups * rows, C), dtype=torch.float32, device=hidden.device)
-    launch(hidden, weight, col_ids if flags["gather"] else col_off, col_off, targets, lse, g, dl, db, N, P, 0, C, C)
+    launch(hidden, weight, col_ids, col_off, targets, lse, g, dl, db, N, P, 0, C, C)
     w_cols = weight.index_select(0, col_ids)
     dl3 = dl.view(groups, N, C)
     dh = _bmm_f32(dl3, w_cols.view(groups, C, P)).view(NT, P)
@@ -510,7 +509,7 @@ def _sampled_fwd(hidden: Tensor, weight: Tensor, bias: Tensor, targets: Tensor, 
 def _groups_of(hidden, targets, sampled_ids, sampled_expected, true_expected) -> int:
     """The group count of ``_sampled_fwd``'s arguments, their shapes checked."""
     N = hidden.shape[0]
-    groups = sampled_ids.shape[0] if sampled_ids.dim() == 2 else 1
+    groups = _n_groups(sampled_ids)
     if sampled_ids.dim() not in (1, 2) or sampled_expected.shape != sampled_ids.shape or N % groups \
             or targets.shape != (N,) or true_expected.shape != (N,):
         raise ValueError(f"sampled softmax: sampled_ids (S,) or (groups, S) with sampled_expected of its shape, "
@@ -520,6 +519,11 @@ def _groups_of(hidden, targets, sampled_ids, sampled_expected, true_expected) ->
     return groups
 
 
+def _n_groups(sampled_ids: Tensor) -> int:
+    """Sample sets (S,): one group; (G, S): G groups."""
+    return sampled_ids.shape[0] if sampled_ids.dim() == 2 else 1
+
+
 def _sampled_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tensor, sampled_ids: Tensor,
                  samp_off: Tensor, lse: Tensor, true_logit: Tensor, remove_accidental_hits: bool, reduction: str,
                  need_rows: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -527,7 +531,7 @@ def _sampled_bwd(grad_out: Tensor, hidden: Tensor, weight: Tensor, targets: Tens
     targets)`` (placeholders unless ``need_rows``)."""
     hidden, weight, targets, sampled_ids = (t.contiguous() for t in (hidden, weight, targets, sampled_ids))
     N, P = hidden.shape
-    groups = sampled_ids.shape[0] if sampled_ids.dim() == 2 else 1
+    groups = _n_groups(sampled_ids)
     g = _row_scale(grad_out, N, reduction, groups)
     dh, dws, doff = softmax_grad(hidden, weight, sampled_ids.view(-1), samp_off, targets, lse, g,
                                  mask_hits=remove_accidental_hits, sub_target=False, groups=groups)

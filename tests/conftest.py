@@ -1,4 +1,3 @@
-import collections
 import contextlib
 import math
 import random
@@ -92,23 +91,6 @@ def poison_allocations(monkeypatch, allocators=("empty", "empty_like", "new_empt
             return t
 
         monkeypatch.setattr(owner, attr, poisoned)
-
-
-def count_launches(monkeypatch, match: str = "") -> collections.Counter:
-    """A counter, by kernel name, of the package's Triton launches through ``kernels._common.launch`` whose kernel
-    name contains ``match``; undone with the monkeypatch."""
-    from elmo_fast.kernels import _common
-
-    seen: collections.Counter = collections.Counter()
-    real = _common.launch
-
-    def spy(kernel, grid, args, kwargs):
-        if match in kernel.__name__:
-            seen[kernel.__name__] += 1
-        return real(kernel, grid, args, kwargs)
-
-    monkeypatch.setattr(_common, "launch", spy)
-    return seen
 
 
 @contextlib.contextmanager

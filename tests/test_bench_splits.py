@@ -54,15 +54,19 @@ def test_every_alternative_is_timed_and_checked_against_the_tuned_tile(sweep, ke
 def test_an_alternative_with_a_different_result_stops_the_run(monkeypatch, sweep, name, kernel, buffer):
     from elmo_fast.kernels import lstmp as KL
 
-    real = KL._run
+    real = KL._bind
     alternative = _alternatives(sweep)[name][1]
 
-    def corrupt(launch, bufs, s, **kw):  # the alternative's output (partials / gate gradients) comes out scaled
-        real(launch, bufs, s, **kw)
-        if launch.kernel is getattr(KL, kernel) and launch.tile == alternative:
-            bufs[buffer].mul_(3.0)
+    def corrupt(launch, bufs, **kw):  # the alternative's output (partials / gate gradients) comes out scaled
+        run = real(launch, bufs, **kw)
 
-    monkeypatch.setattr(KL, "_run", corrupt)
+        def step(s):
+            run(s)
+            if launch.kernel is getattr(KL, kernel) and launch.tile == alternative:
+                bufs[buffer].mul_(3.0)
+        return step
+
+    monkeypatch.setattr(KL, "_bind", corrupt)  # every launch of the sweeps (``_run`` binds through it too)
     with pytest.raises(AssertionError, match=f"{name} with Tile.*differs from the tuned tile's result"):
         _sweep(sweep)
 

@@ -5,13 +5,15 @@ call per group, forward and every gradient, at shapes that cross the interpreter
 samples 40 against 32), with accidental hits and a repeated target in every group."""
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
 import torch
 
-from conftest import count_launches, poison_allocations, requires_triton, triton_device
+from conftest import poison_allocations, requires_triton, triton_device
 from elmo_fast import ops
+from elmo_fast.probes import probe
 from test_softmax import _close
 
 pytestmark = [pytest.mark.triton, requires_triton]
@@ -52,18 +54,20 @@ def nan_empty(monkeypatch):
     poison_allocations(monkeypatch, ("empty",))
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    return count_launches(monkeypatch)
+def _launched(fn):
+    """(fn(), the Triton launches it made by kernel name: ``elmo_fast.probes.probe``)."""
+    with probe() as counts:
+        out = fn()
+    return out, collections.Counter(la.kernel for la in counts.launches)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_groups_match_the_reference(nan_empty, launches, reduction, dtype):
+def test_groups_match_the_reference(nan_empty, reduction, dtype):
     """Three groups of 21 rows, 40 samples each: every group's loss and hidden gradient and the table's gradients
     within the accuracy budget of the fp64 reference (``test_softmax._close``), each kernel launched once."""
     groups, w, b = _groups(3, 21, 24, 300, 40, seed=4)
-    got = _run(groups, w, b, "triton", dtype, triton_device(), reduction=reduction)
+    got, launches = _launched(lambda: _run(groups, w, b, "triton", dtype, triton_device(), reduction=reduction))
     assert launches == {"_softmax_lse_fwd_kernel": 1, "_softmax_dlogit_kernel": 1}
     ref64 = _run(groups, w, b, "reference", torch.float64, "cpu", reduction=reduction)
     refdt = _run(groups, w, b, "reference", dtype, "cpu", reduction=reduction)
@@ -90,7 +94,7 @@ def test_groups_equal_one_call_per_group(nan_empty, reduction, sparse):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
-def test_groups_over_the_dlogit_budget_go_one_by_one(launches, monkeypatch):
+def test_groups_over_the_dlogit_budget_go_one_by_one(monkeypatch):
     """Where every group's dlogit at once would pass the backward's budget (``dlogit_columns`` below the
     columns), the groups run one after the other, each in column chunks: the same values."""
     from elmo_fast.kernels import softmax as KS
@@ -98,22 +102,21 @@ def test_groups_over_the_dlogit_budget_go_one_by_one(launches, monkeypatch):
     groups, w, b = _groups(2, 21, 24, 300, 40, seed=6)
     dev = triton_device()
     whole = _run(groups, w, b, "triton", torch.float32, dev, reduction="mean")
-    launches.clear()
     monkeypatch.setattr(KS, "dlogit_columns", lambda N, C, itemsize: min(C, 16))
-    chunked = _run(groups, w, b, "triton", torch.float32, dev, reduction="mean")
+    chunked, launches = _launched(lambda: _run(groups, w, b, "triton", torch.float32, dev, reduction="mean"))
     assert launches == {"_softmax_lse_fwd_kernel": 1, "_softmax_dlogit_kernel": 2 * 3}  # 2 groups x 40 / 16
     for a, c in zip([*whole[0], *whole[1], whole[2], whole[3]], [*chunked[0], *chunked[1], chunked[2], chunked[3]]):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
 
-def test_unlike_groups_run_one_call_each(launches):
+def test_unlike_groups_run_one_call_each():
     """Groups of different row counts or sample counts cannot share a launch: one call each, the same values as
     the per-group calls."""
     (g1,), w, b = _groups(1, 21, 24, 300, 40, seed=7)
     (g2,), _, _ = _groups(1, 17, 24, 300, 40, seed=8)
     (g3,), _, _ = _groups(1, 21, 24, 300, 33, seed=9)
     dev = triton_device()
-    got = _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean")
+    got, launches = _launched(lambda: _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean"))
     assert launches["_softmax_lse_fwd_kernel"] == 3
     each = _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean", grouped=False)
     for a, c in zip([*got[0], *got[1]], [*each[0], *each[1]]):

@@ -154,11 +154,11 @@ class SampledSoftmaxLoss(nn.Module):
         for hidden, targets, (ids, tries) in groups:
             h = hidden.reshape(-1, hidden.shape[-1])
             items.append((h.to(W.dtype) if _cast_to_table(h, W) else h, targets.reshape(-1), ids, tries))
-        if items:
-            self.last_samples = groups[-1][2]
-        return ops.sampled_softmax_loss_groups(items, W, b, remove_accidental_hits=self.remove_accidental_hits,
-                                               reduction=self.reduction, backend=self.backend,
-                                               sparse_grad=self.sparse)
+        losses = ops.sampled_softmax_loss_groups(items, W, b, remove_accidental_hits=self.remove_accidental_hits,
+                                                 reduction=self.reduction, backend=self.backend,
+                                                 sparse_grad=self.sparse)
+        self.last_samples = groups[-1][2]
+        return losses
 
     # ---- checkpointing -------------------------------------------------------------------------------
     def get_extra_state(self) -> dict:

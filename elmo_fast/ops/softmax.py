@@ -208,7 +208,7 @@ def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, s
     args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in groups]
     low = prec.compute_dtype(args[0][0])  # under autocast each group cast before the stacking (half its bytes)
     hidden = torch.cat(prec.activations(low, *(a[0] for a in args)))
-    weight = prec.cast_weight(weight, low) if low is not None else weight
+    weight = prec.cast_weight(weight, low)
     with prec.no_autocast(hidden.device):
         from ..kernels.softmax import sampled_softmax_loss_triton
 

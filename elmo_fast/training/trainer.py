@@ -301,7 +301,7 @@ class Trainer:
             else:
                 loader = BackgroundLoader(ready, cfg.queue_size, state)
             self.towers.append(Tower(gid, loader, ready, h, c))
-        self.fused = len(self.towers) > 1 and fuses_towers(cfg, self.device.type == "cuda")
+        self.fused = fuses_towers(cfg, self.device.type == "cuda")
 
     # ------------------------------------------------------------------ forward
     def run_batch(self, batch: dict, h0: torch.Tensor, c0: torch.Tensor, training: bool):
