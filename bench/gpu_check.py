@@ -50,8 +50,8 @@ class Step:
 
 
 PY = "{py}"
-_SELFCHECK = ("import sys, torch; from elmo_fast.ops._selfcheck import CHECKS, run_self_check; "
-              "dev = torch.device(sys.argv[1]); errs = {op: run_self_check(op, dev) for op in CHECKS}; "
+_SELFCHECK = ("import sys, torch; from elmo_fast.ops._selfcheck import OPS, run_self_check; "
+              "dev = torch.device(sys.argv[1]); errs = {op: run_self_check(op, dev) for op in OPS}; "
               "[print(f'self-check {op:16s} fp32 + bf16: {e or \"ok\"}') for op, e in errs.items()]; "
               "sys.exit(0 if all(e is None for e in errs.values()) else 1)")
 _IMPORTS = ("import elmo_fast, elmo_fast.kernels, elmo_fast.probes, elmo_fast._backend as b; "

@@ -52,6 +52,7 @@ import lstmp_compile  # noqa: E402
 
 from elmo_fast.kernels import _common as KX  # noqa: E402
 from elmo_fast.kernels import char_cnn as KC  # noqa: E402
+from elmo_fast.kernels import dropout as KD  # noqa: E402
 from elmo_fast.kernels import highway as KH  # noqa: E402
 from elmo_fast.kernels import lstmp as KL  # noqa: E402
 from elmo_fast.kernels import softmax as KS  # noqa: E402
@@ -66,6 +67,7 @@ NF = sum(n for _, n in FILTERS)
 DC, L, N_CHARS, N_HIGHWAY = 16, 50, 262, 2
 V, S = 793471, 8192
 N_PARAMS = 93_600_848  # spec §0, without the softmax
+DROPOUT_SITES = 6  # the trainer's dropout sites a step: every LSTM layer's input in both directions, both top outputs
 MEAN_WINDOWS = 8  # assumed mean char-CNN position-loop length (sorted tokens: BOW + ~5 bytes + EOW + slack)
 
 
@@ -223,6 +225,15 @@ def highway_cases(M_, F, dtype, target, *, train):
     return out
 
 
+def dropout_cases(n: int, dtype, groups: int = 1) -> list:
+    """One dropout site of training over ``n`` elements in ``groups`` groups (the fused towers' rows): the forward
+    launch, and the backward, the same kernel on the gradient (``kernels/dropout.py``). Bytes: x read, y written."""
+    numels = [n // groups] * (groups - 1) + [n - (n // groups) * (groups - 1)]
+    args = (M(dtype), M(dtype), M(FP32), *KD.scalar_args(numels, list(range(groups)), 0.1))
+    lc = KD.dropout_launch(n, groups, dtype)
+    return [_entry(phase, lc, args, lambda lc: (0.0, 2 * n * es(dtype))) for phase in ("fwd", "bwd")]
+
+
 def softmax_l2_bytes(lc, N: int, C: int, P_: int, e: int) -> float:
     """What a softmax kernel's programs move through L2: each logit tile's K loop reads its BLOCK_N rows of H and
     its BLOCK_C rows of W, P wide (the re-reads of one tiling: every row block reads every column tile's weights
@@ -317,6 +328,10 @@ def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
                     v = ("rev" if reverse else "fwd") + (" resid" if residual else "")
                     out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=reverse,
                                                                  residual=residual, train=size.train), v)
+            if size.train:  # every dropout site's launch (one group; the fused towers' three: same bytes)
+                out += _cases(size, "dropout", dt, dropout_cases(size.B * size.T * P, dt))
+            if size.name == TOWERS_SIZE:
+                out += _cases(size, "dropout", dt, dropout_cases(size.B * size.T * P, dt, ORIGINAL_TOWERS), "towers")
             if size.train:  # both directions in one call (the trainer's sampled_softmax_loss_groups)
                 out += _cases(size, "sampled_softmax", dt, softmax_cases(size.softmax_rows, S, P, dt, tg, sampled=True,
                                                                          train=True, groups=2))
@@ -496,6 +511,7 @@ NO_K_LOOP = {
                           "issued up front), then clip, residual and state writes",
     "_bwd_reduce_kernel": "LSTMP split-K epilogue of the recurrent backward: an unrolled, ordered sum of the "
                           "partials into the carry, then the next step's projection-clip mask",
+    "_dropout_hash_kernel": "elementwise dropout: one block of elements a program, loaded once (no loop)",
 }
 PENDING: dict[str, str] = {}  # op -> why its violations are not (yet) enforced
 
@@ -712,12 +728,13 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
                                                                       "sampled_softmax towers/bwd"]))
                     row["optimizer_towers_us"] = torch_us(size, dt, ["optimizer towers/step"])
                 opt = torch_us(size, dt, ["optimizer/step"])
-                total = enc + lstm + enc_b + lstm_b + soft + opt
+                drop = DROPOUT_SITES * (kern(size, dt, "dropout", "fwd") + kern(size, dt, "dropout", "bwd"))
+                total = enc + lstm + enc_b + lstm_b + soft + opt + drop
                 total_g = total - lstm - lstm_b + chains_graph_us(size, dt, ("fwd", "bwd"))
                 cnn_det = kern(size, dt, "char_cnn", "bwd", "det") + torch_us(size, dt, ["char_cnn/bwd det"])
                 cnn = kern(size, dt, "char_cnn", "bwd") + torch_us(size, dt, ["char_cnn/bwd"])
                 row.update(encoder_fwd_bwd_us=enc + enc_b, lstm_fwd_bwd_us=lstm + lstm_b, softmax_us=soft,
-                           optimizer_us=opt, train_step_us=total,
+                           dropout_us=drop, optimizer_us=opt, train_step_us=total,
                            train_tokens_per_s=size.B * size.T / (total * 1e-6),
                            train_step_det_us=total - cnn + cnn_det, train_step_graph_us=total_g,
                            train_tokens_per_s_graph=size.B * size.T / (total_g * 1e-6))
@@ -845,8 +862,9 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
     if sums:
         md += ["## Sums (estimated µs, no CUDA graph)", "",
                "| size | dtype | LSTM step fwd | LSTM step fwd+bwd | biLM forward | train: encoder | train: LSTMs | "
-               "train: softmax | train: optimizer | training step | tokens/s | deterministic training step |",
-               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+               "train: softmax | train: dropout | train: optimizer | training step | tokens/s | deterministic training "
+               "step |",
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         def cell(s, k, fmt="{:.0f}"):
             return fmt.format(s[k]) if k in s else ""
 
@@ -854,13 +872,15 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
             md.append("| " + " | ".join([s["size"], s["dtype"], cell(s, "lstm_step_fwd_us", "{:.1f}"),
                                          cell(s, "lstm_step_fwd_bwd_us", "{:.1f}")]
                                         + [cell(s, k) for k in ("bilm_forward_us", "encoder_fwd_bwd_us",
-                                                                "lstm_fwd_bwd_us", "softmax_us", "optimizer_us",
+                                                                "lstm_fwd_bwd_us", "softmax_us", "dropout_us",
+                                                                "optimizer_us",
                                                                 "train_step_us")]
                                         + [cell(s, "train_tokens_per_s", "{:,.0f}"), cell(s, "train_step_det_us")])
                       + " |")
         md += ["", "biLM forward = token encoder + 4 chains x T steps (+ the torch launches around them); training "
                "step = encoder, 4 chains and the sampled softmax of both directions (one call: two groups) forward and "
-               "backward, sampler, optimizer. "
+               f"backward, the {DROPOUT_SITES} dropout sites (each one hashed-dropout launch forward and one backward, "
+               "eager: their launch term binds), sampler, optimizer. "
                "Under bf16 autocast the trainer feeds the softmax bf16 rows (its bf16 variant, fp32 sums). "
                "Deterministic training step: the same with the char-CNN backward of deterministic mode (variant "
                "'det'; torch's deterministic algorithms and the untuned launch configurations not modelled).",

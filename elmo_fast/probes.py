@@ -81,6 +81,15 @@ def graph_replay(name: str):
         yield
 
 
+def host_values(t: torch.Tensor) -> list:
+    """The values of a CPU tensor (``tolist``) as a host read, which no probe counts as a sync: on a GPU it syncs
+    nothing (the dropout seeds, drawn from torch's CPU generator, are read this way inside their operators)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_values reads CPU tensors only (a device tensor's values would sync), got {t.device}")
+    with _inside():
+        return t.tolist()
+
+
 def _mark_host(t):
     if isinstance(t, torch.Tensor):
         t._elmo_fast_host = True

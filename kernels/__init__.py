@@ -2,7 +2,7 @@
 
 Importing ``elmo_fast.kernels`` requires triton; ``elmo_fast._backend`` treats an ImportError here as "triton
 backend unavailable". Kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``.
-One file per op: ``lstmp.py``, ``char_cnn.py``, ``highway.py``, ``softmax.py``.
+One file per op: ``lstmp.py``, ``char_cnn.py``, ``highway.py``, ``softmax.py``, ``dropout.py``.
 
 From the repository root this folder is also importable as a top-level ``kernels`` package, where it shadows the
 PyPI package of that name (which transformers probes for). Imported under that name it does nothing: it imports

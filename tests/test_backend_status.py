@@ -42,7 +42,7 @@ def test_auto_never_picks_an_unverified_cuda_extension(monkeypatch):
 
 @pytest.mark.triton
 @requires_triton
-@pytest.mark.parametrize("op", sorted(_selfcheck.CHECKS))
+@pytest.mark.parametrize("op", sorted(_selfcheck.OPS))
 def test_self_check_passes_for_every_op(op):
     dev = torch.device(triton_device())  # where the Triton kernels run here
     assert _selfcheck.run_self_check(op, dev) is None

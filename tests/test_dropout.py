@@ -103,7 +103,18 @@ def test_extension_and_torch_ops_give_the_same_masks(monkeypatch):
 
 def test_operator_opcheck():
     x = torch.randn(3, 5, requires_grad=True)
-    torch.library.opcheck(D._dropout_op, (x, torch.tensor(123, dtype=torch.int64), 0.2))
+    torch.library.opcheck(D._dropout_op, (x, torch.tensor([123], dtype=torch.int64), [15], 0.2))
+    torch.library.opcheck(D._dropout_op, (x, torch.tensor([123, -4], dtype=torch.int64), [5, 10], 0.2))
+
+
+def test_groups_are_their_own_calls():
+    """One operator call over groups of elements, each group's mask from its own seed and its own first element:
+    what each group gets in a call of its own."""
+    x = torch.randn(2 + 3, 4)
+    seeds = torch.tensor([7, 2 ** 40], dtype=torch.int64)
+    y = D._dropout_op(x, seeds, [8, 12], 0.5)
+    torch.testing.assert_close(y, torch.cat([dropout_reference(x[:2], 7, 0.5), dropout_reference(x[2:], 2 ** 40, 0.5)]),
+                               rtol=0, atol=0)
 
 
 def test_edges_and_bad_probabilities():
@@ -116,21 +127,20 @@ def test_edges_and_bad_probabilities():
             ops.dropout(x, bad)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_the_gpu_backends_take_torch_dropout(monkeypatch, backend):
+def test_the_cuda_backend_takes_torch_dropout(monkeypatch):
+    """The cuda backend (its extension has no dropout) takes F.dropout; every other backend the hash (the triton
+    backend's kernel: tests/test_dropout_triton.py)."""
     monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
-    """The GPU backends (and their CPU emulation under TRITON_INTERPRET=1) take F.dropout, as on a GPU: no host read
-    of a seed in their hot path; the CPU ones the hash."""
     calls, real = [], F.dropout
     monkeypatch.setattr(D.F, "dropout", lambda x, p, training: calls.append(p) or real(x, p, training))
-    ops.dropout(torch.ones(4), 0.5, backend=backend)
+    ops.dropout(torch.ones(4), 0.5, backend="cuda")
     assert calls == [0.5]
     for cpu_backend in ("cpu", "reference", "auto", None):
         ops.dropout(torch.ones(4), 0.5, backend=cpu_backend)
     assert calls == [0.5]
     with pytest.raises(ValueError, match="is not a backend"):
         ops.dropout(torch.ones(4), 0.5, backend="gpu")
-    monkeypatch.setenv("ELMO_FAST_BACKEND", "triton")  # auto follows the environment's backend
+    monkeypatch.setenv("ELMO_FAST_BACKEND", "cuda")  # auto follows the environment's backend
     ops.dropout(torch.ones(4), 0.5)
     assert calls == [0.5, 0.5]
 
@@ -172,5 +182,7 @@ def test_the_seed_stays_on_the_cpu_under_another_default_device(monkeypatch):
     with torch.device("meta"):
         y = ops.dropout(x, 0.5)
     assert y.device.type == "cpu" and set(y.unique().tolist()) <= {0.0, 2.0}
-    with pytest.raises(ValueError, match="seed must be a 0-d CPU int64 tensor"):
-        D._dropout_op(x, torch.tensor(5.0), 0.5)
+    with pytest.raises(ValueError, match="seeds must be a 1-d CPU int64 tensor of one seed per group"):
+        D._dropout_op(x, torch.tensor([5.0]), [64], 0.5)
+    with pytest.raises(ValueError, match=r"one seed per group \(2\)"):
+        D._dropout_op(x, torch.tensor([5]), [32, 32], 0.5)

@@ -48,6 +48,7 @@ def _run(tmp_path, files, backend, device, fuse, steps=3, **over):
         tensors = {**{f"model.{k}": v for k, v in tr.model.state_dict().items()},
                    "softmax_W": tr.softmax_W, "softmax_b": tr.softmax_b, "acc_W": tr.acc_W,
                    **{f"acc.{i}": a for i, a in enumerate(tr.acc_dense)},
+                   **{f"rows.{i}.{n}": t for i, pa in enumerate(tr.row_params) for n, t in zip("pa", pa)},
                    **{f"tower{tw.gid}.{n}": getattr(tw, n) for tw in tr.towers for n in ("h", "c")}}
         tensors["torch_rng"] = torch.get_rng_state()  # where the step leaves the global generator
         return [float(x) for x in losses], {k: v.detach().cpu().clone() for k, v in tensors.items()}
@@ -100,6 +101,23 @@ def test_fused_towers_step_as_the_towers_one_after_the_other(tmp_path, backend, 
         torch.testing.assert_close(t_on[k], t_off[k], **tol, msg=k)
 
 
+@pytest.mark.parametrize("over", [dict(bidirectional=False), dict(char_inputs=False),
+                                  dict(char_inputs=False, share_embedding_softmax=True)],
+                         ids=["forward-lm", "word-inputs", "word-inputs-shared"])
+def test_fused_towers_forward_lm_alone_and_word_inputs(tmp_path, over):
+    """The fused pass for bilm-tf's other models: the forward LM alone (one direction: one sample set and one loss a
+    tower), a word-input biLM (its embedding's row gradients from every tower), and one whose softmax is that
+    embedding: the towers one after the other again, step by step, weights and accumulators included."""
+    files = _corpus(tmp_path)
+    runs = {fuse: _run(tmp_path, files, "cpu", "cpu", fuse, steps=2, **over) for fuse in ("off", "on")}
+    (l_off, t_off), (l_on, t_on) = runs["off"], runs["on"]
+    torch.testing.assert_close(torch.tensor(l_on), torch.tensor(l_off), rtol=1e-5, atol=1e-6)
+    assert l_off[0] != l_off[-1]
+    assert set(t_on) == set(t_off)
+    for k in t_off:
+        torch.testing.assert_close(t_on[k], t_off[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_fused_towers_with_the_full_softmax_and_no_dropout(tmp_path):
     """The full softmax's dense gradients and a model without dropout take the fused pass too."""
     files = _corpus(tmp_path, n_lines=100)
@@ -110,12 +128,17 @@ def test_fused_towers_with_the_full_softmax_and_no_dropout(tmp_path):
         torch.testing.assert_close(runs["on"][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=TRITON)])
-def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
+@pytest.mark.parametrize("backend", ["cpu", "reference", pytest.param("triton", marks=TRITON), "torch"])
+def test_row_groups_give_each_group_the_masks_it_gets_alone(monkeypatch, backend):
     """Two dropout sites over a batch stacking groups of 2 and 3 rows: each group's output and gradient equal what
-    its rows alone get after seeding the generators with the group's seed (hashed masks on the CPU backends,
-    torch's F.dropout for the GPU backends)."""
+    its rows alone get after seeding the generators with the group's seed (hashed masks: one call with a seed per
+    group; "torch": F.dropout, the cuda backend's, a draw per group under the group's generator states)."""
     device = triton_device() if backend == "triton" else "cpu"
+    if backend == "torch":
+        import importlib
+
+        monkeypatch.setattr(importlib.import_module("elmo_fast.ops.dropout"), "hash_impl", lambda x, b: None)
+        backend = "cpu"
     x = torch.randn(5, 4, 6, dtype=torch.float64, device=device, requires_grad=True)
     seeds, rows = (11, 22), [2, 3]
     states = []
@@ -144,16 +167,37 @@ def test_row_groups_give_each_group_the_masks_it_gets_alone(backend):
 
 
 def test_row_groups_nest_and_end():
-    """An inner block's groups apply inside it, the outer's again after it, none after both."""
+    """An inner block's groups apply inside it (each group's mask from its own state), the outer's again after it
+    (their states where they were left), the global generator after both."""
     cpu = torch.device("cpu")
-    outer, inner = (RowGroups(r, [rng_state(cpu)] * len(r), cpu) for r in ([1, 1], [2, 1]))
+
+    def states(*seeds):
+        out = []
+        for s in seeds:
+            torch.manual_seed(s)
+            out.append(rng_state(cpu))
+        return out
+
+    def alone(seed, rows, draws=1):  # what a group's rows get alone: its draws after seeding with its seed
+        torch.manual_seed(seed)
+        return [dropout(torch.ones(rows, 2), 0.5) for _ in range(draws)][-1]
+
+    outer, inner = RowGroups([1, 1], states(1, 2), cpu), RowGroups([2, 1], states(3, 4), cpu)
+    torch.manual_seed(9)
     with row_groups(outer):
+        a = dropout(torch.ones(2, 2), 0.5)
         with row_groups(inner):
-            dropout(torch.ones(3, 2), 0.5)
-        dropout(torch.ones(2, 2), 0.5)
+            b = dropout(torch.ones(3, 2), 0.5)
+        c = dropout(torch.ones(2, 2), 0.5)
         with pytest.raises(ValueError, match="must stack the groups' 2 rows"):
             dropout(torch.ones(3, 2), 0.5)
-    dropout(torch.ones(7, 2), 0.5)
+    d = dropout(torch.ones(7, 2), 0.5)
+    assert torch.equal(a, torch.cat([alone(1, 1), alone(2, 1)]))
+    assert torch.equal(b, torch.cat([alone(3, 2), alone(4, 1)]))
+    assert torch.equal(c, torch.cat([alone(1, 1, draws=2), alone(2, 1, draws=2)]))  # the outer states, advanced
+    # after both, the global generator, left where the last group's draw left it (a fused step's generators end where
+    # the last tower's own step leaves them): the second outer group's third draw
+    assert torch.equal(d, alone(2, 7, draws=3))
 
 
 def test_row_groups_refuse_rows_that_are_not_the_groups():

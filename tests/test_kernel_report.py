@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 @pytest.fixture
 def spy(monkeypatch):
     """Records (kernel name, grid, keyword arguments, runtime arguments) of every kernel launch."""
-    from elmo_fast.kernels import char_cnn, highway, lstmp, softmax
+    from elmo_fast.kernels import char_cnn, dropout, highway, lstmp, softmax
 
     calls = []
-    for mod in (char_cnn, highway, lstmp, softmax):
+    for mod in (char_cnn, dropout, highway, lstmp, softmax):
         for name in dir(mod):
             k = getattr(mod, name)
             if name.endswith("_kernel") and hasattr(k, "run"):
@@ -91,6 +91,20 @@ def test_highway_launches_match_report(spy, dtype):
     p = [torch.randn(*s, dtype=dtype).requires_grad_() for s in ((M, F), (F, F), (F,), (F, F), (F,))]
     highway_triton(*p).float().sum().backward()
     _check(spy, kernel_report.highway_cases(M, F, dtype, INTERPRETER, train=True))
+
+
+@requires_triton
+@DTYPES
+@pytest.mark.parametrize("groups", [1, 3])
+def test_dropout_launches_match_report(spy, dtype, groups):
+    import kernel_report
+
+    from elmo_fast.kernels.dropout import dropout_hash_triton
+
+    x = torch.randn(groups, 1100, dtype=dtype, requires_grad=True)  # two blocks of elements
+    seeds = torch.arange(groups)  # the report's seeds and p: the spy compares scalars by value
+    dropout_hash_triton(x, seeds, [1100] * groups, 0.1).float().sum().backward()
+    _check(spy, kernel_report.dropout_cases(1100 * groups, dtype, groups))  # fwd and bwd: one launch, twice
 
 
 @requires_triton

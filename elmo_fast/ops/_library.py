@@ -6,7 +6,8 @@ One namespace, ``elmo_fast::``. Every backend of every fused op is one operator 
   ``torch.library.wrap_triton`` (``elmo_fast.kernels``): ``torch.compile`` on a GPU traces into them and sees the
   kernels; ``torch.export`` keeps them as operators;
 * the others (``reference``, ``cpu``, the CUDA extension) are ``torch.library.custom_op``s: opaque to the
-  compiler, which calls them with real tensors;
+  compiler, which calls them with real tensors; so is the Triton dropout (``elmo_fast::dropout_hash_triton``),
+  which reads its seeds, CPU tensors, on the host (``kernels/dropout.py`` says why);
 * every operator has a fake (meta) implementation that gives the output shapes and dtypes from the input shapes,
   and its gradient through ``register_autograd``: the backward is a second operator (the backend's own backward
   through time, recomputation, ...) or, for the reference, autograd through the reference code.

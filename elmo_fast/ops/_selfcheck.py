@@ -13,6 +13,9 @@ gradients of every float input under a fixed random upstream gradient, in the tw
   gradient between near-tied windows). The slack lets a 1-3% error of a bf16 output through (a 5% one fails:
   tests/test_selfcheck_bf16.py): the check is for broken variants, the tests hold the kernels to the budget.
 
+The hashed dropout (``"dropout"``) is checked apart, bit for bit: its kernel's masks must be the CPU's for the same
+seeds (fp32 and bf16, two groups, output and gradient).
+
 The bf16 half makes about twice the launches of the fp32 half (two references: bf16 and fp64), all small; it
 runs once per process and device. The first call also pays Triton's compilation of those kernels, which later
 runs reuse from Triton's cache.
@@ -102,6 +105,7 @@ def _softmax(sampled: bool):
 
 CHECKS = {"lstmp": _lstmp, "char_cnn": _char_cnn, "highway": _highway, "sampled_softmax": _softmax(True),
           "full_softmax": _softmax(False)}
+OPS = (*CHECKS, "dropout")  # every op the self-check knows: CHECKS by tolerance, the dropout bit for bit
 
 
 def _outputs_and_grads(run, backend, floats, upstream_seed):
@@ -169,6 +173,8 @@ def _bf16_autocast(device: torch.device) -> bool:
 def run_self_check(op: str, device: torch.device) -> str | None:
     """None when both Triton variants of ``op`` (fp32, bf16 autocast) agree with the reference on ``device``,
     else what went wrong."""
+    if op == "dropout":
+        return _dropout_check(device)
     try:
         err = op_error(op, device)
         if not err <= TOL:
@@ -181,6 +187,33 @@ def run_self_check(op: str, device: torch.device) -> str | None:
         return f"{type(exc).__name__}: {str(exc)[:200]}"
     if op == "lstmp":
         check_loop_graphs(device)
+    return None
+
+
+def _dropout_check(device: torch.device) -> str | None:
+    """The hashed dropout's kernel against the CPU's masks (``elmo_fast::dropout_hash``), bit for bit: fp32 and
+    bf16, two groups of rows with their own seeds, the output and the gradient."""
+    import importlib
+
+    from ..kernels.dropout import dropout_hash_triton
+
+    cpu = importlib.import_module("elmo_fast.ops.dropout")._dropout_op
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.tensor([0x1234_5678_9ABC_DEF0, -7], dtype=torch.int64)
+    numels = [2 * 5 * 7, 3 * 5 * 7]
+    try:
+        for dtype in (torch.float32, torch.bfloat16) if _bf16_autocast(device) else (torch.float32,):
+            x, up = (torch.randn(5, 5, 7, generator=g).to(dtype) for _ in range(2))
+            leaf = x.to(device).requires_grad_(True)
+            with torch.enable_grad():
+                y = dropout_hash_triton(leaf, seeds, numels, 0.3)
+                (dx,) = torch.autograd.grad(y, leaf, up.to(device))
+            for name, got, want in (("output", y, cpu(x, seeds, numels, 0.3)), ("gradient", dx, cpu(up, seeds, numels,
+                                                                                                     0.3))):
+                if not torch.equal(got.detach().cpu(), want):
+                    return f"{dtype}: the {name} differs from the CPU's masks"
+    except Exception as exc:  # noqa: BLE001 - any failure of the kernel path is a failed check
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
     return None
 
 

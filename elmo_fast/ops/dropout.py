@@ -1,16 +1,21 @@
 """Training's dropout (the biLM's LSTM inputs and top outputs, spec §6.4): ``dropout(x, p, backend=...)``.
 
-For the CPU backends (``cpu``, ``reference``, and ``auto`` on CPU tensors) the mask is a hash of (seed, element
-index), ``elmo_fast.reference.dropout`` (the oracle, which says why), run by ``elmo_fast._cpu.dropout_apply`` where
-the extension is built and x is fp32 (the reference's torch ops otherwise: the same bits); the seed is drawn from
-torch's default CPU generator, so ``torch.manual_seed`` fixes the masks (under ``torch.compile`` too: the draw is in
-the graph, the operator opaque). The GPU backends (``triton``, ``cuda``, and their CPU emulation under
-TRITON_INTERPRET=1) take ``torch.nn.functional.dropout``, as on a GPU: no host read of a seed in their hot path.
-One operator, ``elmo_fast::dropout_hash``, with a fake and its gradient (the same operator on the upstream gradient
-with the same seed).
+The mask is a hash of (seed, element index), ``elmo_fast.reference.dropout`` (the oracle, which says why), on every
+backend that can run it, so one seed gives one mask on every device: ``elmo_fast._cpu.dropout_apply`` where the
+extension is built and x is an fp32 CPU tensor, the Triton kernel (``elmo_fast.kernels.dropout``) for the ``triton``
+backend (CUDA tensors, or CPU ones under TRITON_INTERPRET=1) and for ``auto`` on CUDA tensors (behind its
+self-check), the reference's torch ops otherwise (``reference`` on any device, CPU tensors without the extension).
+The seed is drawn from torch's default CPU generator, so ``torch.manual_seed`` fixes the masks on the GPU too (under
+``torch.compile`` the draw is in the graph, the operators opaque); reading it is a host read, no device sync.
+``torch.nn.functional.dropout`` (the CUDA generator's masks) remains only where no hash can run: the ``cuda``
+backend (its extension has no dropout), ``auto`` on a GPU without a working Triton, and an x of 2^32 elements or
+more. Two operators, ``elmo_fast::dropout_hash`` (CPU extension or reference) and
+``elmo_fast::dropout_hash_triton``, each with a fake and its gradient (the same operator on the upstream gradient
+with the same seeds: nothing is saved).
 
 ``row_groups``: inside it, an x whose rows stack several groups (the trainer's fused towers) gets each group's mask
-from that group's own random state, the mask the group's rows would get alone after seeding with it.
+from that group's own random state, the mask the group's rows would get alone after seeding with it: one operator
+call with a seed per group (the torch fallback: one draw per group under its saved generator states, and a cat).
 """
 from __future__ import annotations
 
@@ -22,40 +27,47 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op
 
-from .._backend import check_backend_name
+from .._backend import check_backend_name, select_backend, triton_import_error, triton_self_check
 from ..cpu.ext import cpu_ext_for
 from ..reference.dropout import dropout_reference, dropout_threshold
+from ..probes import host_values
 from ._library import qualname
 
 Tensor = torch.Tensor
 
 
 @custom_op(qualname("dropout_hash"), mutates_args=())
-def _dropout_op(x: Tensor, seed: Tensor, p: float) -> Tensor:
-    """x · m, m from (seed, index) (``elmo_fast.reference.dropout``); seed: a 0-d CPU int64 tensor."""
-    if seed.device.type != "cpu" or seed.dtype != torch.int64 or seed.dim() != 0:
-        raise ValueError(f"dropout_hash: seed must be a 0-d CPU int64 tensor, got {seed.dtype} {tuple(seed.shape)} "
-                         f"on {seed.device}")
-    s = int(seed)  # a CPU tensor: no device synchronisation
+def _dropout_op(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
+    """x · m over consecutive groups of ``numels[g]`` elements of the contiguous x, group g's m from (seeds[g], index
+    within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group."""
+    if seeds.device.type != "cpu" or seeds.dtype != torch.int64 or seeds.dim() != 1 or len(seeds) != len(numels):
+        raise ValueError(f"dropout_hash: seeds must be a 1-d CPU int64 tensor of one seed per group "
+                         f"({len(numels)}), got {seeds.dtype} {tuple(seeds.shape)} on {seeds.device}")
+    y = torch.empty_like(x)
+    xf, yf = x.view(-1), y.view(-1)
     ext = cpu_ext_for(x)
-    if ext is not None and hasattr(ext, "dropout_apply"):
-        y = torch.empty_like(x)
-        ext.dropout_apply(x, y, s, dropout_threshold(p), 1.0 / (1.0 - p))
-        return y
-    return dropout_reference(x, s, p)
+    ext = ext if ext is not None and hasattr(ext, "dropout_apply") else None
+    off = 0
+    for s, n in zip(host_values(seeds), numels):
+        if ext is not None:
+            ext.dropout_apply(xf[off:off + n], yf[off:off + n], s, dropout_threshold(p), 1.0 / (1.0 - p))
+        else:
+            yf[off:off + n] = dropout_reference(xf[off:off + n], s, p)
+        off += n
+    return y
 
 
 @_dropout_op.register_fake
-def _(x, seed, p):
+def _(x, seeds, numels, p):
     return torch.empty_like(x)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.seed, ctx.p = inputs[1], inputs[2]
+    ctx.seeds, ctx.numels, ctx.p = inputs[1], inputs[2], inputs[3]
 
 
 def _backward(ctx, dy):
-    return _dropout_op(dy.contiguous(), ctx.seed, ctx.p), None, None
+    return _dropout_op(dy.contiguous(), ctx.seeds, ctx.numels, ctx.p), None, None, None
 
 
 _dropout_op.register_autograd(_backward, setup_context=_setup_context)
@@ -74,15 +86,16 @@ class RowGroups:
             raise ValueError(f"row_groups: {len(rows)} row counts but {len(states)} random states")
         self.rows, self.states, self.device = list(rows), list(states), device
 
-    def draw(self, g: int, fn):
-        """fn() with the global generators at group g's state; the state it leaves becomes group g's."""
+    def draw(self, g: int, fn, cuda: bool = True):
+        """fn() with the global generators at group g's state; the state it leaves becomes group g's. ``cuda``:
+        whether fn draws from the CUDA generator too (the hashed masks' seeds come from the CPU one alone)."""
         cpu, dev = self.states[g]
+        cuda = cuda and dev is not None
         torch.set_rng_state(cpu)
-        if dev is not None:
+        if cuda:
             torch.cuda.set_rng_state(dev, self.device)
         out = fn()
-        self.states[g] = (torch.get_rng_state(),
-                          torch.cuda.get_rng_state(self.device) if dev is not None else None)
+        self.states[g] = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else dev)
         return out
 
 
@@ -114,23 +127,47 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     if not training or p == 0:
         return x
     groups = getattr(_local, "groups", None)
-    if groups is None:
-        return _dropout(x, p, backend)
-    if x.dim() == 0 or x.shape[0] != sum(groups.rows):
+    if groups is not None and (x.dim() == 0 or x.shape[0] != sum(groups.rows)):
         raise ValueError(f"dropout inside row_groups: x's first dimension must stack the groups' "
                          f"{sum(groups.rows)} rows ({groups.rows}), got shape {tuple(x.shape)}")
-    parts = x.split(groups.rows, 0)
-    return torch.cat([groups.draw(g, lambda xg=xg: _dropout(xg.contiguous(), p, backend))
-                      for g, xg in enumerate(parts)], 0)
-
-
-def _dropout(x: Tensor, p: float, backend: str | None) -> Tensor:
     if dropout_threshold(p) >= 2 ** 32:  # p = 1, or so close that no 32-bit hash is kept: every element dropped
         return x * 0.0  # (a NaN stays NaN, as F.dropout's)
-    hashed = check_backend_name(backend) in ("auto", "cpu", "reference") and x.device.type == "cpu"
-    if not hashed or x.numel() >= 2 ** 32:
-        return F.dropout(x, p, training=True)
-    # torch's default CPU generator, on the CPU whatever the default device (a meta or CUDA seed would reach the
-    # fake, or a device sync)
-    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64, device="cpu")
-    return _dropout_op(x.contiguous(), seed, p)
+    impl = hash_impl(x, backend)
+    if impl is None:  # torch's dropout, from the CUDA generator where x is on a GPU
+        if groups is None:
+            return F.dropout(x, p, training=True)
+        return torch.cat([groups.draw(g, lambda xg=xg: F.dropout(xg, p, training=True))
+                          for g, xg in enumerate(x.split(groups.rows, 0))], 0)
+    if groups is None:
+        seeds, numels = _seed().reshape(1), [x.numel()]
+    else:
+        seeds = torch.stack([groups.draw(g, _seed, cuda=False) for g in range(len(groups.rows))])
+        per_row = x[0].numel() if x.shape[0] else 0
+        numels = [r * per_row for r in groups.rows]
+    if impl == "triton":
+        from ..kernels.dropout import dropout_hash_triton
+
+        return dropout_hash_triton(x, seeds, numels, p)
+    return _dropout_op(x.contiguous(), seeds, numels, p)
+
+
+def hash_impl(x: Tensor, backend: str | None) -> str | None:
+    """Which implementation ``dropout`` runs for x under ``backend``: "triton" (the kernel), "op" (the CPU extension
+    or the reference's torch ops: ``elmo_fast::dropout_hash``) or None (``F.dropout``: the ``cuda`` backend, ``auto``
+    on a GPU without a working Triton, 2^32 elements or more). An explicit ``triton`` that cannot run raises."""
+    b = check_backend_name(backend)
+    if x.numel() >= 2 ** 32 or b == "cuda":
+        return None
+    if b == "triton":
+        select_backend("triton", x.device, "dropout")
+        return "triton"
+    if b == "auto" and x.device.type == "cuda":
+        ok = triton_import_error() is None and triton_self_check("dropout", x.device)
+        return "triton" if ok else None
+    return "op"
+
+
+def _seed() -> Tensor:
+    """A seed from torch's default CPU generator, on the CPU whatever the default device (a meta or CUDA seed would
+    reach the fake, or a device sync)."""
+    return torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64, device="cpu")
