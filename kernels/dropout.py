@@ -29,10 +29,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch.library import custom_op
 
 from elmo_fast.kernels._common import Launch
-from elmo_fast.ops._library import qualname
+from elmo_fast.ops.dropout import hashed_dropout_op
 from elmo_fast.probes import host_values
 from elmo_fast.reference.dropout import dropout_threshold
 
@@ -154,8 +153,7 @@ def _launch_groups(x: torch.Tensor, y: torch.Tensor, seeds: list[int], numels: l
         off += total
 
 
-@custom_op(qualname("dropout_hash_triton"), mutates_args=())
-def _dropout_op(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: float) -> torch.Tensor:
+def _hash_triton(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: float) -> torch.Tensor:
     """x · m, m from (seeds[g], index within group g) over consecutive groups of ``numels[g]`` elements (module
     docstring); seeds: a 1-d CPU int64 tensor, one per group."""
     y = torch.empty_like(x)
@@ -163,20 +161,7 @@ def _dropout_op(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: floa
     return y
 
 
-@_dropout_op.register_fake
-def _(x, seeds, numels, p):
-    return torch.empty_like(x)
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.seeds, ctx.numels, ctx.p = inputs[1], inputs[2], inputs[3]
-
-
-def _backward(ctx, dy):
-    return _dropout_op(dy.contiguous(), ctx.seeds, ctx.numels, ctx.p), None, None, None
-
-
-_dropout_op.register_autograd(_backward, setup_context=_setup_context)
+_dropout_op = hashed_dropout_op("dropout_hash_triton", _hash_triton)
 
 
 def dropout_hash_triton(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: float) -> torch.Tensor:

@@ -155,3 +155,8 @@ def test_auto_on_a_gpu_takes_the_kernel_behind_its_self_check(monkeypatch):
     assert torch.equal(got.cpu(), D.dropout(x.cpu(), 0.5, backend="reference"))
     monkeypatch.setitem(_backend._SELF_CHECKED, ("dropout", str(x.device)), False)
     assert D.hash_impl(x, None) is None
+
+
+def test_operator_opcheck():
+    x = torch.randn(3, 5, device=DEV, requires_grad=True)
+    torch.library.opcheck(_kd()._dropout_op, (x, torch.tensor([1, 2]), [5, 10], 0.2))

@@ -36,8 +36,25 @@ from ._library import qualname
 Tensor = torch.Tensor
 
 
-@custom_op(qualname("dropout_hash"), mutates_args=())
-def _dropout_op(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
+def hashed_dropout_op(name: str, fn):
+    """``fn(x, seeds, numels, p) -> y`` as the operator ``elmo_fast::name``, with its fake and its gradient: the same
+    operator on the upstream gradient with the same seeds (the mask is a function of them: nothing is saved). The
+    CPU's operator below and the Triton kernel's (``kernels/dropout.py``)."""
+    op = custom_op(qualname(name), fn, mutates_args=())
+    op.register_fake(lambda x, seeds, numels, p: torch.empty_like(x))
+
+    def backward(ctx, dy):
+        return op(dy.contiguous(), ctx.seeds, ctx.numels, ctx.p), None, None, None
+
+    op.register_autograd(backward, setup_context=_setup_context)
+    return op
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.seeds, ctx.numels, ctx.p = inputs[1], inputs[2], inputs[3]
+
+
+def _hash_cpu(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
     """x · m over consecutive groups of ``numels[g]`` elements of the contiguous x, group g's m from (seeds[g], index
     within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group."""
     if seeds.device.type != "cpu" or seeds.dtype != torch.int64 or seeds.dim() != 1 or len(seeds) != len(numels):
@@ -57,20 +74,7 @@ def _dropout_op(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor
     return y
 
 
-@_dropout_op.register_fake
-def _(x, seeds, numels, p):
-    return torch.empty_like(x)
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.seeds, ctx.numels, ctx.p = inputs[1], inputs[2], inputs[3]
-
-
-def _backward(ctx, dy):
-    return _dropout_op(dy.contiguous(), ctx.seeds, ctx.numels, ctx.p), None, None, None
-
-
-_dropout_op.register_autograd(_backward, setup_context=_setup_context)
+_dropout_op = hashed_dropout_op("dropout_hash", _hash_cpu)
 
 
 _local = threading.local()
