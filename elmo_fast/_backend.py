@@ -186,7 +186,8 @@ BACKEND_STATUS: tuple[BackendStatus, ...] = (
     BackendStatus("triton", "cpu", "interpreter-only",
                   "every kernel against the reference under TRITON_INTERPRET=1 in CI (a test tool, never auto)"),
     BackendStatus("triton", "cuda", "run on an H200 (2026-11-26), not yet verified",
-                  "self-check passed for every op, fp32 and bf16; 188 of 193 Triton tests on CUDA passed (3 fixed "
+                  "self-check passed for every op, fp32 and bf16 (the dropout kernel, added since, has not run on a "
+                  "GPU); 188 of 193 Triton tests on CUDA passed (3 fixed "
                   "since, and the 2 torch.compile graph breaks were torch 2.11's, fixed on the CPU; not re-run); "
                   "auto uses it behind a once-per-device self-check"),
     BackendStatus("cuda", "cuda", "run on an H200 (2026-11-26), not yet verified",
@@ -214,7 +215,8 @@ _SELF_CHECKED: dict[tuple[str, str], bool] = {}
 def triton_self_check(op: str, device: torch.device) -> bool:
     """Once per (op, device): the Triton kernel of ``op`` against the reference at a small shape (forward and
     gradients, fp32 and bf16 under autocast: ``elmo_fast.ops._selfcheck``). On disagreement or error: one warning
-    naming the op and the error, and False (auto then takes the reference path for that op on that device)."""
+    naming the op and the error, and False (auto then takes the reference path for that op on that device; for
+    the dropout, whose self-check is bit for bit, ``F.dropout``)."""
     key = (op, str(torch.device(device)))
     ok = _SELF_CHECKED.get(key)
     if ok is None:
@@ -223,7 +225,8 @@ def triton_self_check(op: str, device: torch.device) -> bool:
         err = run_self_check(op, torch.device(device))
         ok = err is None
         if not ok:
+            fallback = "torch's F.dropout" if op == "dropout" else f"the reference path for {op}"
             warnings.warn(f"elmo_fast: the Triton kernel of {op} failed its self-check on {key[1]} ({err}); "
-                          f"auto uses the reference path for {op} there", RuntimeWarning, stacklevel=3)
+                          f"auto uses {fallback} there", RuntimeWarning, stacklevel=3)
         _SELF_CHECKED[key] = ok
     return ok

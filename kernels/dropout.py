@@ -31,8 +31,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast.kernels._common import Launch
-from elmo_fast.ops.dropout import hashed_dropout_op
-from elmo_fast.probes import host_values
+from elmo_fast.ops.dropout import check_hash_args, hashed_dropout_op
 from elmo_fast.reference.dropout import dropout_threshold
 
 __all__ = ["dropout_hash_triton", "dropout_launch", "scalar_args", "MAX_GROUPS", "BLOCK"]
@@ -69,7 +68,7 @@ def _round_bf16(y):
     return tl.where(y != y, y, r)
 
 
-@triton.jit(do_not_specialize=["thr", *_SEED_ARGS])
+@triton.jit(do_not_specialize=["e0", "e1", "e2", "thr", *_SEED_ARGS])
 def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, ka1, kb1, ka2, kb2, ka3, kb3,
                          GROUPS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     # Groups: [0, e0), [e0, e1), [e1, e2), [e2, N), the first GROUPS of them (the last ends at N).
@@ -104,12 +103,21 @@ def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, 
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inb)
 
 
-@functools.lru_cache(maxsize=None)
 def _scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``1 / (1 - p)`` rounded once to ``dtype`` (the reference's factor), held in fp32 (fp64 for fp64: the value
-    is exact there) on ``device``: made once per (p, dtype, device), so a call uploads nothing."""
+    is exact there) on ``device``: made once per (p, dtype, device), so a call uploads nothing; made afresh while a
+    CUDA graph is being captured (a cached tensor filled inside a capture would hold nothing until its replay)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _make_scale(p, dtype, device)
+    return _cached_scale(p, dtype, device)
+
+
+def _make_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     wide = torch.float64 if dtype == torch.float64 else torch.float32
     return torch.full((1,), 1.0 / (1.0 - p), dtype=dtype, device=device).to(wide)
+
+
+_cached_scale = functools.lru_cache(maxsize=None)(_make_scale)
 
 
 def _keys(seed: int) -> tuple[int, int]:
@@ -156,8 +164,9 @@ def _launch_groups(x: torch.Tensor, y: torch.Tensor, seeds: list[int], numels: l
 def _hash_triton(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: float) -> torch.Tensor:
     """x · m, m from (seeds[g], index within group g) over consecutive groups of ``numels[g]`` elements (module
     docstring); seeds: a 1-d CPU int64 tensor, one per group."""
+    values = check_hash_args(x, seeds, numels)
     y = torch.empty_like(x)
-    _launch_groups(x, y, host_values(seeds), list(numels), p)
+    _launch_groups(x, y, values, list(numels), p)
     return y
 
 

@@ -191,6 +191,33 @@ def test_softmax_losses_compile_whole_and_match_eager(dtype):
     _close(got, want, atol=0)  # the same kernels and GEMMs in the same order
 
 
+@pytest.mark.triton
+@pytest.mark.skipif(not triton_available(), reason="needs triton and a GPU, or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("backend", ["triton", "auto", "reference"])
+def test_dropout_compiles_whole_and_matches_eager(backend, monkeypatch):
+    """Training's hashed dropout in one graph on every backend that hashes: the choice of its implementation is a
+    constant of the graph (it probes imports and runs auto's self-check, which dynamo cannot trace), the seed draw
+    is in the graph, the operators opaque; the same masks as eagerly, forward and gradient."""
+    monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
+    dev = triton_device() if backend == "triton" else "cpu"
+    x = torch.randn(3, 4, 5, device=dev, requires_grad=True)
+
+    def fn(x):
+        return elmo_fast.ops.dropout(x, 0.4, backend=backend) * 2
+
+    _no_breaks(fn, x)
+
+    def run(f):
+        torch.manual_seed(5)
+        y = f(x)
+        return [y, *torch.autograd.grad(y.sum(), x)]
+
+    want = run(fn)
+    got = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    _close(got, want, atol=0)
+    assert 0 < int((want[0] == 0).sum()) < want[0].numel()
+
+
 # ---------------------------------------------------------------------------------------- the trainer's step
 @pytest.fixture
 def trainer(tmp_path):

@@ -186,3 +186,5 @@ def test_the_seed_stays_on_the_cpu_under_another_default_device(monkeypatch):
         D._dropout_op(x, torch.tensor([5.0]), [64], 0.5)
     with pytest.raises(ValueError, match=r"one seed per group \(2\)"):
         D._dropout_op(x, torch.tensor([5]), [32, 32], 0.5)
+    with pytest.raises(ValueError, match=r"element counts \[32, 31\] must cover x's 64 elements"):
+        D._dropout_op(x, torch.tensor([5, 6]), [32, 31], 0.5)

@@ -107,18 +107,18 @@ def test_one_seed_one_mask_on_every_backend(monkeypatch, backend):
 
 
 def test_backend_choice(monkeypatch):
-    """The hash everywhere but the cuda backend (no dropout in its extension: torch's); an explicit triton that
-    cannot run is refused with the fix."""
+    """The hash everywhere but the cuda backend (no dropout in its extension: torch's), and for a group of 2^32
+    elements or more; an explicit triton that cannot run is refused with the fix."""
     monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
-    x = torch.ones(4)
-    assert D.hash_impl(x.to(DEV), "triton") == "triton"
-    assert D.hash_impl(x, "reference") == "op" and D.hash_impl(x, "cpu") == "op" and D.hash_impl(x, None) == "op"
-    assert D.hash_impl(x, "cuda") is None
+    dev, cpu = torch.device(DEV), torch.device("cpu")
+    assert D.hash_impl("triton", dev) == "triton"
+    assert D.hash_impl("reference", cpu) == "op" and D.hash_impl("cpu", cpu) == "op" and D.hash_impl(None, cpu) == "op"
+    assert D.hash_impl("cuda", cpu) == "torch"
     monkeypatch.setenv("ELMO_FAST_BACKEND", "triton")
-    assert D.hash_impl(x.to(DEV), None) == "triton"
+    assert D.hash_impl(None, dev) == "triton"
     monkeypatch.setattr(importlib.import_module("elmo_fast._backend"), "triton_interpret", lambda: False)
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):  # CPU tensors, no interpreter
-        D.hash_impl(x, "triton")
+        D.hash_impl("triton", cpu)
 
 
 def test_self_check_passes_and_catches_a_wrong_mask(monkeypatch):
@@ -148,15 +148,24 @@ def test_auto_on_a_gpu_takes_the_kernel_behind_its_self_check(monkeypatch):
 
     monkeypatch.delenv("ELMO_FAST_BACKEND", raising=False)
     x = torch.randn(3, 50, device="cuda")
-    assert D.hash_impl(x, None) == "triton" and _backend._SELF_CHECKED[("dropout", str(x.device))]
+    assert D.hash_impl(None, x.device) == "triton" and _backend._SELF_CHECKED[("dropout", str(x.device))]
     torch.manual_seed(4)
     got = D.dropout(x, 0.5)
     torch.manual_seed(4)
     assert torch.equal(got.cpu(), D.dropout(x.cpu(), 0.5, backend="reference"))
     monkeypatch.setitem(_backend._SELF_CHECKED, ("dropout", str(x.device)), False)
-    assert D.hash_impl(x, None) is None
+    assert D.hash_impl(None, x.device) == "torch"
 
 
 def test_operator_opcheck():
     x = torch.randn(3, 5, device=DEV, requires_grad=True)
     torch.library.opcheck(_kd()._dropout_op, (x, torch.tensor([1, 2]), [5, 10], 0.2))
+
+
+def test_operator_checks_its_arguments():
+    """The CPU operator's checks (elmo_fast.ops.dropout.check_hash_args): a seed per group, groups covering x."""
+    x = torch.randn(4, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"one seed per group \(2\)"):
+        _kd().dropout_hash_triton(x, torch.tensor([5]), [16, 16], 0.5)
+    with pytest.raises(ValueError, match=r"must cover x's 32 elements"):
+        _kd().dropout_hash_triton(x, torch.tensor([5, 6]), [16, 8], 0.5)

@@ -54,18 +54,28 @@ def _setup_context(ctx, inputs, output):
     ctx.seeds, ctx.numels, ctx.p = inputs[1], inputs[2], inputs[3]
 
 
-def _hash_cpu(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
-    """x · m over consecutive groups of ``numels[g]`` elements of the contiguous x, group g's m from (seeds[g], index
-    within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group."""
+def check_hash_args(x: Tensor, seeds: Tensor, numels: list[int]) -> list[int]:
+    """The seeds' values, after checking the operators' arguments: one seed per group, a 1-d CPU int64 tensor; groups
+    that cover x exactly, each under 2^32 elements (the hash's index is 32-bit)."""
     if seeds.device.type != "cpu" or seeds.dtype != torch.int64 or seeds.dim() != 1 or len(seeds) != len(numels):
         raise ValueError(f"dropout_hash: seeds must be a 1-d CPU int64 tensor of one seed per group "
                          f"({len(numels)}), got {seeds.dtype} {tuple(seeds.shape)} on {seeds.device}")
+    if sum(numels) != x.numel() or any(not 0 <= n < 2 ** 32 for n in numels):
+        raise ValueError(f"dropout_hash: the groups' element counts {list(numels)} must cover x's {x.numel()} "
+                         "elements, each in [0, 2^32)")
+    return host_values(seeds)
+
+
+def _hash_cpu(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
+    """x · m over consecutive groups of ``numels[g]`` elements of the contiguous x, group g's m from (seeds[g], index
+    within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group."""
+    values = check_hash_args(x, seeds, numels)
     y = torch.empty_like(x)
     xf, yf = x.view(-1), y.view(-1)
     ext = cpu_ext_for(x)
     ext = ext if ext is not None and hasattr(ext, "dropout_apply") else None
     off = 0
-    for s, n in zip(host_values(seeds), numels):
+    for s, n in zip(values, numels):
         if ext is not None:
             ext.dropout_apply(xf[off:off + n], yf[off:off + n], s, dropout_threshold(p), 1.0 / (1.0 - p))
         else:
@@ -136,18 +146,21 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
                          f"{sum(groups.rows)} rows ({groups.rows}), got shape {tuple(x.shape)}")
     if dropout_threshold(p) >= 2 ** 32:  # p = 1, or so close that no 32-bit hash is kept: every element dropped
         return x * 0.0  # (a NaN stays NaN, as F.dropout's)
-    impl = hash_impl(x, backend)
-    if impl is None:  # torch's dropout, from the CUDA generator where x is on a GPU
+    if groups is None:
+        numels = [x.numel()]
+    else:
+        per_row = x[0].numel() if x.shape[0] else 0
+        numels = [r * per_row for r in groups.rows]
+    impl = hash_impl(backend, x.device) if max(numels) < 2 ** 32 else "torch"
+    if impl == "torch":  # F.dropout, from the CUDA generator where x is on a GPU
         if groups is None:
             return F.dropout(x, p, training=True)
         return torch.cat([groups.draw(g, lambda xg=xg: F.dropout(xg, p, training=True))
                           for g, xg in enumerate(x.split(groups.rows, 0))], 0)
     if groups is None:
-        seeds, numels = _seed().reshape(1), [x.numel()]
+        seeds = _seed().reshape(1)
     else:
         seeds = torch.stack([groups.draw(g, _seed, cuda=False) for g in range(len(groups.rows))])
-        per_row = x[0].numel() if x.shape[0] else 0
-        numels = [r * per_row for r in groups.rows]
     if impl == "triton":
         from ..kernels.dropout import dropout_hash_triton
 
@@ -155,19 +168,22 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     return _dropout_op(x.contiguous(), seeds, numels, p)
 
 
-def hash_impl(x: Tensor, backend: str | None) -> str | None:
-    """Which implementation ``dropout`` runs for x under ``backend``: "triton" (the kernel), "op" (the CPU extension
-    or the reference's torch ops: ``elmo_fast::dropout_hash``) or None (``F.dropout``: the ``cuda`` backend, ``auto``
-    on a GPU without a working Triton, 2^32 elements or more). An explicit ``triton`` that cannot run raises."""
+@torch.compiler.assume_constant_result
+def hash_impl(backend: str | None, device: torch.device) -> str:
+    """Which implementation ``dropout`` runs on ``device`` under ``backend``: "triton" (the kernel), "op" (the CPU
+    extension or the reference's torch ops: ``elmo_fast::dropout_hash``) or "torch" (``F.dropout``: the ``cuda``
+    backend, ``auto`` on a GPU where Triton is missing or failed its self-check). An explicit ``triton`` that cannot
+    run raises. While torch.compile traces, a constant of the graph (it reads the environment and probes imports, as
+    ``_library.backend_for``). A group of 2^32 elements or more takes "torch" whatever this says."""
     b = check_backend_name(backend)
-    if x.numel() >= 2 ** 32 or b == "cuda":
-        return None
+    dev = torch.device(device)
+    if b == "cuda":
+        return "torch"
     if b == "triton":
-        select_backend("triton", x.device, "dropout")
+        select_backend("triton", dev, "dropout")
         return "triton"
-    if b == "auto" and x.device.type == "cuda":
-        ok = triton_import_error() is None and triton_self_check("dropout", x.device)
-        return "triton" if ok else None
+    if b == "auto" and dev.type == "cuda":
+        return "triton" if triton_import_error() is None and triton_self_check("dropout", dev) else "torch"
     return "op"
 
 

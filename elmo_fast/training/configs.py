@@ -319,7 +319,8 @@ def estimate_memory(cfg: TrainConfig, vocab_size: int, cuda: bool) -> dict[str, 
     B *= cfg.towers if fuses_towers(cfg, cuda) else 1
     F_ = sum(f[1] for f in cfg.filters)
     n_tok = 2 * B * T  # both directions
-    per_tok_lstm = L * (4 * H * 3 + H * 3 + P * 4)  # gates, c, tanh(c), m, h, dropout masks, residual
+    per_tok_lstm = L * (4 * H * 3 + H * 3 + P * 4)  # gates, c, tanh(c), m, h, dropout outputs (the cuda backend's
+    # F.dropout also keeps masks; the hashed dropout regenerates them), residual
     per_tok_cnn = cfg.max_characters_per_token * (cfg.char_embed_dim + 2 * F_) + F_ * (2 + 4 * cfg.n_highway) + P
     S = cfg.n_negative_samples_batch if cfg.sample_softmax else vocab_size
     softmax_act = 2 * B * T * S * 3 + 2 * (S + 2 * B * T) * P * 2
