@@ -20,7 +20,9 @@ tensors; as an opaque operator it gets real ones (elementwise work: nothing a co
 
 Seeds and the threshold reach the kernel as int64 scalars biased by 2^32: Triton types an int argument by its value
 (i32 below 2^31, i64 above) and would compile a variant per type pattern; biased, every value is an i64, and
-``do_not_specialize`` drops the divisibility variants, so one compiled kernel serves every seed.
+``do_not_specialize`` drops the divisibility variants, so one compiled kernel serves every seed. The element count
+and the group ends (shapes, fixed in training) stay specialised: without, the 3-group variant took 41-42 registers
+instead of 31-32 (sm_90a, kernel report).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def _round_bf16(y):
     return tl.where(y != y, y, r)
 
 
-@triton.jit(do_not_specialize=["e0", "e1", "e2", "thr", *_SEED_ARGS])
+@triton.jit(do_not_specialize=["thr", *_SEED_ARGS])
 def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, ka1, kb1, ka2, kb2, ka3, kb3,
                          GROUPS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
     # Groups: [0, e0), [e0, e1), [e1, e2), [e2, N), the first GROUPS of them (the last ends at N).
