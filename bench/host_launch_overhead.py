@@ -4,6 +4,13 @@ options, the tracing check), not Triton's launcher or the kernel. On a GPU an ea
 launcher (the H200 took ~42 µs a launch in all, bench/results/gpu_h200.md); loop-graph replays do not run it.
 
     TRITON_INTERPRET=1 python bench/host_launch_overhead.py [--B 1] [--T 20] [--calls 200] [--repeats 3]
+    TRITON_INTERPRET=1 python bench/host_launch_overhead.py --train-step
+
+``--train-step``: the host time of a whole ``Trainer.train_step`` (backend triton) at the original configuration's
+structure and small widths (``bench_launches._trainer``: its torch operators compute little), kernels stubbed, each
+loop-graph replay one call that launches nothing (as a CUDA graph's replay is one call): one tower and 3 towers
+fused, loop graphs on and off. A floor of the host's share of a GPU training step on this CPU, beside Triton's
+launcher and the driver, which it leaves out.
 
 CPU only (the interpreter's kernels, stubbed); prints device, versions, commit and µs a launch (the best repeat).
 """
@@ -58,16 +65,53 @@ def measure(B: int = 1, T: int = 20, H: int = 4096, P: int = 512, calls: int = 2
     return best * 1e6
 
 
+def measure_train_step(towers: int = 1, graphs: bool = True, steps: int = 9, unroll: int | None = None) -> float:
+    """ms of host time per training step (module docstring), the median of ``steps`` timed steps after 6 warm ones
+    (3 with the kernels running: compiles, loop-graph captures); ``unroll`` steps a row (the original's 20)."""
+    import bench_launches
+
+    from elmo_fast.kernels import lstmp_graphs
+
+    dev = torch.device("cpu")
+    with bench_launches._trainer(dev, False, unroll or bench_launches.STEPS, towers) as tr, \
+            common.loop_graphs(graphs, dev):
+        for _ in range(3):
+            tr.train_step()
+        real = lstmp_graphs.launch_kernel
+        lstmp_graphs.launch_kernel = lambda *a: None  # a replay launches nothing: one call, as a CUDA graph's
+        try:
+            with kernels_stubbed():
+                for _ in range(3):
+                    tr.train_step()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    tr.train_step()
+                    times.append(time.perf_counter() - t0)
+        finally:
+            lstmp_graphs.launch_kernel = real
+    return sorted(times)[steps // 2] * 1e3
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--T", type=int, default=20)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--train-step", action="store_true", help="host ms per training step instead (docstring)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    us = measure(a.B, a.T, calls=a.calls, repeats=a.repeats)
     env = common.environment()
+    if a.train_step:
+        for towers in (1, 3):
+            for graphs in (True, False):
+                ms = measure_train_step(towers, graphs)
+                print(f"{ms:.2f} ms of host time per training step ({towers} tower{'s fused' if towers > 1 else ''}, "
+                      f"loop graphs {'on' if graphs else 'off'}, kernels stubbed, small widths); {env['device']}, "
+                      f"torch {env.get('torch')}, commit {env['commit']}, {env['date']}")
+        return 0
+    us = measure(a.B, a.T, calls=a.calls, repeats=a.repeats)
     print(f"{us:.2f} µs of Python per eager LSTMP launch (forward loop, B={a.B}, T={a.T}, kernels stubbed); "
           f"{env['device']}, torch {env.get('torch')}, commit {env['commit']}, {env['date']}")
     return 0

@@ -65,3 +65,16 @@ def test_host_launch_probe_times_the_loop_and_restores_the_kernels():
     real = InterpretedFunction.run
     us = host_launch_overhead.measure(B=2, T=2, H=8, P=4, calls=2, repeats=1)
     assert 0 < us < 1e5 and InterpretedFunction.run is real
+
+
+def test_host_time_of_a_training_step_runs_and_restores_the_launch_paths():
+    """``--train-step``: a training step with the kernels stubbed and the loop-graph replays launching nothing; both
+    run again after it."""
+    import host_launch_overhead
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from elmo_fast.kernels import lstmp_graphs
+
+    real, real_launch = InterpretedFunction.run, lstmp_graphs.launch_kernel
+    ms = host_launch_overhead.measure_train_step(towers=3, graphs=True, steps=1, unroll=2)
+    assert 0 < ms < 1e5 and InterpretedFunction.run is real and lstmp_graphs.launch_kernel is real_launch
