@@ -125,6 +125,9 @@ def test_edges_and_bad_probabilities():
     for bad in (-0.1, 1.5, float("nan"), True, "0.1"):
         with pytest.raises(ValueError, match="dropout probability must be a number in"):
             ops.dropout(x, bad)
+    for backend in ("cpu", "reference"):
+        with pytest.raises(TypeError, match="x must be a floating-point tensor, got torch.int64"):
+            ops.dropout(torch.ones(4, dtype=torch.long), 0.5, backend=backend)
 
 
 def test_the_cuda_backend_takes_torch_dropout(monkeypatch):

@@ -140,6 +140,8 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     p = float(p)
     if not training or p == 0:
         return x
+    if not x.is_floating_point():  # as F.dropout refuses them: a scaled integer would be a silent truncation
+        raise TypeError(f"dropout: x must be a floating-point tensor, got {x.dtype}")
     groups = getattr(_local, "groups", None)
     if groups is not None and (x.dim() == 0 or x.shape[0] != sum(groups.rows)):
         raise ValueError(f"dropout inside row_groups: x's first dimension must stack the groups' "
