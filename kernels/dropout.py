@@ -176,5 +176,5 @@ _dropout_op = hashed_dropout_op("dropout_hash_triton", _hash_triton)
 
 
 def dropout_hash_triton(x: torch.Tensor, seeds: torch.Tensor, numels: list[int], p: float) -> torch.Tensor:
-    """The operator on a contiguous x (``elmo_fast.ops.dropout`` checks the arguments)."""
+    """The operator on a contiguous x (it checks its arguments: ``elmo_fast.ops.dropout.check_hash_args``)."""
     return _dropout_op(x.contiguous(), seeds, numels, p)

@@ -68,7 +68,8 @@ def check_hash_args(x: Tensor, seeds: Tensor, numels: list[int]) -> list[int]:
 
 def _hash_cpu(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
     """x · m over consecutive groups of ``numels[g]`` elements of the contiguous x, group g's m from (seeds[g], index
-    within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group."""
+    within the group) (``elmo_fast.reference.dropout``); seeds: a 1-d CPU int64 tensor, one per group. The CPU
+    extension for fp32 CPU tensors, else the reference's torch ops (any device: the reference backend on a GPU)."""
     values = check_hash_args(x, seeds, numels)
     y = torch.empty_like(x)
     xf, yf = x.view(-1), y.view(-1)
@@ -153,7 +154,7 @@ def dropout(x: Tensor, p: float, training: bool = True, backend: str | None = No
     else:
         per_row = x[0].numel() if x.shape[0] else 0
         numels = [r * per_row for r in groups.rows]
-    impl = hash_impl(backend, x.device) if max(numels) < 2 ** 32 else "torch"
+    impl = hash_impl(backend, x.device) if max(numels, default=0) < 2 ** 32 else "torch"
     if impl == "torch":  # F.dropout, from the CUDA generator where x is on a GPU
         if groups is None:
             return F.dropout(x, p, training=True)
