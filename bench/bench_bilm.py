@@ -103,8 +103,10 @@ def test_cpu_tiny_embed(benchmark, tiny):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-# "+graph": the model CUDA graph; "+2streams": ELMO_FAST_BILM_STREAMS=2 (the two LSTM stacks on two streams)
-PROVIDERS = ("reference", "triton", "auto", "auto+2streams", "auto+graph", "auto+graph+2streams", "cuda")
+# "+graph": the model CUDA graph; "+2streams": ELMO_FAST_BILM_STREAMS=2 (the two LSTM stacks on two streams);
+# "+fusedreduce": ELMO_FAST_LSTMP_FUSED_REDUCE=16 (the forward's reduce in the projection's last split, opt-in)
+PROVIDERS = ("reference", "triton", "auto", "auto+2streams", "auto+graph", "auto+graph+2streams",
+             "auto+graph+fusedreduce", "cuda")
 
 
 def _elmo_fast(o, w, provider, dev, dtype):
@@ -116,6 +118,10 @@ def _elmo_fast(o, w, provider, dev, dtype):
     else:
         m = elmo_fast.ElmoBiLM(o, w, backend=backend, stateful=False, cuda_graph=graph)
     m = m.to(dev, dtype).eval()
+    if "fusedreduce" in extras:
+        from elmo_fast.kernels.lstmp import FUSED_REDUCE_ENV
+
+        m = common.with_env(m, FUSED_REDUCE_ENV, "16")
     return common.with_env(m, "ELMO_FAST_BILM_STREAMS", "2") if "2streams" in extras else m
 
 

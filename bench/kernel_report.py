@@ -67,6 +67,7 @@ NF = sum(n for _, n in FILTERS)
 DC, L, N_CHARS, N_HIGHWAY = 16, 50, 262, 2
 V, S = 793471, 8192
 N_PARAMS = 93_600_848  # spec §0, without the softmax
+FUSED_REDUCE = "fwd fusedreduce"  # lstmp_cases with the forward's reduce in the projection's last split
 DROPOUT_SITES = 6  # the trainer's dropout sites a step: every LSTM layer's input in both directions, both top outputs
 MEAN_WINDOWS = 8  # assumed mean char-CNN position-loop length (sorted tokens: BOW + ~5 bytes + EOW + slack)
 
@@ -278,12 +279,13 @@ def softmax_one_by_one(N: int, C: int, groups: int, e: int) -> bool:
     return KS.dlogit_columns(N * groups, C, e) < C
 
 
-def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train):
+def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train, fuse_reduce=False):
     """The launches of one step of an LSTMP chain (both clips, with projection), from ``launch_plan`` (the
     launcher's own plan), in launch order. Backward starts with one extra ``bwd_reduce`` launch (the first
     step's prologue, ``HAS_PART=False``) that runs once per call, not per step. Bytes count the split-K partials
     as HBM traffic (an upper bound: at 8.7/17.3 MiB per step at B=384 they may well stay in L2)."""
-    plan = KL.launch_plan(B, T, H_, P_, dtype, training=train, target=target, reverse=reverse, residual=residual)
+    plan = KL.launch_plan(B, T, H_, P_, dtype, training=train, target=target, reverse=reverse, residual=residual,
+                          fuse_reduce=fuse_reduce)
     s = min(3, T - 1)  # the step index (never specialised)
     out = []
     for name, lc in plan.items():
@@ -328,6 +330,10 @@ def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
                     v = ("rev" if reverse else "fwd") + (" resid" if residual else "")
                     out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=reverse,
                                                                  residual=residual, train=size.train), v)
+            if size.B <= 16 and not size.train:  # the reduce in the projection's last split (opt-in, kernels/lstmp)
+                out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=False,
+                                                             residual=False, train=False, fuse_reduce=True),
+                              FUSED_REDUCE)
             if size.train:  # every dropout site's launch (one group; the fused towers' three: same bytes)
                 out += _cases(size, "dropout", dt, dropout_cases(size.B * size.T * P, dt))
             if size.name == TOWERS_SIZE:
@@ -694,6 +700,9 @@ def scenario_sums(cases: list[Case]) -> list[dict]:
             # calibrated (bench/kernel_fit.py), loop graphs: a step's kernels, and one chain call with the
             # replay's own ops and the torch launches around the loop (cuBLAS GEMMs at the roofline)
             row["lstm_step_fwd_cal_us"] = kern(size, dt, "lstmp", "fwd", "fwd", graph=True, cal=True)
+            if by.get((size.name, dt, "lstmp", "fwd", FUSED_REDUCE)):  # the reduce in the projection's last split
+                row.update(fused_step_fwd_graph_us=kern(size, dt, "lstmp", "fwd", FUSED_REDUCE, graph=True),
+                           fused_step_fwd_cal_us=kern(size, dt, "lstmp", "fwd", FUSED_REDUCE, graph=True, cal=True))
             row["chain_fwd_cal_us"] = (kern(size, dt, "lstmp", "fwd", "fwd", size.T, graph=True, cal=True)
                                        + loop_graph_us(size, dt, "fwd") + torch_us(size, dt, ["lstmp/fwd"]))
             if size.train:
@@ -910,6 +919,25 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
                    " µs, against performance.md's single-sentence target of 1 ms on an H100. The H200 measured "
                    "1.044 ms with the whole forward in one CUDA graph (`auto+graph`, 2026-11-26, gpu_h200.md), "
                    "which this table does not model (every launch of the encoder there at the graph's 2.6 µs).", ""]
+        fused = [s for s in sums if "fused_step_fwd_graph_us" in s]
+        if fused:
+            md += ["The forward's reduce in the projection's last split (`launch_plan(fuse_reduce=True)`, "
+                   "`_splitk_out_kernel`: two launches a forward step; opt-in, "
+                   f"`{KL.FUSED_REDUCE_ENV}=16`, until a GPU has run it: bench_bilm's `auto+graph+fusedreduce`), a "
+                   "forward step with loop graphs against the three launches', and the four chains' change to a biLM "
+                   "forward (T steps each):", "",
+                   "| size | dtype | 3 launches: step µs | fused reduce | calibrated: 3 launches | fused reduce | "
+                   "biLM forward change µs (roofline / calibrated) |", "|---|---|---|---|---|---|---|"]
+            for r in fused:
+                T_ = next(z.T for z in SIZES if z.name == r["size"])
+                d, dc = (r["fused_step_fwd_graph_us"] - r["lstm_step_fwd_graph_us"],
+                         r["fused_step_fwd_cal_us"] - r["lstm_step_fwd_cal_us"])
+                md.append(f"| {r['size']} | {r['dtype']} | {r['lstm_step_fwd_graph_us']:.1f} | "
+                          f"{r['fused_step_fwd_graph_us']:.1f} | {r['lstm_step_fwd_cal_us']:.1f} | "
+                          f"{r['fused_step_fwd_cal_us']:.1f} | {4 * T_ * d:+.0f} / {4 * T_ * dc:+.0f} |")
+            md += ["", "The last split's tail (a ticket at L2, the partials read back, the epilogue) is counted as "
+                   "bytes only (the partials twice); what the model saves is the reduce launch's 2.6 µs and its own "
+                   "time.", ""]
         orig = [s for s in sums if "towers_fused_graph_us" in s]
         if orig:
             md += [f"The original config on one GPU (`--config original`: {ORIGINAL_TOWERS} towers of 128 rows, 384 "
@@ -984,9 +1012,10 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
 
 
 def subset_cases() -> list[Case]:
-    """CI: the first variant of every kernel function (training B=128, bf16: forward and backward of all ops)."""
+    """CI: the first variant of every kernel function (training B=128, bf16: forward and backward of all ops; then
+    inference B=1 for a kernel only it launches: the fused reduce)."""
     seen, out = set(), []
-    for c in workload_cases([s for s in SIZES if s.name == "train B=128"], [BF16]):
+    for c in workload_cases([s for s in SIZES if s.name in ("train B=128", "infer B=1")], [BF16]):
         if c.kernel not in seen:
             seen.add(c.kernel)
             out.append(c)

@@ -24,6 +24,12 @@ grid-wide barrier between them (a persistent kernel would need a spin barrier, w
    (B/BB)·(P/BP) programs (a dozen at B=384) each walking K=4096 serially.
 3. ``_fwd_reduce_kernel``, grid (B/BB, P/BP): sums the S partials in split order (deterministic: no
    atomics anywhere here), clips, writes y, the h state and the step caches.
+   Opt-in at small batches (``ELMO_FAST_LSTMP_FUSED_REDUCE``, a row count: ``fused_reduce_rows``):
+   ``_splitk_out_kernel`` does 2. and 3. in one launch. Each split takes a ticket of its tile's counter after
+   storing its partial; the split that draws the last one sums the partials in split order (the same bits) and
+   runs the reduce's epilogue, so a step is two launches: one kernel boundary fewer, which is most of a small
+   batch's step in a loop graph (the H200's B=1 chain: 14.0 µs a step for 6.3 µs of roofline). Deterministic still
+   (one writer, a fixed order); it relies on release/acquire ordering at GPU scope, which only a GPU exercises.
 
 Backward walks the steps in reverse with the mirror image:
 
@@ -100,6 +106,7 @@ that give every SM a program.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -375,18 +382,28 @@ def _fwd_reduce_kernel(
     HAS_PROJ: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr,
     SAVE: tl.constexpr, ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
 ):
-    """h_t = clip(Σ partials) (or m_t without a projection) for one (row block, P slice): updates hop and, at a
-    row's last step, h_n; writes y (zeros at padded positions) and, in training, the h_pre / h_prev caches."""
-    proj_clip = tl.load(consts_ptr + 2)
+    """h_t = clip(Σ partials) (or m_t without a projection) for one (row block, P slice): ``_fwd_out``."""
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
     vm = valid[:, None] & pmask[None, :]
-    am = rmask[:, None] & pmask[None, :]
     if HAS_PROJ:
         acc = _sum_partials(part_ptr, rb, vm, rp, B, P, SPLITS, ACC, BB, BP)
     else:  # P == H: the state is m itself
         acc = tl.load(m_ptr + tok[:, None] * H + rp[None, :], mask=vm, other=0.0).to(ACC)
+    _fwd_out(acc, x_ptr, hop_ptr, hn_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr, rb, rmask, valid, last, tok, rp,
+             pmask, P, HAS_PROJ_CLIP, RESIDUAL, SAVE, ACC)
+
+
+@triton.jit
+def _fwd_out(acc, x_ptr, hop_ptr, hn_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr, rb, rmask, valid, last, tok, rp,
+             pmask, P: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, SAVE: tl.constexpr,
+             ACC: tl.constexpr):
+    """The forward step's end for one (row block, P slice), given h_pre = acc: h_t = clip(acc); updates hop and, at
+    a row's last step, h_n; writes y (zeros at padded positions) and, in training, the h_pre / h_prev caches."""
+    proj_clip = tl.load(consts_ptr + 2)
+    vm = valid[:, None] & pmask[None, :]
+    am = rmask[:, None] & pmask[None, :]
     h_new = acc
     if HAS_PROJ_CLIP:
         h_new = _clamp(acc, proj_clip)
@@ -402,6 +419,51 @@ def _fwd_reduce_kernel(
     if RESIDUAL:  # D == P
         out = out + tl.load(x_ptr + tok_p, mask=vm, other=0.0).to(ACC)
     tl.store(y_ptr + tok_p, tl.where(vm, out, 0.0).to(y_ptr.dtype.element_ty), mask=am)
+
+
+@triton.jit(do_not_specialize=["s"])
+def _splitk_out_kernel(
+    m_ptr, w_ptr, part_ptr, ticket_ptr, x_ptr, hop_ptr, hn_ptr, len_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr,
+    s, B, T, H: tl.constexpr, P: tl.constexpr, SPLITS: tl.constexpr,
+    HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr, SAVE: tl.constexpr,
+    ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
+    BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``_splitk_kernel``'s forward projection and ``_fwd_reduce_kernel``'s work in one launch (``fuse_reduce``:
+    small batches). Split k = program_id(2) writes its fp32 partial of the (row block, P slice) tile, then takes a
+    ticket of the tile's counter; the split that draws the last ticket sums the tile's SPLITS partials in split order
+    (the reduce kernel's order: the same bits), zeroes the counter for the next step and runs ``_fwd_out``. The
+    partials are stored before a CTA barrier and an acq_rel atomic at GPU scope, and the last split reads them past
+    L1 (``.cg``) after its own acquire: the pattern of inductor's grid barrier, without the spin (so the interpreter,
+    whose programs run one after another, runs it too)."""
+    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
+    rp = tl.program_id(1) * BP + tl.arange(0, BP)
+    pmask = rp < P
+    live = _any(valid)
+    kb = tl.program_id(2) * KS
+    acc = tl.zeros([BB, BP], ACC)
+    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
+        rk = kb + k0 + tl.arange(0, BK)
+        kmask = rk < H
+        a = tl.load(m_ptr + tok[:, None] * H + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w_ptr + rk[:, None].to(tl.int64) * P + rp[None, :], mask=kmask[:, None] & pmask[None, :] & live,
+                    other=0.0)
+        acc = _mma(a, b, acc, IEEE, ACC, EMU)
+    am = rmask[:, None] & pmask[None, :]
+    tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc, mask=am)
+    tl.debug_barrier()  # every thread's partial stored before the ticket releases them
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+    if ticket == SPLITS - 1:
+        tl.debug_barrier()
+        vm = valid[:, None] & pmask[None, :]
+        total = tl.zeros([BB, BP], ACC)
+        for k in tl.static_range(SPLITS):
+            total += tl.load(part_ptr + (k * B + rb)[:, None].to(tl.int64) * P + rp[None, :], mask=vm, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(ticket_ptr + tile, 0)  # every split of this step has drawn: ready for the next step
+        _fwd_out(total, x_ptr, hop_ptr, hn_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr, rb, rmask, valid, last, tok,
+                 rp, pmask, P, HAS_PROJ_CLIP, RESIDUAL, SAVE, ACC)
 
 
 @triton.jit
@@ -663,6 +725,23 @@ TUNED: dict[tuple[str, str, int], Tile] = {
     ("bwd_rec", "fp32", 384): Tile(128, 128, 16, 8, 4),
     ("bwd_reduce", "fp32", 384): Tile(16, 16, 0, 4, 1),
 }
+FUSED_REDUCE_ENV = "ELMO_FAST_LSTMP_FUSED_REDUCE"
+
+
+def fused_reduce_rows() -> int:
+    """The largest batch whose forward steps run the reduce in the projection's last split (``_splitk_out_kernel``:
+    two launches a step instead of three), from ``ELMO_FAST_LSTMP_FUSED_REDUCE`` (a row count; unset or 0: never).
+    Opt-in until a GPU has run it: its last-split ticket relies on the GPU's memory ordering, which the interpreter
+    (programs one after another) cannot exercise; bench_bilm's ``auto+graph+fusedreduce`` times it and
+    ``test_gpu_fused_reduce_is_the_reduce_kernel_bit_for_bit`` checks it there."""
+    value = os.environ.get(FUSED_REDUCE_ENV, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{FUSED_REDUCE_ENV}={value!r}: expected a row count (0: off), e.g. 16")
+    return int(value)
+
+
 # Under the interpreter: fixed tiles (its cost grows with the number of programs) and splits of 64 K rows, so
 # that the tests' small shapes cross tile boundaries and get several splits.
 _INTERPRET_TILE = {k: Tile(32, 32, 32) for k in KERNELS}
@@ -754,8 +833,10 @@ def _splits(K: int, BK: int, tiles: int, sms: int) -> tuple[int, int]:
 
 def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training: bool, target: Target = H100,
                 has_proj: bool = True, cell_clip: bool = True, proj_clip: bool = True, reverse: bool = False,
-                residual: bool = False, tiles: dict | None = None) -> dict[str, Launch]:
-    """Every launch of one chain call (see the module docstring). Pure: no device is touched."""
+                residual: bool = False, tiles: dict | None = None, fuse_reduce: bool = False) -> dict[str, Launch]:
+    """Every launch of one chain call (see the module docstring). Pure: no device is touched. ``fuse_reduce``: the
+    forward's reduce in the projection's last split (``_splitk_out_kernel``; no ``fwd_reduce`` launch: opt-in,
+    ``fused_reduce_rows``)."""
     for name, flag in (("training", training), ("has_proj", has_proj), ("cell_clip", cell_clip),
                        ("proj_clip", proj_clip), ("reverse", reverse), ("residual", residual)):
         if not isinstance(flag, bool):  # e.g. a clip value where "is there a clip" is asked: under the interpreter
@@ -828,25 +909,35 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
         T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * isz if training else 0),
         2 * B * P * G, t)
-    if has_proj:
+    out_bytes = B * P * (2 * isz + (isz if residual else 0) + (asz + 2 * isz if training else 0))
+    out_args = (("x", op), ("hop", op), ("hn", acc), ("lengths", i64), ("y", op), ("hpre", acc), ("hprev", op),
+                ("consts", acc))
+    if has_proj and fuse_reduce:  # the reduce in the projection's last split (_splitk_out_kernel): two launches a step
         t = tile("fwd_proj")
         S, KS = split(H, t)
         plan["fwd_proj"] = launch(
-            _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
-            dict(K=H, P=P, B_ROW_MAJOR=True, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
-            (("m", op), ("w_proj", op), ("part", acc), ("lengths", i64)),
-            T, B * H * isz + H * P * isz, 2 * B * H * P, t, S * B * P * asz)
+            _splitk_out_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+            dict(H=H, P=P, SPLITS=S, HAS_PROJ_CLIP=proj_clip, RESIDUAL=residual, REVERSE=reverse, SAVE=training,
+                 BP=t.BN, BK=t.BK, KS=KS, **flags),
+            (("m", op), ("w_proj", op), ("part", acc), ("tickets", torch.int32), *out_args),
+            T, B * H * isz + H * P * isz + out_bytes, 2 * B * H * P, t, 2 * S * B * P * asz)
     else:
-        S = 0
-    t = tile("fwd_reduce")
-    plan["fwd_reduce"] = launch(
-        _fwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),
-        dict(H=H, P=P, SPLITS=S, HAS_PROJ=has_proj, HAS_PROJ_CLIP=proj_clip, RESIDUAL=residual, REVERSE=reverse,
-             SAVE=training, ACC=flags["ACC"], BP=t.BN),
-        (("part", acc), ("m", op), ("x", op), ("hop", op), ("hn", acc), ("lengths", i64), ("y", op),
-         ("hpre", acc), ("hprev", op), ("consts", acc)),
-        T, B * P * (2 * isz + (isz if residual else 0) + (asz + 2 * isz if training else 0)), 0, t,
-        S * B * P * asz, stages=False)
+        if has_proj:
+            t = tile("fwd_proj")
+            S, KS = split(H, t)
+            plan["fwd_proj"] = launch(
+                _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+                dict(K=H, P=P, B_ROW_MAJOR=True, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+                (("m", op), ("w_proj", op), ("part", acc), ("lengths", i64)),
+                T, B * H * isz + H * P * isz, 2 * B * H * P, t, S * B * P * asz)
+        else:
+            S = 0
+        t = tile("fwd_reduce")
+        plan["fwd_reduce"] = launch(
+            _fwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),
+            dict(H=H, P=P, SPLITS=S, HAS_PROJ=has_proj, HAS_PROJ_CLIP=proj_clip, RESIDUAL=residual,
+                 REVERSE=reverse, SAVE=training, ACC=flags["ACC"], BP=t.BN),
+            (("part", acc), ("m", op), *out_args), T, out_bytes, 0, t, S * B * P * asz, stages=False)
     if not training:
         return plan
 
@@ -960,7 +1051,7 @@ def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
 def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual) -> dict:
     return launch_plan(B, T, H, P, dtype, training=training, target=device_target(dev), has_proj=w_proj is not None,
                        cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
-                       residual=bool(residual))
+                       residual=bool(residual), fuse_reduce=B <= fused_reduce_rows())
 
 
 def interleave_gates(w_rec: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1002,6 +1093,9 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
         # Buffers a variant never touches (no projection: HAS_PROJ=False; inference: SAVE=False) alias others.
         part=torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev) if "fwd_proj" in plan else hn,
+        # the fused reduce's counters, one a (row block, P slice): zero between steps (the last split resets its own)
+        **({"tickets": torch.zeros(plan["fwd_proj"].grid[0] * plan["fwd_proj"].grid[1], dtype=torch.int32,
+                                   device=dev)} if "fwd_reduce" not in plan else {}),
         # zeros: the kernels leave the padded positions of these two caches unwritten, and an operator's outputs
         # (they are outputs of elmo_fast::lstmp_triton) must not depend on what memory held before
         cpre=torch.zeros(B, T, H, dtype=acc, device=dev) if save else c,
@@ -1025,7 +1119,7 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     slot = None
     if how is not None:
         key = (tuple(x.shape), x.dtype, tuple(w_in.shape), w_rec.dtype, w_proj is not None, tuple(h0.shape), h0.dtype,
-               c0.dtype, x.device, tuple(sorted(kw.items())), save)
+               c0.dtype, x.device, tuple(sorted(kw.items())), save, x.shape[0] <= fused_reduce_rows())
         slot = graphs.POOL.acquire(key, how, lambda: _static(*fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths,
                                                                         save=save, **kw), _FWD_INPUTS))
     if slot is None:

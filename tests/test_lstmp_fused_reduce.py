@@ -1,0 +1,159 @@
+"""The forward's reduce in the projection's last split (kernels/lstmp.py ``_splitk_out_kernel``; opt-in,
+``ELMO_FAST_LSTMP_FUSED_REDUCE``): the same bits as the reduce kernel (the same split order), forward and every
+gradient, at shapes that cross the interpreter's tiles (several row blocks, P slices and splits; rows of every
+length, an empty one), two launches a forward step, the counters back at zero, any program order; and on a GPU,
+where the ticket's memory ordering is real, the same bits call after call (``gpu``)."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from conftest import poison_allocations, programs_backwards, requires_triton, triton_device
+from elmo_fast import ops
+from elmo_fast.kernels import lstmp as KL
+from elmo_fast.probes import probe
+
+pytestmark = [pytest.mark.triton, requires_triton]
+DEV = triton_device()
+ENV = KL.FUSED_REDUCE_ENV
+
+
+def _inputs(B, T, D, H, P, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0], lengths[-1] = T, 0
+    return [r(B, T, D), r(D, 4 * H, scale=0.3), r(P, 4 * H, scale=0.3), r(4 * H, scale=0.1), r(H, P, scale=0.3),
+            r(B, P, scale=0.5), r(B, H, scale=0.5)], lengths.to(device)
+
+
+def _run(monkeypatch, rows: str, floats, lengths, *, reverse, residual, grads=True):
+    monkeypatch.setenv(ENV, rows)
+    leaves = [t.detach().clone().requires_grad_(grads) for t in floats]
+    y, hn, cn = ops.lstmp(*leaves, lengths, cell_clip=1.0, proj_clip=0.8, reverse=reverse, residual=residual,
+                          backend="triton")
+    out = [y.detach(), hn.detach(), cn.detach()]
+    if grads:
+        out += list(torch.autograd.grad(_loss(y, hn, cn), leaves))
+    return out
+
+
+def _loss(*outs):
+    """A fixed random projection of the outputs (the upstream gradients, the same for every run)."""
+    g = torch.Generator().manual_seed(7)
+    return sum((t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum() for t in outs)
+
+
+# B = 35: two row blocks of the interpreter's 32; H = 150: three splits of 64 K rows; P = D = 40: two P slices
+SHAPE = dict(B=35, T=4, D=40, H=150, P=40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reverse,residual", [(False, False), (True, True)], ids=["fwd", "rev-resid"])
+def test_fused_reduce_is_the_reduce_kernel_bit_for_bit(monkeypatch, dtype, reverse, residual):
+    poison_allocations(monkeypatch)  # an element neither path writes stays NaN
+    floats, lengths = _inputs(**SHAPE, dtype=dtype, device=DEV)
+    want = _run(monkeypatch, "0", floats, lengths, reverse=reverse, residual=residual)
+    got = _run(monkeypatch, "64", floats, lengths, reverse=reverse, residual=residual)
+    assert len(got) == len(want) == 10
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+    assert not any(t.isnan().any() for t in got)
+
+
+def test_fused_reduce_against_the_reference_in_fp64(monkeypatch):
+    floats, lengths = _inputs(**SHAPE, dtype=torch.float64, device=DEV, seed=3)
+    got = _run(monkeypatch, "64", floats, lengths, reverse=True, residual=False)
+    leaves = [t.detach().clone().requires_grad_(True) for t in floats]
+    y, hn, cn = ops.lstmp(*leaves, lengths, cell_clip=1.0, proj_clip=0.8, reverse=True, residual=False,
+                          backend="reference")
+    want = [y.detach(), hn.detach(), cn.detach(), *torch.autograd.grad(_loss(y, hn, cn), leaves)]
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, i=i: f"item {i}: {m}")
+
+
+def test_two_launches_a_step_and_the_counters_back_at_zero(monkeypatch):
+    """The plan has no reduce launch, a forward step is two launches (cell, projection with the reduce), and every
+    tile's counter is zero after the loop (the last split resets it), so the next step and the next call start
+    clean; a batch above the row count keeps the three launches."""
+    monkeypatch.setenv(ENV, "64")
+    floats, lengths = _inputs(**SHAPE, dtype=torch.float32, device=DEV)
+    x, w_in, w_rec, bias, w_proj, h0, c0 = floats
+    kw = dict(cell_clip=1.0, proj_clip=0.8, forget_bias=1.0, reverse=False, residual=False, save=False)
+    plan, bufs = KL.fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+    assert sorted(plan) == ["fwd_cell", "fwd_proj"] and plan["fwd_proj"].kernel is KL._splitk_out_kernel
+    assert plan["fwd_proj"].grid[2] == 3 and bufs["tickets"].numel() == 2 * 2
+    with probe() as counts:
+        KL._fwd_loop(plan, bufs)
+    assert [la.kernel for la in counts.launches] == ["_fwd_cell_kernel", "_splitk_out_kernel"] * SHAPE["T"]
+    assert torch.equal(bufs["tickets"].cpu(), torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setenv(ENV, str(SHAPE["B"] - 1))
+    plan, _ = KL.fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
+    assert sorted(plan) == ["fwd_cell", "fwd_proj", "fwd_reduce"]
+
+
+@contextlib.contextmanager
+def programs_split_major():
+    """Under the interpreter, the programs of every grid handed out with the last dimension (the split) slowest:
+    every tile's first split, then every tile's second, ... (the interpreter's own order runs one tile's splits
+    together, which hides a counter shared by two tiles)."""
+    from triton.runtime import interpreter
+
+    b = interpreter.interpreter_builder
+    real = type(b).set_grid_idx
+
+    def split_major(x, y, z):
+        gx, gy, gz = b.grid_dim
+        n = (x * gy + y) * gz + z  # the position in the interpreter's order
+        z2, rest = divmod(n, gx * gy)
+        real(b, rest // gy, rest % gy, z2)
+
+    b.set_grid_idx = split_major
+    try:
+        yield
+    finally:
+        del b.set_grid_idx
+
+
+@pytest.mark.parametrize("order", [programs_backwards, programs_split_major], ids=["backwards", "split-major"])
+def test_any_program_order_gives_the_same_bits(monkeypatch, order):
+    """Whichever split draws a tile's last ticket sums its partials in split order: programs handed out from the
+    last to the first, or every tile's first split before any second one, give the same bits."""
+    if DEV != "cpu":
+        pytest.skip("program order is the interpreter's to choose; on a GPU the gpu test repeats calls instead")
+    floats, lengths = _inputs(**SHAPE, dtype=torch.float32, device=DEV, seed=5)
+    want = _run(monkeypatch, "64", floats, lengths, reverse=False, residual=True, grads=False)
+    with order():
+        got = _run(monkeypatch, "64", floats, lengths, reverse=False, residual=True, grads=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_setting_is_a_row_count(monkeypatch):
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match=r"ELMO_FAST_LSTMP_FUSED_REDUCE='yes': expected a row count"):
+        KL.fused_reduce_rows()
+    monkeypatch.delenv(ENV)
+    assert KL.fused_reduce_rows() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 16])
+def test_gpu_fused_reduce_is_the_reduce_kernel_bit_for_bit(monkeypatch, B):
+    """On a GPU, at the original model's sizes and the batches it is meant for, with loop graphs (the default) and
+    without: 30 calls each, every one the reduce kernel's bits (a missing release or acquire, or a stale L1 line,
+    would let a last split read a partial before it lands)."""
+    from elmo_fast.kernels import lstmp_graphs
+
+    floats, lengths = _inputs(B, 20, 512, 4096, 512, torch.bfloat16, "cuda", seed=B)
+    want = _run(monkeypatch, "0", floats, lengths, reverse=True, residual=True, grads=False)
+    for graphs in (True, False):
+        ctx = lstmp_graphs.suspended() if not graphs else torch.no_grad()
+        with ctx:
+            for i in range(30):
+                got = _run(monkeypatch, "16", floats, lengths, reverse=True, residual=True, grads=False)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (graphs, i)
