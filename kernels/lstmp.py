@@ -355,6 +355,18 @@ def _splitk_kernel(
     """Split k = program_id(2) of a_t · b at step s for one (row block, P slice): the sum over K-rows
     [k·KS, (k+1)·KS), into part (S, B, P). a (B, T, K) per token: m_t (K = H, the forward projection, b =
     w_proj (K, P) row-major) or dz_t (K = 4H, the recurrent backward, b = w_recᵀ: element [k, p] = w_rec[p, k])."""
+    acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(a_ptr, b_ptr, len_ptr, s, B, T, K, P, B_ROW_MAJOR,
+                                                               REVERSE, ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
+    tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc,
+             mask=rmask[:, None] & pmask[None, :])
+
+
+@triton.jit
+def _splitk_tile(a_ptr, b_ptr, len_ptr, s, B, T, K: tl.constexpr, P: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
+                 REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr, BB: tl.constexpr,
+                 BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr):
+    """Split k = program_id(2)'s sum over K-rows [k·KS, (k+1)·KS) for this program's (row block, P slice), with the
+    rows' masks (``_splitk_kernel``; ``_splitk_out_kernel``)."""
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
@@ -371,8 +383,7 @@ def _splitk_kernel(
             bp = b_ptr + rp[None, :].to(tl.int64) * K + rk[:, None]
         b = tl.load(bp, mask=kmask[:, None] & pmask[None, :] & live, other=0.0)
         acc = _mma(a, b, acc, IEEE, ACC, EMU)
-    tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc,
-             mask=rmask[:, None] & pmask[None, :])
+    return acc, rb, rmask, valid, last, tok, rp, pmask
 
 
 @triton.jit(do_not_specialize=["s"])
@@ -436,19 +447,8 @@ def _splitk_out_kernel(
     partials are stored before a CTA barrier and an acq_rel atomic at GPU scope, and the last split reads them past
     L1 (``.cg``) after its own acquire: the pattern of inductor's grid barrier, without the spin (so the interpreter,
     whose programs run one after another, runs it too)."""
-    rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
-    rp = tl.program_id(1) * BP + tl.arange(0, BP)
-    pmask = rp < P
-    live = _any(valid)
-    kb = tl.program_id(2) * KS
-    acc = tl.zeros([BB, BP], ACC)
-    for k0 in tl.range(0, KS, BK, num_stages=STAGES):
-        rk = kb + k0 + tl.arange(0, BK)
-        kmask = rk < H
-        a = tl.load(m_ptr + tok[:, None] * H + rk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(w_ptr + rk[:, None].to(tl.int64) * P + rp[None, :], mask=kmask[:, None] & pmask[None, :] & live,
-                    other=0.0)
-        acc = _mma(a, b, acc, IEEE, ACC, EMU)
+    acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(m_ptr, w_ptr, len_ptr, s, B, T, H, P, True, REVERSE,
+                                                               ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
     am = rmask[:, None] & pmask[None, :]
     tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc, mask=am)
     tl.debug_barrier()  # every thread's partial stored before the ticket releases them
