@@ -247,7 +247,7 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
             training = B >= 128
             c = make_chain(B, T, dtype=dtype, device=device, **dims)
             args = [c[k] for k in ARGS]
-            with torch.no_grad():
+            with torch.no_grad(), common.env_var(KL.FUSED_REDUCE_ENV, "0"):  # each of the three launches timed
                 plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=training, **fl)
                 timed = [(k, plan[k], bufs) for k in ("fwd_cell", "fwd_proj", "fwd_reduce")]
                 if training:
@@ -287,7 +287,7 @@ def _step_buffers(B, T, dtype, device, dims):
     H, P = dims["H"], dims["P"]
     c = make_chain(B, T, dtype=dtype, device=device, **dims)
     args = [c[k] for k in ARGS]
-    with torch.no_grad():
+    with torch.no_grad(), common.env_var(KL.FUSED_REDUCE_ENV, "0"):  # the three-launch plan the sweeps vary
         plan, bufs = KL.fwd_setup(*args, forget_bias=1.0, save=True, **TRAIN_FLAGS)
         KL._fwd_loop(plan, bufs)
         _, _, _, cache = KL.lstmp_fwd(*args, forget_bias=1.0, save=True, **TRAIN_FLAGS)

@@ -498,7 +498,7 @@ def calibrated_us(case: Case, graph: bool = True) -> float:
 GEMM_LIKE = {"_char_cnn_fwd_kernel", "_char_cnn_bwd_kernel", "_char_cnn_win_grad_kernel", "_highway_fused_kernel",
              "_mm_kernel",
              "_softmax_lse_fwd_kernel", "_softmax_dlogit_kernel", "_fwd_cell_kernel",
-             "_bwd_cell_kernel", "_splitk_kernel"}
+             "_bwd_cell_kernel", "_splitk_kernel", "_splitk_out_kernel"}
 # Kernels that may launch fewer than 132 programs at B >= 128, and why (none today).
 FEW_PROGRAMS_OK: dict[str, str] = {}
 NOTES = {

@@ -27,7 +27,9 @@ def _inputs(B, T, D, H, P, dtype, device, seed=0):
         return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
 
     lengths = torch.randint(1, T + 1, (B,), generator=g)
-    lengths[0], lengths[-1] = T, 0
+    lengths[0] = T
+    if B > 1:  # an empty row; never the only one (B = 1 would compare zeros and h0, whatever the kernel does)
+        lengths[-1] = 0
     return [r(B, T, D), r(D, 4 * H, scale=0.3), r(P, 4 * H, scale=0.3), r(4 * H, scale=0.1), r(H, P, scale=0.3),
             r(B, P, scale=0.5), r(B, H, scale=0.5)], lengths.to(device)
 
@@ -133,6 +135,18 @@ def test_any_program_order_gives_the_same_bits(monkeypatch, order):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_loop_graphs_keep_the_two_plans_apart(monkeypatch):
+    """The setting is part of a loop graph's key: a call with it on after calls with it off (seen, captured,
+    replayed) runs the fused plan, not the other plan's recorded loop."""
+    monkeypatch.setenv("ELMO_FAST_LOOP_GRAPHS", "record" if DEV == "cpu" else "1")
+    floats, lengths = _inputs(5, 3, 24, 40, 24, torch.float32, DEV, seed=2)
+    want = [_run(monkeypatch, "0", floats, lengths, reverse=False, residual=True, grads=False) for _ in range(3)][-1]
+    with probe() as counts:
+        got = _run(monkeypatch, "64", floats, lengths, reverse=False, residual=True, grads=False)
+    assert any(la.kernel == "_splitk_out_kernel" for la in counts.launches), counts.launches
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_the_setting_is_a_row_count(monkeypatch):
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(ValueError, match=r"ELMO_FAST_LSTMP_FUSED_REDUCE='yes': expected a row count"):
@@ -142,18 +156,73 @@ def test_the_setting_is_a_row_count(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("B", [1, 16])
-def test_gpu_fused_reduce_is_the_reduce_kernel_bit_for_bit(monkeypatch, B):
+def test_gpu_fused_reduce_is_the_reduce_kernel_bit_for_bit(monkeypatch, B, dtype):
     """On a GPU, at the original model's sizes and the batches it is meant for, with loop graphs (the default) and
     without: 30 calls each, every one the reduce kernel's bits (a missing release or acquire, or a stale L1 line,
-    would let a last split read a partial before it lands)."""
+    would let a last split read a partial before it lands), and a training call (forward caches and every
+    gradient)."""
     from elmo_fast.kernels import lstmp_graphs
 
-    floats, lengths = _inputs(B, 20, 512, 4096, 512, torch.bfloat16, "cuda", seed=B)
+    floats, lengths = _inputs(B, 20, 512, 4096, 512, dtype, "cuda", seed=B)
+    assert int(lengths.max()) == 20
     want = _run(monkeypatch, "0", floats, lengths, reverse=True, residual=True, grads=False)
     for graphs in (True, False):
-        ctx = lstmp_graphs.suspended() if not graphs else torch.no_grad()
-        with ctx:
+        with lstmp_graphs.suspended() if not graphs else contextlib.nullcontext():
+            with probe() as counts:
+                _run(monkeypatch, "16", floats, lengths, reverse=True, residual=True, grads=False)
+            if not graphs:  # eager: the fused kernel is what ran (a replay counts as one launch)
+                assert any(la.kernel == "_splitk_out_kernel" for la in counts.launches)
             for i in range(30):
                 got = _run(monkeypatch, "16", floats, lengths, reverse=True, residual=True, grads=False)
                 assert all(torch.equal(a, b) for a, b in zip(got, want)), (graphs, i)
+    want = _run(monkeypatch, "0", floats, lengths, reverse=False, residual=False)
+    got = _run(monkeypatch, "16", floats, lengths, reverse=False, residual=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+PTX_SCRIPT = """
+import os, re, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+import kernel_report as KR
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+case = next(c for c in KR.workload_cases([z for z in KR.SIZES if z.name == "infer B=1"], [KR.BF16])
+            if c.kernel == "_splitk_out_kernel")
+options, signature, constexprs, attrs = KR.compile_key(case)
+ck = triton.compile(ASTSource(case.launch.kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                    options=options.__dict__)
+print(ck.asm["ptx"])
+"""
+
+
+def test_the_compiled_ticket_orders_the_partials():
+    """What the interpreter cannot run, checked in the code compiled for sm_90a (no GPU): the partial stores, then a
+    CTA barrier, then the ticket as an acq_rel atomic at GPU scope, then a barrier, then every split's partial read
+    past L1 (``ld.global.cg``), then the counter's reset."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(root / "bench")], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln.strip() for ln in r.stdout.splitlines()]
+
+    def first(rx, start=0):
+        return next(i for i in range(start, len(lines)) if re.search(rx, lines[i]))
+
+    ticket = first(r"atom\.global\.gpu\.acq_rel\.add")
+    last_store = max(i for i in range(ticket) if re.search(r"\bst\.global", lines[i]))
+    assert any("bar.sync" in ln for ln in lines[last_store:ticket])  # every thread's partial before the ticket
+    after = first(r"bar\.sync", ticket)
+    loads = [i for i in range(after, len(lines)) if re.search(r"ld\.global\.cg", lines[i])]
+    assert len(loads) == 9  # SPLITS = 9 at B = 1: each partial once, past L1
+    assert first(r"atom\.global.*\.exch", after) > loads[-1]  # the counter reset once all are read
