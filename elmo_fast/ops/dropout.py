@@ -8,8 +8,8 @@ self-check), the reference's torch ops otherwise (``reference`` on any device, C
 The seed is drawn from torch's default CPU generator, so ``torch.manual_seed`` fixes the masks on the GPU too (under
 ``torch.compile`` the draw is in the graph, the operators opaque); reading it is a host read, no device sync.
 ``torch.nn.functional.dropout`` (the CUDA generator's masks) remains only where no hash can run: the ``cuda``
-backend (its extension has no dropout), ``auto`` on a GPU without a working Triton, and an x of 2^32 elements or
-more. Two operators, ``elmo_fast::dropout_hash`` (CPU extension or reference) and
+backend (its extension has no dropout), ``auto`` on a GPU without a working Triton, and a group (an x, outside
+``row_groups``) of 2^32 elements or more. Two operators, ``elmo_fast::dropout_hash`` (CPU extension or reference) and
 ``elmo_fast::dropout_hash_triton``, each with a fake and its gradient (the same operator on the upstream gradient
 with the same seeds: nothing is saved).
 
