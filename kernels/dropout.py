@@ -27,6 +27,7 @@ instead of 31-32 (sm_90a, kernel report).
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from elmo_fast.kernels._common import Launch
 from elmo_fast.ops.dropout import check_hash_args, hashed_dropout_op
-from elmo_fast.reference.dropout import dropout_threshold
+from elmo_fast.reference.dropout import dropout_threshold, seed_keys
 
 __all__ = ["dropout_hash_triton", "dropout_launch", "scalar_args", "MAX_GROUPS", "BLOCK"]
 
@@ -123,8 +124,9 @@ _cached_scale = functools.lru_cache(maxsize=None)(_make_scale)
 
 
 def _keys(seed: int) -> tuple[int, int]:
-    s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    return (s & 0xFFFFFFFF) + _BIAS, (s >> 32) + _BIAS
+    """The seed's two 32-bit keys (the reference's ``seed_keys``), biased."""
+    k1, k2 = seed_keys(seed)
+    return k1 + _BIAS, k2 + _BIAS
 
 
 def dropout_launch(n: int, groups: int, dtype: torch.dtype) -> Launch:
@@ -140,8 +142,7 @@ def scalar_args(numels: list[int], seeds: list[int], p: float) -> tuple:
     """The kernel's scalar arguments for one launch over groups of ``numels`` elements (at most ``MAX_GROUPS``) with
     ``seeds``: the element count, the groups' ends, the threshold and the seeds' halves, every 32-bit value biased
     (module docstring). The launcher's and the kernel report's."""
-    total = sum(numels)
-    ends = [sum(numels[:k + 1]) for k in range(len(numels) - 1)]
+    *ends, total = itertools.accumulate(numels)
     ends += [total] * (MAX_GROUPS - 1 - len(ends))
     keys = [k for seed in seeds for k in _keys(seed)]
     keys += [_BIAS] * (2 * MAX_GROUPS - len(keys))

@@ -909,6 +909,14 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         # w_rec, gx, h; c_{t-1} (state or cache) and c_t; m; z
         T, P * G * isz + B * G * isz + B * P * isz + 2 * B * H * asz + B * H * isz + (B * G * isz if training else 0),
         2 * B * P * G, t)
+    def splitk(name, K, a, b, b_row_major):  # (the split-K launch of a P-wide GEMM over K, its split count)
+        t = tile(name)
+        S, KS = split(K, t)
+        return launch(_splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
+                      dict(K=K, P=P, B_ROW_MAJOR=b_row_major, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
+                      ((a, op), (b, op), ("part", acc), ("lengths", i64)),
+                      T, B * K * isz + K * P * isz, 2 * B * K * P, t, S * B * P * asz), S
+
     out_bytes = B * P * (2 * isz + (isz if residual else 0) + (asz + 2 * isz if training else 0))
     out_args = (("x", op), ("hop", op), ("hn", acc), ("lengths", i64), ("y", op), ("hpre", acc), ("hprev", op),
                 ("consts", acc))
@@ -922,16 +930,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
             (("m", op), ("w_proj", op), ("part", acc), ("tickets", torch.int32), *out_args),
             T, B * H * isz + H * P * isz + out_bytes, 2 * B * H * P, t, 2 * S * B * P * asz)
     else:
+        S = 0
         if has_proj:
-            t = tile("fwd_proj")
-            S, KS = split(H, t)
-            plan["fwd_proj"] = launch(
-                _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
-                dict(K=H, P=P, B_ROW_MAJOR=True, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
-                (("m", op), ("w_proj", op), ("part", acc), ("lengths", i64)),
-                T, B * H * isz + H * P * isz, 2 * B * H * P, t, S * B * P * asz)
-        else:
-            S = 0
+            plan["fwd_proj"], S = splitk("fwd_proj", H, "m", "w_proj", True)
         t = tile("fwd_reduce")
         plan["fwd_reduce"] = launch(
             _fwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),
@@ -950,13 +951,7 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
          ("lengths", i64), ("dz", op), ("dbp", acc), ("consts", acc)),
         T, (B * P * dhpre.itemsize + (H * P * isz if has_proj else 0) + B * G * isz + 2 * B * H * asz
             + 2 * B * H * asz + B * G * isz + cdiv(B, t.BM) * G * asz), 2 * B * P * H if has_proj else 0, t)
-    t = tile("bwd_rec")
-    S, KS = split(G, t)
-    plan["bwd_rec"] = launch(
-        _splitk_kernel, (cdiv(B, t.BM), cdiv(P, t.BN), S),
-        dict(K=G, P=P, B_ROW_MAJOR=False, REVERSE=reverse, BP=t.BN, BK=t.BK, KS=KS, **flags),
-        (("dz", op), ("w_rec", op), ("part", acc), ("lengths", i64)),
-        T, B * G * isz + P * G * isz, 2 * B * G * P, t, S * B * P * asz)
+    plan["bwd_rec"], S = splitk("bwd_rec", G, "dz", "w_rec", False)
     t = tile("bwd_reduce")
     plan["bwd_reduce"] = launch(
         _bwd_reduce_kernel, (cdiv(B, t.BM), cdiv(P, t.BN)),

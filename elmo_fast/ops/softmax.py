@@ -112,7 +112,7 @@ def sampled_softmax_loss(
     """
     hidden, targets, sampled_ids, true_q, samp_q = _sampled_inputs(hidden, targets, weight, bias, sampled_ids,
                                                                    num_tries, reduction)
-    hidden, weight = _low_precision(hidden, weight)
+    hidden, weight = _low_precision(weight, hidden)
     be = backend_for(backend, hidden.device, "sampled_softmax", hidden.dtype)
     kw = dict(remove_accidental_hits=remove_accidental_hits, reduction=reduction, sparse_grad=sparse_grad)
     with prec.no_autocast(hidden.device):
@@ -171,12 +171,12 @@ def sampled_softmax_loss_groups(
     and gradients as one call per group (the table's gradients summed).
 
     How: on the ``triton`` backend, where the groups share the row count, the sample count and the dtype, one
-    operator call for all of them (each kernel launched once, batched GEMMs: a step's host work does not grow
-    with the towers); on the ``cpu`` backend, where the groups come in pairs (an even count, the trainer's
-    directions), each consecutive pair as one operator (one gradient tensor for the table instead of two that
-    autograd adds); elsewhere, or under autocast on the cpu, one call per group. The values are those of one call
-    per group; in 16-bit the table's gradients may differ by a rounding (summed in fp32 and rounded once, where
-    separate calls round each group's before autograd adds them)."""
+    operator call for all of them (each kernel launched once, batched GEMMs; the argument checks and the expected
+    counts, a few torch ops, still run per group); on the ``cpu`` backend, where the groups come in pairs (an even
+    count, the trainer's directions), each consecutive pair as one operator (one gradient tensor for the table
+    instead of two that autograd adds); elsewhere, or under autocast on the cpu, one call per group. The values are
+    those of one call per group; in 16-bit the table's gradients may differ by a rounding (summed in fp32 and
+    rounded once, where separate calls round each group's before autograd adds them)."""
     groups = [tuple(g) for g in groups]
     if not groups or any(len(g) != 4 for g in groups):
         raise ValueError("sampled_softmax_loss_groups: groups is a non-empty sequence of (hidden, targets, "
@@ -206,9 +206,9 @@ def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, s
     """The groups' hidden, targets and expected counts side by side, their sample sets stacked: one call of the
     Triton operator in its grouped form (``kernels.softmax.sampled_softmax_loss_triton``), its losses split."""
     args = [_sampled_inputs(h, t, weight, bias, ids, tries, reduction) for h, t, ids, tries in groups]
-    low = prec.compute_dtype(args[0][0])  # under autocast each group cast before the stacking (half its bytes)
-    hidden = torch.cat(prec.activations(low, *(a[0] for a in args)))
-    weight = prec.cast_weight(weight, low)
+    # under autocast each group cast before the stacking (half its bytes)
+    *hidden, weight = _low_precision(weight, *(a[0] for a in args))
+    hidden = torch.cat(hidden)
     with prec.no_autocast(hidden.device):
         from ..kernels.softmax import sampled_softmax_loss_triton
 
@@ -221,11 +221,11 @@ def _triton_groups(groups, weight, bias, *, remove_accidental_hits, reduction, s
     return tuple(loss.split([n] * len(args))) if reduction == "none" else tuple(loss.unbind(0))
 
 
-def _low_precision(hidden, weight):
-    """Under autocast: hidden and the (V, P) table in the autocast dtype, the table cast once per update."""
-    low = prec.compute_dtype(hidden)
-    (hidden,) = prec.activations(low, hidden)
-    return hidden, prec.cast_weight(weight, low)
+def _low_precision(weight, *hidden):
+    """Under autocast (read from the first of ``hidden``): every hidden and the (V, P) table in the autocast dtype,
+    the table cast once per update; returns (*hidden, weight)."""
+    low = prec.compute_dtype(hidden[0])
+    return (*prec.activations(low, *hidden), prec.cast_weight(weight, low))
 
 
 def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
@@ -238,7 +238,7 @@ def full_softmax_nll(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.
     """
     _check_common(hidden, targets, weight, bias, reduction)
     targets = targets.long()
-    hidden, weight = _low_precision(hidden, weight)
+    hidden, weight = _low_precision(weight, hidden)
     be = backend_for(backend, hidden.device, "full_softmax", hidden.dtype)
     with prec.no_autocast(hidden.device):
         if be == "triton":

@@ -43,12 +43,17 @@ def dropout_threshold(p: float) -> int:
     return int(round(p * 2.0 ** 32))
 
 
+def seed_keys(seed: int) -> tuple[int, int]:
+    """(k1, k2): the low and high 32 bits of the seed taken as an unsigned 64-bit word (the Triton kernel's too)."""
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    return s & _MASK32, s >> 32
+
+
 def dropout_keep_reference(numel: int, seed: int, p: float, device=None) -> torch.Tensor:
     """(numel,) bool: which elements are kept."""
     if numel >= 2 ** 32:
         raise ValueError(f"dropout: at most 2^32 - 1 elements in one call, got {numel}")
-    s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    k1, k2 = s & _MASK32, s >> 32
+    k1, k2 = seed_keys(seed)
     i = torch.arange(numel, dtype=torch.int64, device=device)
     h = _fmix32((_fmix32(_fmix32(i) ^ k1) + k2) & _MASK32)
     return h >= dropout_threshold(p)

@@ -361,7 +361,7 @@ class Trainer:
         directions every tower's two directions go to one softmax call (``SampledSoftmaxLoss.forward_groups``: on the
         triton backend one launch of each kernel for all the towers, on the cpu backend one operator a tower)."""
         sm = self.softmax
-        if self.cfg.bidirectional and all(h[4] is not None for h in heads):
+        if self.cfg.bidirectional and self.cfg.sample_softmax:
             groups = []
             for top_f, top_b, tf, tb, (ids, tries) in heads:
                 groups += [(top_f, tf, (ids[0], tries[0])), (top_b, tb, (ids[1], tries[1]))]
