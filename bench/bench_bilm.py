@@ -104,9 +104,10 @@ def test_cpu_tiny_embed(benchmark, tiny):
 
 # ------------------------------------------------------------------------------------------ GPU
 # "+graph": the model CUDA graph; "+2streams": ELMO_FAST_BILM_STREAMS=2 (the two LSTM stacks on two streams);
-# "+fusedreduce": ELMO_FAST_LSTMP_FUSED_REDUCE=16 (the forward's reduce in the projection's last split, opt-in)
+# "+fusedreduce": ELMO_FAST_LSTMP_FUSED_REDUCE=16 (the forward's reduce in the projection's last split, opt-in);
+# "+pdl": ELMO_FAST_LSTMP_PDL=1 (programmatic dependent launch in the LSTMP time loops, opt-in)
 PROVIDERS = ("reference", "triton", "auto", "auto+2streams", "auto+graph", "auto+graph+2streams",
-             "auto+graph+fusedreduce", "cuda")
+             "auto+graph+fusedreduce", "auto+graph+pdl", "auto+graph+fusedreduce+pdl", "cuda")
 
 
 def _elmo_fast(o, w, provider, dev, dtype):
@@ -122,6 +123,10 @@ def _elmo_fast(o, w, provider, dev, dtype):
         from elmo_fast.kernels.lstmp import FUSED_REDUCE_ENV
 
         m = common.with_env(m, FUSED_REDUCE_ENV, "16")
+    if "pdl" in extras:
+        from elmo_fast.kernels.lstmp import PDL_ENV
+
+        m = common.with_env(m, PDL_ENV, "1")
     return common.with_env(m, "ELMO_FAST_BILM_STREAMS", "2") if "2streams" in extras else m
 
 

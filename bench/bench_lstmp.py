@@ -162,9 +162,9 @@ def _eager(fn):
 
 
 def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
-              providers=("triton", "triton-eager", "triton-graph", "reference", "cudnn"),
+              providers=("triton", "triton-pdl", "triton-eager", "triton-graph", "reference", "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
-    from elmo_fast.kernels.lstmp import lstmp_triton
+    from elmo_fast.kernels.lstmp import PDL_ENV, lstmp_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -181,10 +181,12 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    if provider in ("triton", "triton-eager", "triton-graph"):
+                    if provider in ("triton", "triton-pdl", "triton-eager", "triton-graph"):
                         # triton: the time loops replay from loop graphs (the default on a GPU) after the first
-                        # call; triton-eager: every step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
-                        fn = _eager(lstmp_triton) if provider == "triton-eager" else lstmp_triton
+                        # call; triton-pdl: the same with programmatic dependent launch (ELMO_FAST_LSTMP_PDL=1,
+                        # opt-in); triton-eager: every step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
+                        fn = {"triton-eager": _eager(lstmp_triton),
+                              "triton-pdl": common.with_env(lstmp_triton, PDL_ENV, "1")}.get(provider, lstmp_triton)
                     elif provider == "reference":
                         fn = lstmp_reference
                     else:

@@ -3,7 +3,8 @@
 * ``elmo_fast``: ``elmo_fast.training.Trainer.train_step`` as ``elmo-fast train`` runs it: background data worker,
   elmo_fast kernels (backend auto), bf16 autocast, sparse softmax rows + sparse Adagrad, stateful TBPTT; on a
   GPU the LSTMP time loops replay from loop graphs (the default), and ``elmo_fast-eager`` is the same with
-  ``ELMO_FAST_LOOP_GRAPHS=0``. ``elmo_fast-towers``: the original recipe as ``--config original`` runs it, the same
+  ``ELMO_FAST_LOOP_GRAPHS=0``, ``elmo_fast-pdl`` with ``ELMO_FAST_LSTMP_PDL=1`` (programmatic dependent launch in the
+  LSTMP time loops, opt-in). ``elmo_fast-towers``: the original recipe as ``--config original`` runs it, the same
   rows a step as 3 towers of ``--batch`` / 3 rows each in one pass (``fuse_towers``, the GPU default);
   ``elmo_fast-towers-seq``: those towers one after the other.
 * ``parts``: the same model from library parts: ``nn.Embedding`` + ``nn.Conv1d`` + highway ``nn.Linear`` for the
@@ -197,10 +198,12 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         V = len(vocab)
         cfg.n_train_tokens = n_tok
         cfg.n_negative_samples_batch = min(cfg.n_negative_samples_batch, V)
-        # ---- elmo_fast; on a GPU also with the LSTMP loop graphs off (every step's launches as launched), and
-        # with the batches made in a thread of this process instead of a worker process (data_worker's GPU default)
+        # ---- elmo_fast; on a GPU also with the LSTMP loop graphs off (every step's launches as launched), with the
+        # batches made in a thread of this process instead of a worker process (data_worker's GPU default), and with
+        # programmatic dependent launch in the LSTMP time loops (ELMO_FAST_LSTMP_PDL=1, opt-in)
         variants = [("elmo_fast", None, "auto")] + (
-            [("elmo_fast-eager", "0", "auto"), ("elmo_fast-thread-data", None, "thread")] if dev.type == "cuda" else [])
+            [("elmo_fast-eager", "0", "auto"), ("elmo_fast-thread-data", None, "thread"),
+             ("elmo_fast-pdl", None, "auto")] if dev.type == "cuda" else [])
         # the original recipe's 3 towers of batch / 3 rows each (the same rows a step), fused in one pass (the GPU
         # default) or one after the other
         variants += [("elmo_fast-towers", None, "auto"), ("elmo_fast-towers-seq", None, "auto")]
@@ -216,7 +219,8 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
                 run_cfg = dataclasses.replace(run_cfg, towers=configs.ORIGINAL_TOWERS,
                                               batch_size=batch // configs.ORIGINAL_TOWERS,
                                               fuse_towers="off" if name.endswith("-seq") else "on")
-            with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs):
+            with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs), \
+                    common.env_var("ELMO_FAST_LSTMP_PDL", "1" if name.endswith("-pdl") else None):
                 tr = Trainer(run_cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
                     results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,

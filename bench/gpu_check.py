@@ -112,7 +112,8 @@ STEPS = (
          _bench_import("bench_softmax")),
     Step("bench-train", 540, "pretraining throughput, original config, 384 rows (performance.md's shape)",
          ((PY, "bench/bench_train.py", "--batch", "384", "--providers",
-           "elmo_fast,elmo_fast-towers,elmo_fast-towers-seq,elmo_fast-thread-data,elmo_fast-eager,parts"),),
+           "elmo_fast,elmo_fast-pdl,elmo_fast-towers,elmo_fast-towers-seq,elmo_fast-thread-data,elmo_fast-eager,"
+           "parts"),),
          ((PY, "bench/bench_train.py"),)),
     Step("profile-train", 300, "a training step at 384 rows under torch.profiler: kernels by device time, host ops, "
          "how busy the GPU is (bench_train --profile)",

@@ -68,6 +68,8 @@ DC, L, N_CHARS, N_HIGHWAY = 16, 50, 262, 2
 V, S = 793471, 8192
 N_PARAMS = 93_600_848  # spec §0, without the softmax
 FUSED_REDUCE = "fwd fusedreduce"  # lstmp_cases with the forward's reduce in the projection's last split
+PDL = "fwd pdl"  # lstmp_cases built for programmatic dependent launch (opt-in: kernels/lstmp.py pdl_on)
+PDL_SIZES = ("infer B=1", "train B=384")  # where the PDL builds are compiled (bf16): the latency and the chain targets
 DROPOUT_SITES = 6  # the trainer's dropout sites a step: every LSTM layer's input in both directions, both top outputs
 MEAN_WINDOWS = 8  # assumed mean char-CNN position-loop length (sorted tokens: BOW + ~5 bytes + EOW + slack)
 
@@ -279,13 +281,13 @@ def softmax_one_by_one(N: int, C: int, groups: int, e: int) -> bool:
     return KS.dlogit_columns(N * groups, C, e) < C
 
 
-def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train, fuse_reduce=False):
+def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train, fuse_reduce=False, pdl=False):
     """The launches of one step of an LSTMP chain (both clips, with projection), from ``launch_plan`` (the
     launcher's own plan), in launch order. Backward starts with one extra ``bwd_reduce`` launch (the first
     step's prologue, ``HAS_PART=False``) that runs once per call, not per step. Bytes count the split-K partials
     as HBM traffic (an upper bound: at 8.7/17.3 MiB per step at B=384 they may well stay in L2)."""
     plan = KL.launch_plan(B, T, H_, P_, dtype, training=train, target=target, reverse=reverse, residual=residual,
-                          fuse_reduce=fuse_reduce)
+                          fuse_reduce=fuse_reduce, pdl=pdl)
     s = min(3, T - 1)  # the step index (never specialised)
     out = []
     for name, lc in plan.items():
@@ -334,6 +336,9 @@ def workload_cases(sizes=SIZES, dtypes=DTYPES) -> list[Case]:
                 out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=False,
                                                              residual=False, train=False, fuse_reduce=True),
                               FUSED_REDUCE)
+            if size.name in PDL_SIZES and dt == BF16:  # programmatic dependent launch (opt-in, kernels/lstmp)
+                out += _cases(size, "lstmp", dt, lstmp_cases(size.B, size.T, H, P, dt, tg, reverse=False,
+                                                             residual=False, train=size.train, pdl=True), PDL)
             if size.train:  # every dropout site's launch (one group; the fused towers' three: same bytes)
                 out += _cases(size, "dropout", dt, dropout_cases(size.B * size.T * P, dt))
             if size.name == TOWERS_SIZE:
@@ -371,7 +376,7 @@ _PTXAS = {k: re.compile(rx) for k, rx in dict(regs=r"Used (\d+) registers", stac
 _SASS = {"hgmma": r"\bHGMMA\.", "hmma": r"\bHMMA\.", "ldgsts": r"\bLDGSTS\b", "tma": r"\b(?:UTMALDG|UBLKCP)\b",
          "local": r"\b(?:LDL|STL)\b", "atom": r"\b(?:RED|ATOM|ATOMG)\b"}
 _PTX = {"ptx_wgmma": r"wgmma\.mma_async", "ptx_mma": r"\bmma\.sync", "ptx_cp_async": r"cp\.async\.(?:ca|cg)",
-        "ptx_tma": r"cp\.async\.bulk"}
+        "ptx_tma": r"cp\.async\.bulk", "ptx_gdc_wait": r"griddepcontrol\.wait"}
 _JOBS: list = []  # (case, key) per distinct variant; forked workers read it
 
 
@@ -836,6 +841,38 @@ def row_of(c: Case, picked: bool) -> dict:
     return r
 
 
+def prewait_bytes(c: Case) -> int:
+    """What a PDL build loads before its wait: a stationary tile's weight slice, over its grid (kernels/lstmp.py
+    ``_pdl_wait``); nothing in any other kernel."""
+    if not c.launch.meta.get("PDL") or not c.launch.meta.get("STATIONARY"):
+        return 0
+    return (P * 4 * H if c.kernel == "_fwd_cell_kernel" else H * P) * es(c.dtype)
+
+
+def pdl_table(cases: list[Case]) -> list[str]:
+    """The PDL builds (``PDL``) beside the default ones: registers, spills, shared memory, the wait in the PTX, and
+    the bytes loaded ahead of it."""
+    pdl = [c for c in cases if c.op == "lstmp" and c.variant == PDL and "error" not in c.stats]
+    if not pdl:
+        return []
+    base = {(c.size, c.dtype, c.phase, c.kernel, c.once): c for c in cases
+            if c.op == "lstmp" and c.variant == "fwd" and "error" not in c.stats}
+    md = ["Programmatic dependent launch (`launch_plan(pdl=True)`; opt-in, "
+          f"`{KL.PDL_ENV}=1`, until a GPU has timed it: bench_lstmp's `triton-pdl`, bench_bilm's `+pdl`, bench_train's "
+          "`elmo_fast-pdl`): every launch of a time loop but its first carries the PDL attribute, and each kernel lets "
+          "the next launch of its stream start, then waits for the one before (`griddepcontrol`). The graph-replayed "
+          "launch gap (2.6 µs on the H200) and, in a stationary tile, the weight's load can then overlap the kernel "
+          "before it; the model prices neither. The PDL builds beside the default ones:", "",
+          "| size | dtype | phase | kernel | regs: default / PDL | spill st/ld (PDL) | smem B (PDL) | "
+          "griddepcontrol.wait | loaded before the wait, MiB a step |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in pdl:
+        b, st = base.get((c.size, c.dtype, c.phase, c.kernel, c.once)), c.stats
+        md.append(f"| {c.size} | {dt_name(c.dtype)} | {c.phase} | {c.kernel}{' (once a call)' if c.once else ''} | "
+                  f"{b.stats['regs'] if b else '?'} / {st['regs']} | {st['spill_st']}/{st['spill_ld']} | "
+                  f"{st['smem']} | {st['ptx_gdc_wait']} | {prewait_bytes(c) / 2**20:.1f} |")
+    return md + [""]
+
+
 def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, subset: bool) -> tuple[Path, Path]:
     env = common.environment()
     n_var = len({c.stats["variant_id"] for c in cases})
@@ -938,6 +975,7 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
             md += ["", "The last split's tail (a ticket at L2, the partials read back, the epilogue) is counted as "
                    "bytes only (the partials twice); what the model saves is the reduce launch's 2.6 µs and its own "
                    "time.", ""]
+        md += pdl_table(cases)
         orig = [s for s in sums if "towers_fused_graph_us" in s]
         if orig:
             md += [f"The original config on one GPU (`--config original`: {ORIGINAL_TOWERS} towers of 128 rows, 384 "

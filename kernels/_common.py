@@ -80,6 +80,7 @@ class Target:
     interpret: bool
     sms: int = 1
     smem: int = 227 * 1024  # shared memory a block may opt into (an H100's; the GPU's own on a GPU)
+    major: int = 9  # compute capability (an H100's; the GPU's own on a GPU): programmatic dependent launch needs 9
 
 
 INTERPRETER = Target(interpret=True)
@@ -87,10 +88,11 @@ H100 = Target(interpret=False, sms=132)  # H100 SXM (and H200): the report's tar
 
 
 def target_from(props) -> Target:
-    """The compiled-code target of a GPU with these ``torch.cuda.get_device_properties``: its SMs and the shared
-    memory a block may opt into (``shared_memory_per_block_optin`` where torch has it, else the 48 KiB default)."""
+    """The compiled-code target of a GPU with these ``torch.cuda.get_device_properties``: its SMs, the shared memory
+    a block may opt into (``shared_memory_per_block_optin`` where torch has it, else the 48 KiB default) and its
+    compute capability's major number."""
     smem = getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
-    return Target(interpret=False, sms=props.multi_processor_count, smem=smem)
+    return Target(interpret=False, sms=props.multi_processor_count, smem=smem, major=props.major)
 
 
 @functools.lru_cache(maxsize=None)

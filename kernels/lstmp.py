@@ -42,6 +42,18 @@ Backward walks the steps in reverse with the mirror image:
    the next ``_bwd_cell_kernel`` and of the dW_proj GEMM. One extra launch before the loop does that
    prologue for the first step; after the loop the carry is dh0.
 
+*Programmatic dependent launch* (Hopper and later; opt-in, ``ELMO_FAST_LSTMP_PDL=1``: ``pdl_on``). The plan's
+kernels are built with ``PDL``: each one first lets the next launch of its stream start (its programs are scheduled
+as SMs free up) and then waits, in ``_pdl_wait``, until the launch before it has finished and its writes are
+visible. Ahead of that wait a kernel reads only what no launch of the loop writes: a stationary tile's weight slice
+(the forward's 128 KiB a program, 16 MiB a step at B=384, can then load while the step's previous kernel runs), and
+nothing at all elsewhere; it writes nothing. Every launch of a loop but its first carries the attribute; the first
+follows the copies into the loop's buffers (the weights among them), so it is launched plainly. Each kernel waits
+before it ends, so the order is transitive: a launch's wait returning means every earlier launch has finished. The
+wait is a no-op for a plain launch. The interpreter has no grid dependency control: the CPU suite checks the plan,
+the launch options and, in the code compiled for sm_90a, that nothing but the weight is touched before the wait
+(``tests/test_lstmp_pdl.py``).
+
 Three launches per step (two forward without a projection), all with shapes fixed by (B, T): the time loop
 allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph
 (after one warm-up call: the first call per (device, dtype, forget bias, clips) uploads those constants). On
@@ -112,6 +124,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from elmo_fast.kernels import lstmp_graphs as graphs
 from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, target_of, tl_acc_dtype, triton_operator
@@ -179,6 +192,17 @@ def _rows_at(r0, len_ptr, s, B, T, BB: tl.constexpr, REVERSE: tl.constexpr):
 def _any(valid):
     """True when at least one row of the block is active: weight loads of idle blocks are masked off."""
     return tl.max(valid.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Programmatic dependent launch (opt-in, ``pdl_on``; Hopper and later): let the stream's next launch start its
+    programs now (they stop in their own call of this, holding no more than what they loaded before it), then wait
+    until the launch before this one has finished and its writes are visible. A kernel touches nothing that an
+    earlier launch writes before this call: only a stationary tile's weight is loaded ahead of it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -265,7 +289,7 @@ def _fwd_cell_kernel(
     HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, FUSED: tl.constexpr,
-    STATIONARY: tl.constexpr = False, PK: tl.constexpr = 0,
+    STATIONARY: tl.constexpr = False, PK: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Gates, cell and m for one (row block, H slice) at step s. hop (B,P) is h in the operand dtype; c (B,H)
     is the ACC cell state (inference: read and written every step; training: c0 at s == 0, c_{t-1} comes
@@ -277,8 +301,6 @@ def _fwd_cell_kernel(
     PK, loaded once, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block: the weight
     crosses L2 once per step and group instead of once per row block (the compiler keeps it in shared memory across
     the row loop)."""
-    forget_bias = tl.load(consts_ptr)
-    cell_clip = tl.load(consts_ptr + 1)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
     G = 4 * H
@@ -287,8 +309,14 @@ def _fwd_cell_kernel(
         rn = tl.program_id(1) * (4 * BH) + tl.arange(0, 4 * BH)
         rk = tl.arange(0, PK)
         kmask = rk < P
+        # the weight (written before the time loop only) ahead of the wait: with PDL it loads while the step
+        # before this one finishes
         w = tl.load(w_rec_ptr + rk[:, None].to(tl.int64) * G + rn[None, :], mask=kmask[:, None] & (rn < G)[None, :],
                     other=0.0)
+    _pdl_wait(PDL)
+    forget_bias = tl.load(consts_ptr)
+    cell_clip = tl.load(consts_ptr + 1)
+    if STATIONARY:
         r0 = tl.program_id(0) * BB  # row blocks pid0, pid0 + groups, ... (groups = the grid's first dimension)
         step = tl.num_programs(0) * BB
         rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
@@ -351,10 +379,12 @@ def _splitk_kernel(
     s, B, T, K: tl.constexpr, P: tl.constexpr, B_ROW_MAJOR: tl.constexpr,
     REVERSE: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
     BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Split k = program_id(2) of a_t · b at step s for one (row block, P slice): the sum over K-rows
     [k·KS, (k+1)·KS), into part (S, B, P). a (B, T, K) per token: m_t (K = H, the forward projection, b =
     w_proj (K, P) row-major) or dz_t (K = 4H, the recurrent backward, b = w_recᵀ: element [k, p] = w_rec[p, k])."""
+    _pdl_wait(PDL)
     acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(a_ptr, b_ptr, len_ptr, s, B, T, K, P, B_ROW_MAJOR,
                                                                REVERSE, ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
     tl.store(part_ptr + (tl.program_id(2) * B + rb)[:, None].to(tl.int64) * P + rp[None, :], acc,
@@ -391,9 +421,10 @@ def _fwd_reduce_kernel(
     part_ptr, m_ptr, x_ptr, hop_ptr, hn_ptr, len_ptr, y_ptr, hpre_ptr, hprev_ptr, consts_ptr,
     s, B, T, H: tl.constexpr, P: tl.constexpr, SPLITS: tl.constexpr,
     HAS_PROJ: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr,
-    SAVE: tl.constexpr, ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
+    SAVE: tl.constexpr, ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """h_t = clip(Σ partials) (or m_t without a projection) for one (row block, P slice): ``_fwd_out``."""
+    _pdl_wait(PDL)
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = rp < P
@@ -439,6 +470,7 @@ def _splitk_out_kernel(
     HAS_PROJ_CLIP: tl.constexpr, RESIDUAL: tl.constexpr, REVERSE: tl.constexpr, SAVE: tl.constexpr,
     ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
     BB: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """``_splitk_kernel``'s forward projection and ``_fwd_reduce_kernel``'s work in one launch (``fuse_reduce``:
     small batches). Split k = program_id(2) writes its fp32 partial of the (row block, P slice) tile, then takes a
@@ -447,6 +479,7 @@ def _splitk_out_kernel(
     partials are stored before a CTA barrier and an acq_rel atomic at GPU scope, and the last split reads them past
     L1 (``.cg``) after its own acquire: the pattern of inductor's grid barrier, without the spin (so the interpreter,
     whose programs run one after another, runs it too)."""
+    _pdl_wait(PDL)
     acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(m_ptr, w_ptr, len_ptr, s, B, T, H, P, True, REVERSE,
                                                                ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
     am = rmask[:, None] & pmask[None, :]
@@ -523,7 +556,7 @@ def _bwd_cell_kernel(
     HAS_PROJ: tl.constexpr, HAS_CELL_CLIP: tl.constexpr, REVERSE: tl.constexpr,
     ACC: tl.constexpr, IEEE: tl.constexpr, EMU: tl.constexpr,
     BB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-    STATIONARY: tl.constexpr = False, PK: tl.constexpr = 0,
+    STATIONARY: tl.constexpr = False, PK: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Backward of gates and cell for one (row block, H slice) at step s.
 
@@ -534,16 +567,18 @@ def _bwd_cell_kernel(
     STATIONARY (with HAS_PROJ; grid (groups, H/BH)): the program loads its slice's (P, BH) of w_projᵀ once, P padded
     to PK, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block (as the forward's).
     """
-    cell_clip = tl.load(consts_ptr + 1)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
 
     if STATIONARY:
         rk = tl.arange(0, PK)
         kmask = rk < P
-        # (w_proj)ᵀ slice: element [k, h] = w_proj[h, k]
+        # (w_proj)ᵀ slice: element [k, h] = w_proj[h, k]; ahead of the wait, as the forward's
         wt = tl.load(w_proj_ptr + rh[None, :].to(tl.int64) * P + rk[:, None], mask=kmask[:, None] & hmask[None, :],
                      other=0.0)
+    _pdl_wait(PDL)
+    cell_clip = tl.load(consts_ptr + 1)
+    if STATIONARY:
         r0 = tl.program_id(0) * BB
         step = tl.num_programs(0) * BB
         rb, rmask, valid, last, tok, ptok = _rows_at(r0, len_ptr, s, B, T, BB, REVERSE)
@@ -582,7 +617,7 @@ def _bwd_reduce_kernel(
     part_ptr, dh_ptr, dy_ptr, hpre_ptr, dhpre_ptr, len_ptr, consts_ptr,
     s, B, T, P: tl.constexpr, SPLITS: tl.constexpr,
     HAS_PART: tl.constexpr, HAS_PROJ_CLIP: tl.constexpr, REVERSE: tl.constexpr,
-    ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr,
+    ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Between the steps s+1 and s of backward, for one (row block, P slice).
 
@@ -591,6 +626,7 @@ def _bwd_reduce_kernel(
     dh_pre_s = (carry + dy_s) masked by the projection clip, written (zeros for inactive rows) into dhpre,
     which the cell kernel of step s and the dW_proj GEMM read. s = -1 only finishes the carry (dh0).
     """
+    _pdl_wait(PDL)
     proj_clip = tl.load(consts_ptr + 2)
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -742,6 +778,30 @@ def fused_reduce_rows() -> int:
     return int(value)
 
 
+PDL_ENV = "ELMO_FAST_LSTMP_PDL"
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether the time loops on ``device`` use programmatic dependent launch, from ``ELMO_FAST_LSTMP_PDL`` (1: on,
+    unset or 0: off). Each launch of a step but the loop's first is then launched with the PDL attribute, and its
+    kernel (``PDL``) lets the next launch start at once and waits in ``_pdl_wait`` for the one before: the gap
+    between two launches of a step, and a stationary tile's weight load, overlap the kernel before. Opt-in until a
+    GPU has timed it (bench_lstmp / bench_bilm ``+pdl``; ``test_gpu_pdl_*`` check the bits there). CPU tensors (the
+    interpreter) never use it; a GPU before Hopper (compute capability 9) cannot, and the setting is refused there."""
+    value = os.environ.get(PDL_ENV, "").strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return False
+    if value not in ("1", "on", "true", "yes"):
+        raise ValueError(f"{PDL_ENV}={value!r}: expected 1 (on) or 0 (off)")
+    target = device_target(device)
+    if target.interpret:
+        return False
+    if target.major < 9:
+        raise RuntimeError(f"{PDL_ENV}=1: programmatic dependent launch needs a GPU of compute capability 9.0 or "
+                           f"later (Hopper); {device} is {target.major}.x. Unset {PDL_ENV}.")
+    return True
+
+
 # Under the interpreter: fixed tiles (its cost grows with the number of programs) and splits of 64 K rows, so
 # that the tests' small shapes cross tile boundaries and get several splits.
 _INTERPRET_TILE = {k: Tile(32, 32, 32) for k in KERNELS}
@@ -833,15 +893,20 @@ def _splits(K: int, BK: int, tiles: int, sms: int) -> tuple[int, int]:
 
 def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training: bool, target: Target = H100,
                 has_proj: bool = True, cell_clip: bool = True, proj_clip: bool = True, reverse: bool = False,
-                residual: bool = False, tiles: dict | None = None, fuse_reduce: bool = False) -> dict[str, Launch]:
+                residual: bool = False, tiles: dict | None = None, fuse_reduce: bool = False,
+                pdl: bool = False) -> dict[str, Launch]:
     """Every launch of one chain call (see the module docstring). Pure: no device is touched. ``fuse_reduce``: the
     forward's reduce in the projection's last split (``_splitk_out_kernel``; no ``fwd_reduce`` launch: opt-in,
-    ``fused_reduce_rows``)."""
+    ``fused_reduce_rows``). ``pdl``: every kernel built for programmatic dependent launch (``PDL``: it waits for the
+    launch before it in ``_pdl_wait``; opt-in, ``pdl_on``)."""
     for name, flag in (("training", training), ("has_proj", has_proj), ("cell_clip", cell_clip),
-                       ("proj_clip", proj_clip), ("reverse", reverse), ("residual", residual)):
+                       ("proj_clip", proj_clip), ("reverse", reverse), ("residual", residual), ("pdl", pdl)):
         if not isinstance(flag, bool):  # e.g. a clip value where "is there a clip" is asked: under the interpreter
             # it would pass, compiled it fails (a float in a constexpr `if`)
             raise TypeError(f"launch_plan: {name} is a flag (bool), got {flag!r}")
+    if pdl and target.interpret:
+        raise ValueError("launch_plan: pdl needs compiled code on a GPU (the interpreter has no grid dependency "
+                         "control)")
     cdiv = triton.cdiv
     op = dtype
     acc = acc_dtype(dtype)
@@ -887,6 +952,8 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         ce = dict(consts, BB=t.BM)
         if stages:
             ce["STAGES"] = t.stages
+        if pdl:
+            ce["PDL"] = True
         return Launch(kernel, tuple(grid), ce, t.warps, t.stages, tuple(args) + ints, count, int(nbytes),
                       int(scratch), int(flops), t)
 
@@ -969,16 +1036,20 @@ def device_target(device: torch.device) -> Target:
     return target_of(device)
 
 
-def _bind(launch: Launch, bufs: dict, **constexprs):
+def _bind(launch: Launch, bufs: dict, *, dependent: bool = False, **constexprs):
     """``launch`` with the tensors named in ``launch.args`` as a function of the step ``s``; ``constexprs``
     override (bwd_reduce's HAS_PART). The arguments, the options and the launch path (``graphs.launcher``) are
     settled once per loop: a step's host work is the kernel call (bench/host_launch_overhead.py times it; the
-    interpreter's or the GPU launcher's own time comes on top)."""
+    interpreter's or the GPU launcher's own time comes on top). ``dependent``: a launch that follows one of the
+    loop's own (every one but the loop's first) gets the PDL attribute where the plan has ``PDL``; the first follows
+    other work of the stream (the copies into the loop's buffers), which a kernel's loads ahead of its wait must not
+    race, so it is launched plainly (its ``_pdl_wait`` then returns at once)."""
     args = [None if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
     at = [name for name, _ in launch.args].index("s")
+    pdl = {"launch_pdl": True} if dependent and launch.constexprs.get("PDL") else {}
     go = graphs.launcher(launch.kernel, launch.grid, args, {**launch.constexprs, **constexprs,
                                                             "num_warps": launch.num_warps,
-                                                            "num_stages": launch.num_stages})
+                                                            "num_stages": launch.num_stages, **pdl})
 
     def run(s: int) -> None:
         args[at] = s
@@ -994,15 +1065,17 @@ def _run(launch: Launch, bufs: dict, s: int, **constexprs) -> None:
 
 def _fwd_loop(plan: dict, bufs: dict) -> None:
     """The forward time loop: every launch of every step (what a loop graph captures)."""
-    steps = [_bind(plan[k], bufs) for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
+    names = [k for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
+    steps = [_bind(plan[k], bufs, dependent=True) for k in names]
+    first = _bind(plan[names[0]], bufs)
     for s in range(bufs["y"].shape[1]):
-        for run in steps:
-            run(s)
+        for i, run in enumerate(steps):
+            (first if s == 0 and i == 0 else run)(s)
 
 
 def _bwd_loop(plan: dict, bufs: dict) -> None:
     """The backward time loop (what a loop graph captures)."""
-    cell, rec, red = (_bind(plan[k], bufs) for k in ("bwd_cell", "bwd_rec", "bwd_reduce"))
+    cell, rec, red = (_bind(plan[k], bufs, dependent=True) for k in ("bwd_cell", "bwd_rec", "bwd_reduce"))
     T = bufs["dz"].shape[1]
     _bind(plan["bwd_reduce"], bufs, HAS_PART=False)(T - 1)  # dh_pre of the first step from dh_n
     for s in range(T - 1, -1, -1):
@@ -1046,7 +1119,7 @@ def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
 def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual) -> dict:
     return launch_plan(B, T, H, P, dtype, training=training, target=device_target(dev), has_proj=w_proj is not None,
                        cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
-                       residual=bool(residual), fuse_reduce=B <= fused_reduce_rows())
+                       residual=bool(residual), fuse_reduce=B <= fused_reduce_rows(), pdl=pdl_on(dev))
 
 
 def interleave_gates(w_rec: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1114,7 +1187,8 @@ def lstmp_fwd(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     slot = None
     if how is not None:
         key = (tuple(x.shape), x.dtype, tuple(w_in.shape), w_rec.dtype, w_proj is not None, tuple(h0.shape), h0.dtype,
-               c0.dtype, x.device, tuple(sorted(kw.items())), save, x.shape[0] <= fused_reduce_rows())
+               c0.dtype, x.device, tuple(sorted(kw.items())), save, x.shape[0] <= fused_reduce_rows(),
+               pdl_on(x.device))
         slot = graphs.POOL.acquire(key, how, lambda: _static(*fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths,
                                                                         save=save, **kw), _FWD_INPUTS))
     if slot is None:

@@ -287,10 +287,11 @@ def test_gpu_target_reads_the_opt_in_shared_memory():
     from elmo_fast.kernels._common import target_from
 
     h100 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_block=48 * 1024,
-                                 shared_memory_per_block_optin=227 * 1024)
-    assert target_from(h100) == _mod().Target(interpret=False, sms=132, smem=227 * 1024)
-    old = types.SimpleNamespace(multi_processor_count=80, shared_memory_per_block=48 * 1024)
+                                 shared_memory_per_block_optin=227 * 1024, major=9)
+    assert target_from(h100) == _mod().Target(interpret=False, sms=132, smem=227 * 1024, major=9)
+    old = types.SimpleNamespace(multi_processor_count=80, shared_memory_per_block=48 * 1024, major=7)
     assert target_from(old).smem == 48 * 1024
+    assert target_from(old).major == 7
 
 
 def test_stationary_tiles_where_they_apply(monkeypatch):
@@ -403,7 +404,10 @@ def test_launch_plan_is_the_launchers_plan(monkeypatch):
     fwd = [plan[k] for k in ("fwd_cell", "fwd_proj", "fwd_reduce")] * T
     bwd = [plan["bwd_reduce"]] + [plan[k] for k in ("bwd_cell", "bwd_rec", "bwd_reduce")] * T
     assert [launch for launch, _ in seen] == fwd + bwd
-    assert [over for _, over in seen] == [{}] * len(fwd) + [{"HAS_PART": False}] + [{}] * (len(bwd) - 1)
+    # every launch a dependent one (the PDL attribute where the plan has PDL) but each loop's first, which follows the
+    # copies into the loop's buffers
+    dep = {"dependent": True}
+    assert [over for _, over in seen] == [{}] + [dep] * (len(fwd) - 1) + [{"HAS_PART": False}] + [dep] * (len(bwd) - 1)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
