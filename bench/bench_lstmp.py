@@ -184,9 +184,9 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     if provider in ("triton", "triton-pdl", "triton-eager", "triton-graph"):
                         # triton: the time loops replay from loop graphs (the default on a GPU) after the first
                         # call; triton-pdl: the same with programmatic dependent launch (ELMO_FAST_LSTMP_PDL=1,
-                        # opt-in); triton-eager: every step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
-                        fn = {"triton-eager": _eager(lstmp_triton),
-                              "triton-pdl": common.with_env(lstmp_triton, PDL_ENV, "1")}.get(provider, lstmp_triton)
+                        # opt-in; set around the whole call below: backward reads it too); triton-eager: every
+                        # step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
+                        fn = _eager(lstmp_triton) if provider == "triton-eager" else lstmp_triton
                     elif provider == "reference":
                         fn = lstmp_reference
                     else:
@@ -206,6 +206,8 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     else:
                         def call(fn=fn, chain=chain, up=up):
                             fwd_bwd(fn, chain, up)
+                    if provider == "triton-pdl":
+                        call = common.with_env(call, PDL_ENV, "1")
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     try:

@@ -294,14 +294,18 @@ def lstmp_cases(B, T, H_, P_, dtype, target, *, reverse, residual, train, fuse_r
         if name == "bwd_cell":  # the prologue launches before the first bwd_cell: no partials to read
             out.append(_lstmp_entry("bwd", plan["bwd_reduce"], s, plan["bwd_reduce"].bytes, dict(HAS_PART=False),
                                     once=True))
-        out.append(_lstmp_entry(name.split("_")[0], lc, s, lstmp_compile.l2_bytes(name, lc, B, dtype)))
+        # a PDL plan's launches carry the attribute (part of triton's compile key: gpu-check's precompile then warms
+        # what the loops launch); the backward's prologue goes plainly, as does step 0's cell launch (its plain build
+        # is left to its first call)
+        out.append(_lstmp_entry(name.split("_")[0], lc, s, lstmp_compile.l2_bytes(name, lc, B, dtype),
+                                dict(launch_pdl=True) if pdl else None))
     return out
 
 
 def _lstmp_entry(phase, lc, s, l2, override=None, once=False) -> list[tuple]:
     meta = dict(lc.constexprs, **(override or {}), num_warps=lc.num_warps, num_stages=lc.num_stages)
     args = tuple(M(v) if isinstance(v, torch.dtype) else (s if n == "s" else v) for n, v in lc.args)
-    scratch = 0 if override else lc.scratch_bytes  # the prologue reads no partials
+    scratch = 0 if once else lc.scratch_bytes  # the prologue (the one launch once a call) reads no partials
     return [(phase, KX.Launch(lc.kernel, lc.grid, meta), args, float(lc.flops), float(lc.bytes + scratch), once,
              float(scratch), float(l2))]
 
@@ -862,7 +866,8 @@ def pdl_table(cases: list[Case]) -> list[str]:
           "`elmo_fast-pdl`): every launch of a time loop but its first carries the PDL attribute, and each kernel lets "
           "the next launch of its stream start, then waits for the one before (`griddepcontrol`). The graph-replayed "
           "launch gap (2.6 µs on the H200) and, in a stationary tile, the weight's load can then overlap the kernel "
-          "before it; the model prices neither. The PDL builds beside the default ones:", "",
+          "before it; the model prices neither. With PDL the 16-bit forward cell of batches up to 16 takes a "
+          "stationary tile (`PDL_TUNED`) for that reason. The PDL builds beside the default ones:", "",
           "| size | dtype | phase | kernel | regs: default / PDL | spill st/ld (PDL) | smem B (PDL) | "
           "griddepcontrol.wait | loaded before the wait, MiB a step |", "|---|---|---|---|---|---|---|---|---|"]
     for c in pdl:

@@ -80,11 +80,11 @@ class Target:
     interpret: bool
     sms: int = 1
     smem: int = 227 * 1024  # shared memory a block may opt into (an H100's; the GPU's own on a GPU)
-    major: int = 9  # compute capability (an H100's; the GPU's own on a GPU): programmatic dependent launch needs 9
+    major: int = 0  # compute capability's major number (0: unknown; the GPU's own on a GPU): PDL needs 9
 
 
 INTERPRETER = Target(interpret=True)
-H100 = Target(interpret=False, sms=132)  # H100 SXM (and H200): the report's target
+H100 = Target(interpret=False, sms=132, major=9)  # H100 SXM (and H200): the report's target
 
 
 def target_from(props) -> Target:

@@ -43,16 +43,18 @@ Backward walks the steps in reverse with the mirror image:
    prologue for the first step; after the loop the carry is dh0.
 
 *Programmatic dependent launch* (Hopper and later; opt-in, ``ELMO_FAST_LSTMP_PDL=1``: ``pdl_on``). The plan's
-kernels are built with ``PDL``: each one first lets the next launch of its stream start (its programs are scheduled
-as SMs free up) and then waits, in ``_pdl_wait``, until the launch before it has finished and its writes are
-visible. Ahead of that wait a kernel reads only what no launch of the loop writes: a stationary tile's weight slice
-(the forward's 128 KiB a program, 16 MiB a step at B=384, can then load while the step's previous kernel runs), and
-nothing at all elsewhere; it writes nothing. Every launch of a loop but its first carries the attribute; the first
-follows the copies into the loop's buffers (the weights among them), so it is launched plainly. Each kernel waits
-before it ends, so the order is transitive: a launch's wait returning means every earlier launch has finished. The
-wait is a no-op for a plain launch. The interpreter has no grid dependency control: the CPU suite checks the plan,
-the launch options and, in the code compiled for sm_90a, that nothing but the weight is touched before the wait
-(``tests/test_lstmp_pdl.py``).
+kernels are built with ``PDL``: each one's first statement lets the next launch of its stream start (``_pdl_start``:
+its programs are scheduled as SMs free up, once every program of this one has started), and each then waits, in
+``_pdl_wait``, until the launch before it has finished and its writes are visible. Ahead of that wait a kernel reads
+only what no launch of the loop writes: a stationary tile's weight slice (the forward's 128 KiB a program, 16 MiB a
+step, can then load while the step before still runs; with PDL the 16-bit forward cell of batches up to 16 takes
+such a tile too, ``PDL_TUNED``), and nothing at all elsewhere; it writes nothing. Every launch of a loop but its
+first carries the attribute; the first follows whatever the stream ran before (the copies into a loop graph's
+buffers, the weights among them; eagerly, the caller's own work on its tensors), so it is launched plainly. Every
+program waits, unconditionally, so the order is transitive: a launch's wait returning means every earlier launch has
+finished. The wait is a no-op for a plain launch. The interpreter has no grid dependency control: the CPU suite
+checks the plan, the launch options and, in the code compiled for sm_90a, that nothing but the weight is touched
+before the wait (``tests/test_lstmp_pdl.py``).
 
 Three launches per step (two forward without a projection), all with shapes fixed by (B, T): the time loop
 allocates nothing that depends on data and never syncs with the host, so it can be captured in a CUDA graph
@@ -98,7 +100,8 @@ stored in the operand dtype: it is a GEMM operand only (db sums its fp32 values,
 *Configuration.* One pure function decides every launch:
 
     launch_plan(B, T, H, P, dtype, *, training, target=H100, has_proj=True, cell_clip=True,
-                proj_clip=True, reverse=False, residual=False, tiles=None) -> dict[str, Launch]
+                proj_clip=True, reverse=False, residual=False, tiles=None, fuse_reduce=False,
+                pdl=False) -> dict[str, Launch]
 
 It returns ``fwd_cell``, ``fwd_proj`` (absent without a projection), ``fwd_reduce`` and, when ``training``,
 ``bwd_cell``, ``bwd_rec``, ``bwd_reduce``. A ``Launch`` holds the kernel, its grid, every constexpr (tiles,
@@ -106,7 +109,7 @@ split counts, pipeline depth, dtype and behaviour flags), ``num_warps``/``num_st
 arguments in order as ``(name, torch dtype)`` for tensors and ``(name, value)`` for ints (``s``, the step,
 is an example), ``count`` (launches per chain call), and the roofline terms: ``bytes`` (every operand read
 once, every result written once), ``scratch_bytes`` (the split-K partials) and ``flops``. ``target`` is a
-``Target(interpret, sms, smem)``; ``device_target(device)`` gives the launchers' one. The launchers
+``Target(interpret, sms, smem, major)``; ``device_target(device)`` gives the launchers' one. The launchers
 (``fwd_setup``/``bwd_setup`` build the plan and the buffers) launch nothing else and check once per call
 that every tensor has the dtype the plan names, so a compile report that calls ``launch_plan`` compiles
 exactly what runs. ``tiles`` overrides the per-kernel ``Tile`` (the tuning tool's hook). Tiles come from
@@ -119,6 +122,7 @@ that give every SM a program.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -126,6 +130,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from elmo_fast._backend import env_flag, triton_interpret
 from elmo_fast.kernels import lstmp_graphs as graphs
 from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, target_of, tl_acc_dtype, triton_operator
 from elmo_fast.ops._library import nothing, tracing
@@ -195,13 +200,20 @@ def _any(valid):
 
 
 @triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Programmatic dependent launch (opt-in, ``pdl_on``; Hopper and later): let the stream's next launch start its
-    programs now (they stop in their own call of this, holding no more than what they loaded before it), then wait
-    until the launch before this one has finished and its writes are visible. A kernel touches nothing that an
-    earlier launch writes before this call: only a stationary tile's weight is loaded ahead of it."""
+def _pdl_start(PDL: tl.constexpr):
+    """Programmatic dependent launch (opt-in, ``pdl_on``; Hopper and later), a kernel's first statement: the stream's
+    next launch may start its programs now (once every program of this one has called this); they stop in their own
+    ``_pdl_wait``."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait until the launch before this one has finished and its writes are visible. Unconditional in every program
+    of every kernel (so the order is transitive); nothing an earlier launch writes is touched before it: only a
+    stationary tile's weight is loaded ahead of it, and nothing is written."""
+    if PDL:
         gdc_wait()
 
 
@@ -301,6 +313,7 @@ def _fwd_cell_kernel(
     PK, loaded once, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block: the weight
     crosses L2 once per step and group instead of once per row block (the compiler keeps it in shared memory across
     the row loop)."""
+    _pdl_start(PDL)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
     G = 4 * H
@@ -384,6 +397,7 @@ def _splitk_kernel(
     """Split k = program_id(2) of a_t · b at step s for one (row block, P slice): the sum over K-rows
     [k·KS, (k+1)·KS), into part (S, B, P). a (B, T, K) per token: m_t (K = H, the forward projection, b =
     w_proj (K, P) row-major) or dz_t (K = 4H, the recurrent backward, b = w_recᵀ: element [k, p] = w_rec[p, k])."""
+    _pdl_start(PDL)
     _pdl_wait(PDL)
     acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(a_ptr, b_ptr, len_ptr, s, B, T, K, P, B_ROW_MAJOR,
                                                                REVERSE, ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
@@ -424,6 +438,7 @@ def _fwd_reduce_kernel(
     SAVE: tl.constexpr, ACC: tl.constexpr, BB: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """h_t = clip(Σ partials) (or m_t without a projection) for one (row block, P slice): ``_fwd_out``."""
+    _pdl_start(PDL)
     _pdl_wait(PDL)
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
     rp = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -479,6 +494,7 @@ def _splitk_out_kernel(
     partials are stored before a CTA barrier and an acq_rel atomic at GPU scope, and the last split reads them past
     L1 (``.cg``) after its own acquire: the pattern of inductor's grid barrier, without the spin (so the interpreter,
     whose programs run one after another, runs it too)."""
+    _pdl_start(PDL)
     _pdl_wait(PDL)
     acc, rb, rmask, valid, last, tok, rp, pmask = _splitk_tile(m_ptr, w_ptr, len_ptr, s, B, T, H, P, True, REVERSE,
                                                                ACC, IEEE, EMU, BB, BP, BK, KS, STAGES)
@@ -567,6 +583,7 @@ def _bwd_cell_kernel(
     STATIONARY (with HAS_PROJ; grid (groups, H/BH)): the program loads its slice's (P, BH) of w_projᵀ once, P padded
     to PK, and walks the row blocks pid0, pid0 + groups, ..., one dot of K = PK per block (as the forward's).
     """
+    _pdl_start(PDL)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = rh < H
 
@@ -626,6 +643,7 @@ def _bwd_reduce_kernel(
     dh_pre_s = (carry + dy_s) masked by the projection clip, written (zeros for inactive rows) into dhpre,
     which the cell kernel of step s and the dW_proj GEMM read. s = -1 only finishes the carry (dh0).
     """
+    _pdl_start(PDL)
     _pdl_wait(PDL)
     proj_clip = tl.load(consts_ptr + 2)
     rb, rmask, valid, last, tok, ptok = _rows(len_ptr, s, B, T, BB, REVERSE)
@@ -781,25 +799,33 @@ def fused_reduce_rows() -> int:
 PDL_ENV = "ELMO_FAST_LSTMP_PDL"
 
 
-def pdl_on(device: torch.device) -> bool:
+_PDL_WARNED: set = set()
+
+
+def pdl_on(device: torch.device, traced: bool = False) -> bool:
     """Whether the time loops on ``device`` use programmatic dependent launch, from ``ELMO_FAST_LSTMP_PDL`` (1: on,
-    unset or 0: off). Each launch of a step but the loop's first is then launched with the PDL attribute, and its
-    kernel (``PDL``) lets the next launch start at once and waits in ``_pdl_wait`` for the one before: the gap
-    between two launches of a step, and a stationary tile's weight load, overlap the kernel before. Opt-in until a
-    GPU has timed it (bench_lstmp / bench_bilm ``+pdl``; ``test_gpu_pdl_*`` check the bits there). CPU tensors (the
-    interpreter) never use it; a GPU before Hopper (compute capability 9) cannot, and the setting is refused there."""
-    value = os.environ.get(PDL_ENV, "").strip().lower()
-    if value in ("", "0", "off", "false", "no"):
+    unset or 0: off), read at each call's forward and at its backward. Each launch of a loop but its first then
+    carries the PDL attribute, and its kernel (``PDL``) lets the next launch start at once and waits in ``_pdl_wait``
+    for the one before: the gap between two launches, and a stationary tile's weight load, can overlap the kernel
+    before. Opt-in until a GPU has timed it (bench_lstmp's ``triton-pdl``, bench_bilm's ``+pdl``, bench_train's
+    ``elmo_fast-pdl``; ``test_gpu_pdl_gives_the_same_bits`` checks the bits there). Off, whatever the setting, for
+    CPU tensors and under ``TRITON_INTERPRET=1`` (the interpreter has no grid dependency control), while
+    torch.compile / torch.export trace (``traced``: inductor would launch the builds plainly anyway), and on a GPU
+    that cannot (compute capability below 9.0, or ROCm): there with a warning, once a device, since it changes no
+    result, only how launches overlap."""
+    if not env_flag(PDL_ENV, False) or traced or triton_interpret():
         return False
-    if value not in ("1", "on", "true", "yes"):
-        raise ValueError(f"{PDL_ENV}={value!r}: expected 1 (on) or 0 (off)")
     target = device_target(device)
     if target.interpret:
         return False
-    if target.major < 9:
-        raise RuntimeError(f"{PDL_ENV}=1: programmatic dependent launch needs a GPU of compute capability 9.0 or "
-                           f"later (Hopper); {device} is {target.major}.x. Unset {PDL_ENV}.")
-    return True
+    why = ("ROCm" if torch.version.hip else f"compute capability {target.major}.x" if target.major < 9 else None)
+    if why is None:
+        return True
+    if str(device) not in _PDL_WARNED:
+        _PDL_WARNED.add(str(device))
+        warnings.warn(f"elmo_fast: {PDL_ENV}=1 has no effect on {device} ({why}): programmatic dependent launch needs "
+                      "an NVIDIA GPU of compute capability 9.0 or later (Hopper)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 # Under the interpreter: fixed tiles (its cost grows with the number of programs) and splits of 64 K rows, so
@@ -839,12 +865,28 @@ def tuned_size(B: int) -> int:
     return next((b for b in BATCHES if b >= B), BATCHES[-1])
 
 
-def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target) -> Tile:
-    """The tile of ``kernel`` at batch ``B``: ``TUNED``'s (the interpreter's fixed one under it), with the forward cell
-    kernel's design from ``FUSED_GATES``, so the interpreter runs the GPU's design for each operand dtype."""
+def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target, pdl: bool = False) -> Tile:
+    """The tile of ``kernel`` at batch ``B``: ``TUNED``'s (``PDL_TUNED``'s first with ``pdl``; the interpreter's fixed
+    one under it), with the forward cell kernel's design from ``FUSED_GATES``, so the interpreter runs the GPU's design
+    for each operand dtype."""
     cls = "16bit" if _low(dtype) else "fp32"
-    t = _INTERPRET_TILE[kernel] if target.interpret else TUNED[(kernel, cls, tuned_size(B))]
+    key = (kernel, cls, tuned_size(B))
+    t = _INTERPRET_TILE[kernel] if target.interpret else (pdl and PDL_TUNED.get(key)) or TUNED[key]
     return replace(t, fused=_fused(kernel, _low(dtype))) if kernel == "fwd_cell" else t
+
+
+# With programmatic dependent launch (``launch_plan(pdl=True)``) the 16-bit forward cell kernel of small batches takes a
+# stationary tile: each program's whole weight slice (128 KiB; 16 MiB a step) then loads ahead of its wait, while the
+# step before still runs (its projection and reduce let the next launches start at once), where the K-loop tile can
+# stream the weight only after the wait. At B <= 16 a step is mostly that stream (the H200's B=1 cell kernel: 15.3 µs
+# alone, 2026-11-26). sm_90a, compiled here 2026-11-27: 16x32, 8 warps, 204 registers, no spill, 128 KiB of shared
+# memory, 128 programs (4 warps: 255 registers and 392 B of spills). Without PDL the K-loop tile stays: the model has
+# the same bytes for both, and only the overlap would set them apart. Unmeasured: bench_bilm's "+pdl" providers time
+# the plan with it.
+PDL_TUNED: dict[tuple[str, str, int], Tile] = {
+    ("fwd_cell", "16bit", 1): Tile(16, 32, 0, 8, 1, stationary=True),
+    ("fwd_cell", "16bit", 16): Tile(16, 32, 0, 8, 1, stationary=True),
+}
 
 
 # (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
@@ -855,8 +897,9 @@ K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384):
 
 
 def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:
-    cls = "16bit" if _low(dtype) else "fp32"
-    k = K_LOOP_FALLBACK.get((kernel, cls, tuned_size(B))) or replace(t, BK=32, stages=4)
+    key = ("16bit" if _low(dtype) else "fp32", tuned_size(B))
+    tuned = TUNED[(kernel, *key)]  # a PDL_TUNED stationary tile falls back to TUNED's own (a K-loop tile)
+    k = K_LOOP_FALLBACK.get((kernel, *key)) or (None if tuned.stationary else tuned) or replace(t, BK=32, stages=4)
     return replace(k, fused=t.fused, stationary=False, groups=1)
 
 
@@ -923,7 +966,7 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
         """The tile ``name`` runs: ``tiles``' (checked: refused where it cannot run) or TUNED's (a stationary entry
         falls back to its K-loop tile where it does not apply). ``stationary`` set iff the launch is stationary."""
         explicit = (tiles or {}).get(name)
-        t = explicit or _tile(name, B, dtype, target)
+        t = explicit or _tile(name, B, dtype, target, pdl)
         if t.stationary and name == "bwd_cell" and not has_proj:  # no product to hold a weight for: the plain tile
             t = replace(t, stationary=False, groups=1)
         if t.stationary:
@@ -1042,8 +1085,8 @@ def _bind(launch: Launch, bufs: dict, *, dependent: bool = False, **constexprs):
     settled once per loop: a step's host work is the kernel call (bench/host_launch_overhead.py times it; the
     interpreter's or the GPU launcher's own time comes on top). ``dependent``: a launch that follows one of the
     loop's own (every one but the loop's first) gets the PDL attribute where the plan has ``PDL``; the first follows
-    other work of the stream (the copies into the loop's buffers), which a kernel's loads ahead of its wait must not
-    race, so it is launched plainly (its ``_pdl_wait`` then returns at once)."""
+    whatever the stream ran before (the copies into the loop's buffers, the caller's own work), which a kernel's loads
+    ahead of its wait must not race, so it is launched plainly (its ``_pdl_wait`` then returns at once)."""
     args = [None if name == "s" else bufs[name] if isinstance(v, torch.dtype) else v for name, v in launch.args]
     at = [name for name, _ in launch.args].index("s")
     pdl = {"launch_pdl": True} if dependent and launch.constexprs.get("PDL") else {}
@@ -1116,10 +1159,10 @@ def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
     return lengths.to(device=dev, dtype=torch.int64).contiguous()
 
 
-def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual) -> dict:
+def _plan_for(B, T, H, P, dtype, dev, training, w_proj, cell_clip, proj_clip, reverse, residual, traced) -> dict:
     return launch_plan(B, T, H, P, dtype, training=training, target=device_target(dev), has_proj=w_proj is not None,
                        cell_clip=cell_clip is not None, proj_clip=proj_clip is not None, reverse=bool(reverse),
-                       residual=bool(residual), fuse_reduce=B <= fused_reduce_rows(), pdl=pdl_on(dev))
+                       residual=bool(residual), fuse_reduce=B <= fused_reduce_rows(), pdl=pdl_on(dev, traced))
 
 
 def interleave_gates(w_rec: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1142,7 +1185,7 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
     H, P = G // 4, h0.shape[1]
     dev, op = x.device, w_rec.dtype
     acc = acc_dtype(op)
-    plan = _plan_for(B, T, H, P, op, dev, save, w_proj, cell_clip, proj_clip, reverse, residual)
+    plan = _plan_for(B, T, H, P, op, dev, save, w_proj, cell_clip, proj_clip, reverse, residual, tracing(x))
     xo = x.to(op)
     # Hoisted input projection of every step: one GEMM in the operand dtype (fp32 accumulation inside). In
     # training the cell kernel overwrites each step's gx with that step's z, which backward reads.
@@ -1246,7 +1289,7 @@ def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_cl
     B, T, _ = x.shape
     H, P = cpre.shape[2], hprev.shape[2]
     dev, op, acc = x.device, w_rec.dtype, cpre.dtype
-    plan = _plan_for(B, T, H, P, op, dev, True, w_proj, cell_clip, proj_clip, reverse, residual)
+    plan = _plan_for(B, T, H, P, op, dev, True, w_proj, cell_clip, proj_clip, reverse, residual, tracing(x))
     bufs = dict(
         dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
         w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, z=z, cpre=cpre, hpre=hpre,

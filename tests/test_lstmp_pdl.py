@@ -24,32 +24,48 @@ ENV = KL.PDL_ENV
 
 def _pretend_gpu(monkeypatch, major: int):
     monkeypatch.setattr(KL, "device_target", lambda device: KL.Target(interpret=False, sms=132, major=major))
+    monkeypatch.setattr(KL, "triton_interpret", lambda: False)
 
 
 def test_the_setting(monkeypatch):
-    """Off unless set; 1 / 0 (and on / off ...); anything else refused by name. CPU tensors never use it (the
-    interpreter has no grid dependency control); a GPU before Hopper cannot, and says how to go on."""
+    """Off unless set; anything but an on/off value refused by name. Off whatever the setting for CPU tensors, under
+    the interpreter, while torch.compile traces, and on a GPU that cannot (before Hopper, ROCm): there with one
+    warning a device, since it changes no result."""
+    import warnings
+
     monkeypatch.delenv(ENV, raising=False)
     cpu = torch.device("cpu")
     assert KL.pdl_on(cpu) is False
     monkeypatch.setenv(ENV, "maybe")
-    with pytest.raises(ValueError, match=r"ELMO_FAST_LSTMP_PDL='maybe': expected 1 \(on\) or 0 \(off\)"):
+    with pytest.raises(ValueError, match=r"ELMO_FAST_LSTMP_PDL='maybe': expected 1 or 0"):
         KL.pdl_on(cpu)
     monkeypatch.setenv(ENV, "1")
-    assert KL.pdl_on(cpu) is False
-    _pretend_gpu(monkeypatch, 8)
-    with pytest.raises(RuntimeError, match=r"compute capability 9.0 or later \(Hopper\); cpu is 8.x\. Unset "
-                                           r"ELMO_FAST_LSTMP_PDL"):
-        KL.pdl_on(cpu)
+    assert KL.pdl_on(cpu) is False  # CPU tensors (the interpreter's target)
+    _pretend_gpu(monkeypatch, 9)
+    monkeypatch.setattr(KL, "triton_interpret", lambda: True)
+    assert KL.pdl_on(cpu) is False  # TRITON_INTERPRET=1: the interpreter runs every kernel, a pretend GPU's too
     _pretend_gpu(monkeypatch, 9)
     assert KL.pdl_on(cpu) is True
+    assert KL.pdl_on(cpu, traced=True) is False
+    monkeypatch.setattr(KL, "_PDL_WARNED", set())
+    for major, hip, why in ((8, None, "compute capability 8.x"), (9, "6.2", "ROCm")):
+        _pretend_gpu(monkeypatch, major)
+        monkeypatch.setattr(torch.version, "hip", hip)
+        KL._PDL_WARNED.clear()
+        with pytest.warns(RuntimeWarning, match=f"ELMO_FAST_LSTMP_PDL=1 has no effect on cpu \\({why}\\)"):
+            assert KL.pdl_on(cpu) is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert KL.pdl_on(cpu) is False  # warned once a device
     monkeypatch.setenv(ENV, "0")
     assert KL.pdl_on(cpu) is False
 
 
 def test_the_plan_builds_every_kernel_for_it():
     """Every launch of a chain call, forward and backward, with and without the fused reduce, carries PDL; none
-    without the setting; the interpreter's plan refuses it."""
+    without the setting; the interpreter's plan refuses it. With it the 16-bit forward cell kernel of batches up to
+    16 takes ``PDL_TUNED``'s stationary tile (its weight then loads ahead of the wait), where it fits (not at
+    P = 1024: TUNED's K-loop tile then); fp32 and larger batches keep TUNED's tiles."""
     for fuse in (False, True):
         plan = KL.launch_plan(16, 4, 4096, 512, torch.bfloat16, training=True, pdl=True, fuse_reduce=fuse)
         assert plan and all(la.constexprs.get("PDL") is True for la in plan.values()), plan.keys()
@@ -57,6 +73,17 @@ def test_the_plan_builds_every_kernel_for_it():
         assert not any("PDL" in la.constexprs for la in plan.values())
     with pytest.raises(ValueError, match="pdl needs compiled code on a GPU"):
         KL.launch_plan(16, 4, 64, 16, torch.float32, training=True, target=INTERPRETER, pdl=True)
+
+    def cell(B, dtype, pdl, P=512):
+        return KL.launch_plan(B, 4, 4096, P, dtype, training=False, pdl=pdl)["fwd_cell"].tile
+
+    for B in (1, 16):
+        assert cell(B, torch.bfloat16, True) == KL.Tile(16, 32, 0, 8, 1, fused=True, stationary=True)
+        assert cell(B, torch.float16, True).stationary and not cell(B, torch.bfloat16, False).stationary
+        assert cell(B, torch.float32, True) == cell(B, torch.float32, False)
+        assert cell(B, torch.bfloat16, True, P=1024) == cell(B, torch.bfloat16, False, P=1024)  # 256 KiB: no fit
+    for B in (64, 128, 384):
+        assert cell(B, torch.bfloat16, True) == cell(B, torch.bfloat16, False)
 
 
 def test_each_loop_launches_its_first_kernel_plainly_and_the_rest_dependent(monkeypatch):
@@ -114,38 +141,96 @@ sys.path.insert(0, sys.argv[1])
 import torch, triton
 import kernel_report as KR
 from elmo_fast.kernels import lstmp as KL
-from elmo_fast.kernels._common import INTERPRETER
 from elmo_fast.kernels._common import Launch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-REG = re.compile(r"%(?:rd|r|p|f|fd|h|hh|rs)\d+")
+INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s*(.*?);")
+REG = re.compile(r"%(?:rd|rs|r|p|fd|f|hh|h|b)\d+\b")
+MEMORY = re.compile(r"(?:ld|ldu|st|atom|red|cp|prefetch|multimem)\.")
+HARMLESS = re.compile(r"(?:ld\.param|ld\.shared|st\.shared)\b")
+NO_DEST = ("st.", "atom.", "red.", "cp.", "prefetch.", "bra", "bar.", "griddepcontrol", "ret", "multimem.")
 
 
-def params_of(lines, reg, seen=None):
-    # the kernel parameters a register's value is computed from (the defining instructions above the wait)
-    seen = set() if seen is None else seen
-    if reg in seen:
-        return set()
-    seen.add(reg)
-    for ln in reversed(lines):
-        m = re.match(r"\s*(?:@!?%p\d+\s+)?([\w.:]+)\s+(.*);", ln)
-        if not m or not m.group(2).startswith(reg + ",") and not m.group(2).startswith(reg + " "):
+def instructions(lines):
+    # (opcode, destination registers, source registers, parameter index of an ld.param)
+    out = []
+    for ln in lines:
+        m = INSTR.match(ln)
+        if not m:
             continue
-        if m.group(1).startswith("ld.param"):
-            return {int(re.search(r"_param_(\d+)", ln).group(1))}
-        out = set()
-        for src in REG.findall(m.group(2))[1:]:
-            out |= params_of(lines, src, seen)
-        return out
-    return set()
+        op, rest = m.group(1), m.group(2)
+        param = re.search(r"_param_(\d+)\b", rest) if op.startswith("ld.param") else None
+        if op.startswith(NO_DEST):
+            dst, src = "", rest
+        elif rest.startswith("{"):
+            dst, _, src = rest.partition("}")
+        else:
+            dst, _, src = rest.partition(",")
+        out.append((op, REG.findall(dst), REG.findall(src), int(param.group(1)) if param else None))
+    return out
 
+
+def params_of(ins, reg, before, seen):
+    # the parameters the value of `reg` as read by instruction `before` is computed from; "?" where the trace does
+    # not end in parameters, immediates and special registers (a register never defined, or a value loaded)
+    if (reg, before) in seen:
+        return set()
+    seen.add((reg, before))
+    for i in range(before - 1, -1, -1):
+        op, dst, src, param = ins[i]
+        if reg not in dst:
+            continue
+        if param is not None:
+            return {str(param)}
+        if MEMORY.match(op):
+            return {"?"}
+        out = set()
+        for r in src:
+            out |= params_of(ins, r, i, seen)
+        return out
+    return {"?"}
+
+
+def check(lines, args, stationary):
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == "{"), 0)
+    pre = lines[start:waits[0]] if waits else lines
+    ins = instructions(pre)
+    memory = [(i, op, src) for i, (op, dst, src, _) in enumerate(ins) if MEMORY.match(op) and not HARMLESS.match(op)]
+    loads = [(i, src) for i, op, src in memory if op.startswith("ld.global")]
+    traced = set()
+    for i, src in loads:
+        addr = [r for r in src if r.startswith("%rd")]
+        traced |= params_of(ins, addr[0], i, set()) if addr else {"?"}
+    return dict(
+        stationary=stationary, waits=len(waits), triggers=len(trig),
+        trigger_first=bool(trig and waits and trig[0] < waits[0]),
+        wait_predicated=bool(waits and re.match(r"\s*@", lines[waits[0]])),
+        branches=sum(bool(re.search(r"\bbra\b|^\s*\$L__BB\w*:", ln)) for ln in pre),  # jumps, basic-block labels
+        other_memory=[op for i, op, _ in memory if not op.startswith("ld.global")], pre_loads=len(loads),
+        weight=[str(i) for i, (n, _) in enumerate(args) if n in ("w_rec", "w_rec_g", "w_proj")],
+        load_params=sorted(traced))
+
+
+if sys.argv[2] == "selftest":  # hand-written PTX: a second load's address is parameter 1's, through a register pair
+    text = "\n".join((
+        ".entry k(.param .u64 k_param_0, .param .u64 k_param_1)", "{",
+        "ld.param.b64 %rd1, [k_param_0];", "ld.param.b64 %rd7, [k_param_1];", "mov.u32 %r8, %tid.x;",
+        "mul.wide.u32 %rd8, %r8, 16;", "add.s64 %rd9, %rd1, %rd8;", "mov.b64 {%r1, %r2}, %rd7;",
+        "mov.b64 %rd2, {%r1, %r2};", "@%p1 ld.global.v4.b32 { %r3, %r4, %r5, %r6 }, [ %rd9 + 0 ];",
+        "ld.global.b32 %r9, [ %rd2 + 0 ];", "griddepcontrol.launch_dependents;", "griddepcontrol.wait;", "}"))
+    print(json.dumps([check(text.splitlines(), (("w_rec", None), ("hop", None)), True)]))
+    sys.exit()
 
 cases = []
-for B, dt, fuse, tiles in ((384, torch.bfloat16, False, None), (1, torch.bfloat16, True, None),
-                           (384, torch.bfloat16, False, {"bwd_cell": KL.Tile(64, 64, 0, 8, 1, stationary=True,
-                                                                            groups=2)})):
-    plan = KL.launch_plan(B, 20, 4096, 512, dt, training=True, pdl=True, fuse_reduce=fuse, tiles=tiles)
+for B, dt, train, fuse, rev, tiles in (
+        (384, torch.bfloat16, True, False, False, None), (1, torch.bfloat16, True, True, False, None),
+        (384, torch.bfloat16, True, False, True, {"bwd_cell": KL.Tile(64, 64, 0, 8, 1, stationary=True, groups=2)}),
+        (1, torch.float32, True, False, False, None), (384, torch.bfloat16, True, False, True, None)):
+    plan = KL.launch_plan(B, 20, 4096, 512, dt, training=train, pdl=True, fuse_reduce=fuse, tiles=tiles,
+                          reverse=rev, residual=rev)
     for name, la in plan.items():
         if tiles and name != "bwd_cell":
             continue
@@ -156,30 +241,14 @@ for B, dt, fuse, tiles in ((384, torch.bfloat16, False, None), (1, torch.bfloat1
         options, signature, constexprs, attrs = KR.compile_key(case)
         ck = triton.compile(ASTSource(la.kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options.__dict__)
-        lines = ck.asm["ptx"].splitlines()
-        waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-        trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-        pre = lines[:waits[0]] if waits else lines
-        loads = [ln for ln in pre if re.search(r"\bld\.global", ln)]
-        weight = [i for i, (n, _) in enumerate(la.args) if n in ("w_rec", "w_rec_g", "w_proj")]
-        cases.append(dict(
-            name=f"{name} B={B}" + (" stationary" if tiles else ""), launch_pdl=ck.metadata.launch_pdl,
-            stationary=bool(la.constexprs.get("STATIONARY")), waits=len(waits), triggers=len(trig),
-            trigger_first=bool(trig and waits and trig[0] < waits[0]),
-            pre_writes=sum(bool(re.search(r"\b(?:st\.global|atom\.|red\.|cp\.async)", ln)) for ln in pre),
-            pre_loads=len(loads), weight=weight,
-            load_params=sorted(set().union(*[params_of(pre, re.search(r"\[\s*(%rd\d+)", ln).group(1))
-                                             for ln in loads]))))
+        cases.append(dict(check(ck.asm["ptx"].splitlines(), la.args, bool(la.constexprs.get("STATIONARY"))),
+                          launch_pdl=ck.metadata.launch_pdl,
+                          name=f"{name} B={B} {dt} train={train} fuse={fuse} rev={rev} tiles={bool(tiles)}"))
 print(json.dumps(cases))
 """
 
 
-def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
-    """Compiled for sm_90a (no GPU): every kernel of a PDL plan (the six of a training chain call at B=384, the fused
-    reduce at B=1, a stationary backward cell tile) is built with the launch attribute, lets the next launch start
-    (``griddepcontrol.launch_dependents``) once, before it waits (``griddepcontrol.wait``) once, and before the wait
-    writes nothing and loads nothing but, in a stationary tile, its weight: every address loaded ahead of the wait
-    is computed from the weight's parameter alone."""
+def _ptx(what: str) -> list[dict]:
     import os
     import subprocess
     import sys
@@ -187,19 +256,36 @@ def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(root / "bench")], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", PTX_SCRIPT, str(root / "bench"), what], env=env, capture_output=True,
                        text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
-    cases = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(cases) == 6 + 5 + 1  # B=1 fused: fwd_cell, fwd_proj (the fused reduce), bwd_cell, bwd_rec, bwd_reduce
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_ptx_check_follows_an_address_to_its_parameter():
+    """The check below on hand-written PTX: a load whose address is another parameter's, moved through a vector
+    register pair, is found beside the weight's (parameter 0, its address offset by the thread index)."""
+    (c,) = _ptx("selftest")
+    assert c["pre_loads"] == 2 and c["weight"] == ["0"] and c["load_params"] == ["0", "1"], c
+
+
+def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
+    """Compiled for sm_90a (no GPU): every kernel of a PDL plan (a training chain call at B=384 forward, and reverse
+    with the residual; one in fp32 at B=1; the fused reduce and PDL_TUNED's stationary forward cell tile at B=1; a
+    stationary backward cell tile) is built with the launch attribute, lets the next launch start
+    (``griddepcontrol.launch_dependents``) once, before it waits (``griddepcontrol.wait``) once, unconditionally (no
+    branch before it, not predicated), and before the wait writes nothing and reads no memory but, in a stationary
+    tile, its weight: every address loaded ahead of the wait traces back to the weight's parameter alone."""
+    cases = _ptx("kernels")
+    assert len(cases) == 6 + 5 + 1 + 6 + 6
     for c in cases:
         assert c["launch_pdl"] and c["waits"] == 1 and c["triggers"] == 1 and c["trigger_first"], c
-        assert c["pre_writes"] == 0, c
+        assert not c["wait_predicated"] and c["branches"] == 0 and c["other_memory"] == [], c
         if c["stationary"]:
             assert c["pre_loads"] > 0 and c["load_params"] == c["weight"], c
         else:
             assert c["pre_loads"] == 0, c
-    assert sum(c["stationary"] for c in cases) == 2  # the forward cell at 384 and the stationary backward tile
+    assert sum(c["stationary"] for c in cases) == 4  # the forward cell at 1 and at 384 twice, the backward tile
 
 
 def _inputs(B, T, D, H, P, dtype, seed):
@@ -230,16 +316,22 @@ def _run(monkeypatch, on: bool, floats, lengths, *, grads: bool):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("B", [1, 384])
-def test_gpu_pdl_gives_the_same_bits(monkeypatch, B, dtype):
-    """On a GPU (Hopper or later), at the original model's sizes: with programmatic dependent launch, loop graphs on
-    (the default) and off, 20 calls each, forward and training (every gradient), the bits of the plain launches (a
-    kernel reading before its wait, or a missing wait, would race the step before it)."""
+@pytest.mark.parametrize("B,dtype,fused", [(1, torch.bfloat16, False), (1, torch.bfloat16, True),
+                                           (1, torch.float32, False), (384, torch.bfloat16, False)],
+                         ids=["B1-bf16", "B1-bf16-fusedreduce", "B1-fp32", "B384-bf16"])
+def test_gpu_pdl_gives_the_same_bits(monkeypatch, B, dtype, fused):
+    """On a GPU (Hopper or later), at the original model's sizes (the latency target's batch in both dtypes, also with
+    the fused reduce, and the training batch; both bf16 batches with a forward cell tile that loads its weight ahead
+    of the wait): with programmatic dependent launch, loop graphs on (the default) and off, 20 calls each, forward
+    and training (every gradient), the bits of the plain launches (a kernel reading before its wait, or a missing
+    wait, would race the step before it); eagerly, the launches did carry the attribute."""
     from elmo_fast.kernels import lstmp_graphs
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    for key, tile in KL.PDL_TUNED.items():  # the same tiles with and without PDL: the launches are all that differ
+        monkeypatch.setitem(KL.TUNED, key, tile)
+    monkeypatch.setenv(KL.FUSED_REDUCE_ENV, "16" if fused else "0")
     floats, lengths = _inputs(B, 20, 512, 4096, 512, dtype, seed=B)
     for grads in (False, True):
         want = _run(monkeypatch, False, floats, lengths, grads=grads)
@@ -247,7 +339,9 @@ def test_gpu_pdl_gives_the_same_bits(monkeypatch, B, dtype):
             with lstmp_graphs.suspended() if not graphs else contextlib.nullcontext():
                 with probe() as counts:
                     _run(monkeypatch, True, floats, lengths, grads=grads)
-                assert counts.launches
+                # eager either way (a first call of the PDL signature, or no graphs): every launch but each loop's
+                # first carries the attribute
+                assert sum(bool(la.flags.get("launch_pdl")) for la in counts.launches) >= 19, counts.launches
                 for i in range(20):
                     got = _run(monkeypatch, True, floats, lengths, grads=grads)
                     assert all(torch.equal(a, b) for a, b in zip(got, want)), (grads, graphs, i)
