@@ -153,6 +153,23 @@ def _graphed(fn, chain):
     return graph.replay
 
 
+def _with_pdl(call, k_loop: bool):
+    """``call`` with ELMO_FAST_LSTMP_PDL=1 around it; ``k_loop``: with ``PDL_TUNED`` emptied as well (the plan keeps
+    TUNED's tiles, so PDL's own share shows apart from its small-batch tile's)."""
+    from elmo_fast.kernels import lstmp as KL
+
+    def run(*args, **kw):
+        saved = dict(KL.PDL_TUNED)
+        if k_loop:
+            KL.PDL_TUNED.clear()
+        try:
+            with common.env_var(KL.PDL_ENV, "1"):
+                return call(*args, **kw)
+        finally:
+            KL.PDL_TUNED.update(saved)
+    return run
+
+
 def _eager(fn):
     """``fn`` with the LSTMP loop graphs off."""
     def call(*args, **kw):
@@ -162,9 +179,11 @@ def _eager(fn):
 
 
 def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
-              providers=("triton", "triton-pdl", "triton-eager", "triton-graph", "reference", "cudnn"),
+              providers=("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph", "reference",
+                         "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
-    from elmo_fast.kernels.lstmp import PDL_ENV, lstmp_triton
+    from elmo_fast.kernels import lstmp as KL
+    from elmo_fast.kernels.lstmp import lstmp_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -181,11 +200,15 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    if provider in ("triton", "triton-pdl", "triton-eager", "triton-graph"):
+                    KL.graphs.POOL.clear()  # no provider replays another's loop graphs (a plan's tiles are not
+                    # in their key: triton-pdl and triton-pdl-kloop share one)
+                    if provider in ("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph"):
                         # triton: the time loops replay from loop graphs (the default on a GPU) after the first
                         # call; triton-pdl: the same with programmatic dependent launch (ELMO_FAST_LSTMP_PDL=1,
-                        # opt-in; set around the whole call below: backward reads it too); triton-eager: every
-                        # step's launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
+                        # opt-in; set around the whole call below: backward reads it too), whose plan takes
+                        # PDL_TUNED's stationary cell tile at bf16 B <= 16; triton-pdl-kloop: PDL with TUNED's
+                        # K-loop tile there (the launches' share apart from the tile's); triton-eager: every step's
+                        # launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
                         fn = _eager(lstmp_triton) if provider == "triton-eager" else lstmp_triton
                     elif provider == "reference":
                         fn = lstmp_reference
@@ -206,8 +229,8 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     else:
                         def call(fn=fn, chain=chain, up=up):
                             fwd_bwd(fn, chain, up)
-                    if provider == "triton-pdl":
-                        call = common.with_env(call, PDL_ENV, "1")
+                    if provider.startswith("triton-pdl"):
+                        call = _with_pdl(call, k_loop=provider.endswith("kloop"))
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     try:

@@ -867,7 +867,8 @@ def pdl_table(cases: list[Case]) -> list[str]:
           "the next launch of its stream start, then waits for the one before (`griddepcontrol`). The graph-replayed "
           "launch gap (2.6 µs on the H200) and, in a stationary tile, the weight's load can then overlap the kernel "
           "before it; the model prices neither. With PDL the 16-bit forward cell of batches up to 16 takes a "
-          "stationary tile (`PDL_TUNED`) for that reason. The PDL builds beside the default ones:", "",
+          "stationary tile (`PDL_TUNED`) for that reason: at infer B=1 the two columns of registers are two tiles. "
+          "The PDL builds beside the default ones:", "",
           "| size | dtype | phase | kernel | regs: default / PDL | spill st/ld (PDL) | smem B (PDL) | "
           "griddepcontrol.wait | loaded before the wait, MiB a step |", "|---|---|---|---|---|---|---|---|---|"]
     for c in pdl:

@@ -804,7 +804,8 @@ _PDL_WARNED: set = set()
 
 def pdl_on(device: torch.device, traced: bool = False) -> bool:
     """Whether the time loops on ``device`` use programmatic dependent launch, from ``ELMO_FAST_LSTMP_PDL`` (1: on,
-    unset or 0: off), read at each call's forward and at its backward. Each launch of a loop but its first then
+    unset or 0: off), read at each call's forward and at its backward (a loop-graph slot keeps the backward plan of
+    its first backward). Each launch of a loop but its first then
     carries the PDL attribute, and its kernel (``PDL``) lets the next launch start at once and waits in ``_pdl_wait``
     for the one before: the gap between two launches, and a stationary tile's weight load, can overlap the kernel
     before. Opt-in until a GPU has timed it (bench_lstmp's ``triton-pdl``, bench_bilm's ``+pdl``, bench_train's
@@ -891,7 +892,8 @@ PDL_TUNED: dict[tuple[str, str, int], Tile] = {
 
 # (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
 # does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
-# a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop.
+# a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop (a
+# PDL_TUNED tile: TUNED's own).
 K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4)}
 # (the tile sweep times the same tile: bench/bench_lstmp.REPLACED, held equal by tests/test_bench_splits.py)
 
@@ -963,8 +965,9 @@ def launch_plan(B: int, T: int, H: int, P: int, dtype: torch.dtype, *, training:
     i64 = torch.int64
 
     def tile(name):
-        """The tile ``name`` runs: ``tiles``' (checked: refused where it cannot run) or TUNED's (a stationary entry
-        falls back to its K-loop tile where it does not apply). ``stationary`` set iff the launch is stationary."""
+        """The tile ``name`` runs: ``tiles``' (checked: refused where it cannot run) or TUNED's (PDL_TUNED's first with
+        ``pdl``; a stationary entry falls back to its K-loop tile where it does not apply). ``stationary`` set iff the
+        launch is stationary."""
         explicit = (tiles or {}).get(name)
         t = explicit or _tile(name, B, dtype, target, pdl)
         if t.stationary and name == "bwd_cell" and not has_proj:  # no product to hold a weight for: the plain tile

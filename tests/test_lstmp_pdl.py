@@ -81,7 +81,11 @@ def test_the_plan_builds_every_kernel_for_it():
         assert cell(B, torch.bfloat16, True) == KL.Tile(16, 32, 0, 8, 1, fused=True, stationary=True)
         assert cell(B, torch.float16, True).stationary and not cell(B, torch.bfloat16, False).stationary
         assert cell(B, torch.float32, True) == cell(B, torch.float32, False)
-        assert cell(B, torch.bfloat16, True, P=1024) == cell(B, torch.bfloat16, False, P=1024)  # 256 KiB: no fit
+        assert cell(B, torch.bfloat16, True, P=1024) == cell(B, torch.bfloat16, False, P=1024)  # 288 KiB: no fit
+        small = KL.Target(interpret=False, sms=188, smem=99 * 1024, major=12)  # a Blackwell desktop's 99 KiB
+        assert KL.launch_plan(B, 4, 4096, 512, torch.bfloat16, training=False, pdl=True, target=small)[
+            "fwd_cell"].tile == KL.launch_plan(B, 4, 4096, 512, torch.bfloat16, training=False, target=small)[
+            "fwd_cell"].tile
     for B in (64, 128, 384):
         assert cell(B, torch.bfloat16, True) == cell(B, torch.bfloat16, False)
 
@@ -130,7 +134,7 @@ def test_loop_graphs_keep_the_two_plans_apart(monkeypatch):
                                 torch.randn(12, 5, generator=g), torch.zeros(2, 5), torch.zeros(2, 12))]
     lengths = torch.tensor([3, 2], device=DEV)
     for on in (False, True):
-        monkeypatch.setattr(KL, "pdl_on", lambda device, on=on: on)
+        monkeypatch.setattr(KL, "pdl_on", lambda device, traced=False, on=on: on)
         ops.lstmp(*args, lengths, cell_clip=3.0, proj_clip=3.0, backend="triton")
     assert len(keys) == 2 and keys[0][:-1] == keys[1][:-1] and (keys[0][-1], keys[1][-1]) == (False, True)
 
@@ -145,51 +149,76 @@ from elmo_fast.kernels._common import Launch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)\s*(.*?);")
-REG = re.compile(r"%(?:rd|rs|r|p|fd|f|hh|h|b)\d+\b")
-MEMORY = re.compile(r"(?:ld|ldu|st|atom|red|cp|prefetch|multimem)\.")
+INSTR = re.compile(r"^(?:@!?%\w+\s+)?([a-z][\w.:]*)\s*(.*)$")
+REG = re.compile(r"%[a-z]+\d+\b")  # virtual registers of every kind (%r, %rd, %rs, %rq, %f, %fd, %p, %b, %h, ...)
+SPECIAL = re.compile(r"%(?:tid|ntid|ctaid|nctaid|laneid|warpid|nwarpid|smid|nsmid|gridid|clusterid|cluster_ctaid)"
+                     r"(?:\.[xyz])?\b")
+NUMBER = re.compile(r"^(?:-?\d+|0[xX][0-9a-fA-F]+|0[fFdD][0-9a-fA-F]+|-?\d+\.\d*(?:[eE][-+]?\d+)?)$")
 HARMLESS = re.compile(r"(?:ld\.param|ld\.shared|st\.shared)\b")
-NO_DEST = ("st.", "atom.", "red.", "cp.", "prefetch.", "bra", "bar.", "griddepcontrol", "ret", "multimem.")
+NO_DEST = ("st.", "atom.", "red.", "cp.", "prefetch.", "bra", "bar.", "griddepcontrol", "ret", "exit", "call", "brx",
+           "trap", "multimem.", "fence", "membar")
+BRANCH = re.compile(r"(?:bra|brx|ret|exit|call|trap)\b")
+
+
+def memory_op(op, rest):
+    # anything that touches memory but parameter and shared memory: an address operand, or a memory opcode
+    return not HARMLESS.match(op) and ("[" in rest or re.match(r"(?:ld|ldu|st|atom|red|cp|prefetch|multimem|tex|suld|"
+                                                                r"sust|tensormap)\b", op) is not None)
 
 
 def instructions(lines):
-    # (opcode, destination registers, source registers, parameter index of an ld.param)
+    # one (opcode, predicated, destination registers, sources, parameter of an ld.param, rest) per instruction, in
+    # order: a line split at ';', comments, directives and labels dropped. Sources: registers, and "?" for an operand
+    # that is neither a register, an immediate nor a special register (a symbol: its value is not traced)
     out = []
     for ln in lines:
-        m = INSTR.match(ln)
-        if not m:
-            continue
-        op, rest = m.group(1), m.group(2)
-        param = re.search(r"_param_(\d+)\b", rest) if op.startswith("ld.param") else None
-        if op.startswith(NO_DEST):
-            dst, src = "", rest
-        elif rest.startswith("{"):
-            dst, _, src = rest.partition("}")
-        else:
-            dst, _, src = rest.partition(",")
-        out.append((op, REG.findall(dst), REG.findall(src), int(param.group(1)) if param else None))
+        for piece in ln.split("//")[0].split(";"):
+            piece = piece.strip()
+            if not piece or piece.startswith((".", "{", "}", "$")) or piece.endswith(":"):
+                continue
+            m = INSTR.match(piece)
+            if not m:
+                out.append(("?", False, [], ["?"], None, piece))
+                continue
+            op, rest = m.group(1), m.group(2)
+            param = re.search(r"\[\s*\w+_param_(\d+)\s*\]", rest) if op.startswith("ld.param") else None
+            if op.startswith(NO_DEST):
+                dst, src = "", rest
+            elif rest.startswith("{"):
+                dst, _, src = rest.partition("}")
+            else:
+                dst, _, src = rest.partition(",")
+            sources = REG.findall(src)
+            if param is None:
+                for tok in re.split(r"[\s,{}\[\]+]+", SPECIAL.sub(" ", REG.sub(" ", src))):
+                    if tok and not NUMBER.match(tok):
+                        sources.append("?")
+            out.append((op, piece.startswith("@"), REG.findall(dst), sources, int(param.group(1)) if param else None,
+                        rest))
     return out
 
 
 def params_of(ins, reg, before, seen):
     # the parameters the value of `reg` as read by instruction `before` is computed from; "?" where the trace does
-    # not end in parameters, immediates and special registers (a register never defined, or a value loaded)
+    # not end in parameters, immediates and special registers (a register never defined, a symbol, a value loaded)
     if (reg, before) in seen:
         return set()
     seen.add((reg, before))
+    out = set()
     for i in range(before - 1, -1, -1):
-        op, dst, src, param = ins[i]
+        op, predicated, dst, src, param, rest = ins[i]
         if reg not in dst:
             continue
         if param is not None:
-            return {str(param)}
-        if MEMORY.match(op):
-            return {"?"}
-        out = set()
-        for r in src:
-            out |= params_of(ins, r, i, seen)
-        return out
-    return {"?"}
+            out.add(str(param))
+        elif memory_op(op, rest) or op == "?":
+            out.add("?")
+        else:
+            for r in src:
+                out |= {"?"} if r == "?" else params_of(ins, r, i, seen)
+        if not predicated:  # a predicated definition may not happen: the one before it counts too
+            return out
+    return out | {"?"}
 
 
 def check(lines, args, stationary):
@@ -198,37 +227,48 @@ def check(lines, args, stationary):
     start = next((i for i, ln in enumerate(lines) if ln.strip() == "{"), 0)
     pre = lines[start:waits[0]] if waits else lines
     ins = instructions(pre)
-    memory = [(i, op, src) for i, (op, dst, src, _) in enumerate(ins) if MEMORY.match(op) and not HARMLESS.match(op)]
+    memory = [(i, op, src) for i, (op, _, dst, src, _, rest) in enumerate(ins) if memory_op(op, rest)]
     loads = [(i, src) for i, op, src in memory if op.startswith("ld.global")]
     traced = set()
     for i, src in loads:
-        addr = [r for r in src if r.startswith("%rd")]
-        traced |= params_of(ins, addr[0], i, set()) if addr else {"?"}
+        addr = re.search(r"\[\s*(%[a-z]+\d+)", ins[i][5])
+        traced |= params_of(ins, addr.group(1), i, set()) if addr else {"?"}
     return dict(
         stationary=stationary, waits=len(waits), triggers=len(trig),
         trigger_first=bool(trig and waits and trig[0] < waits[0]),
         wait_predicated=bool(waits and re.match(r"\s*@", lines[waits[0]])),
-        branches=sum(bool(re.search(r"\bbra\b|^\s*\$L__BB\w*:", ln)) for ln in pre),  # jumps, basic-block labels
+        branches=sum(bool(BRANCH.match(op)) for op, *_ in ins) + sum(bool(re.match(r"\s*\$L__BB\w*:", ln))
+                                                                       for ln in pre),
         other_memory=[op for i, op, _ in memory if not op.startswith("ld.global")], pre_loads=len(loads),
         weight=[str(i) for i, (n, _) in enumerate(args) if n in ("w_rec", "w_rec_g", "w_proj")],
         load_params=sorted(traced))
 
 
-if sys.argv[2] == "selftest":  # hand-written PTX: a second load's address is parameter 1's, through a register pair
-    text = "\n".join((
-        ".entry k(.param .u64 k_param_0, .param .u64 k_param_1)", "{",
-        "ld.param.b64 %rd1, [k_param_0];", "ld.param.b64 %rd7, [k_param_1];", "mov.u32 %r8, %tid.x;",
-        "mul.wide.u32 %rd8, %r8, 16;", "add.s64 %rd9, %rd1, %rd8;", "mov.b64 {%r1, %r2}, %rd7;",
-        "mov.b64 %rd2, {%r1, %r2};", "@%p1 ld.global.v4.b32 { %r3, %r4, %r5, %r6 }, [ %rd9 + 0 ];",
-        "ld.global.b32 %r9, [ %rd2 + 0 ];", "griddepcontrol.launch_dependents;", "griddepcontrol.wait;", "}"))
-    print(json.dumps([check(text.splitlines(), (("w_rec", None), ("hop", None)), True)]))
+if sys.argv[2] == "selftest":  # hand-written PTX: the weight's load (parameter 0) and one other, each case a way
+    # a second parameter's address could hide; the last two cases: an early return, two instructions on a line
+    head = [".entry k(.param .u64 k_param_0, .param .u64 k_param_1)", "{", "ld.param.b64 %rd1, [k_param_0];",
+            "ld.param.b64 %rd7, [k_param_1];", "mov.u32 %r8, %tid.x;", "mul.wide.u32 %rd8, %r8, 16;",
+            "add.s64 %rd9, %rd1, %rd8;", "@%p1 ld.global.v4.b32 { %r3, %r4, %r5, %r6 }, [ %rd9 + 0 ];"]
+    tail = ["griddepcontrol.launch_dependents;", "griddepcontrol.wait;", "}"]
+    hide = {"pair": ["mov.b64 {%r1, %r2}, %rd7;", "mov.b64 %rd2, {%r1, %r2};", "ld.global.b32 %r9, [ %rd2 + 0 ];"],
+            "predicated": ["mov.b64 %rd2, %rd7;", "@%p2 mov.b64 %rd2, %rd1;", "ld.global.b32 %r9, [ %rd2 + 0 ];"],
+            "symbol": ["mov.u64 %rd2, k_param_1;", "ld.global.b32 %r9, [ %rd2 + 0 ];"],
+            "q-register": ["mov.b64 %rq2, %rd7;", "mov.b64 %rd2, %rq2;", "ld.global.b32 %r9, [ %rd2 + 0 ];"],
+            "one-line": ["mov.b64 %rd2, %rd1; ld.global.b32 %r9, [ %rd7 + 0 ];"],
+            "return": ["@%p3 ret;"]}
+    out = []
+    for name, body in hide.items():
+        c = check(head + body + tail, (("w_rec", None), ("hop", None)), True)
+        out.append(dict(c, name=name))
+    print(json.dumps(out))
     sys.exit()
 
 cases = []
 for B, dt, train, fuse, rev, tiles in (
         (384, torch.bfloat16, True, False, False, None), (1, torch.bfloat16, True, True, False, None),
         (384, torch.bfloat16, True, False, True, {"bwd_cell": KL.Tile(64, 64, 0, 8, 1, stationary=True, groups=2)}),
-        (1, torch.float32, True, False, False, None), (384, torch.bfloat16, True, False, True, None)):
+        (1, torch.float32, True, False, False, None), (384, torch.bfloat16, True, False, True, None),
+        (1, torch.bfloat16, False, False, False, None), (16, torch.bfloat16, False, False, True, None)):
     plan = KL.launch_plan(B, 20, 4096, 512, dt, training=train, pdl=True, fuse_reduce=fuse, tiles=tiles,
                           reverse=rev, residual=rev)
     for name, la in plan.items():
@@ -263,21 +303,28 @@ def _ptx(what: str) -> list[dict]:
 
 
 def test_the_ptx_check_follows_an_address_to_its_parameter():
-    """The check below on hand-written PTX: a load whose address is another parameter's, moved through a vector
-    register pair, is found beside the weight's (parameter 0, its address offset by the thread index)."""
-    (c,) = _ptx("selftest")
-    assert c["pre_loads"] == 2 and c["weight"] == ["0"] and c["load_params"] == ["0", "1"], c
+    """The check below on hand-written PTX: beside the weight's load (parameter 0, its address offset by the thread
+    index) a load whose address is parameter 1's, hidden five ways (through a register pair, behind a predicated
+    definition, as a symbol, through a register kind of its own, on the line of another instruction), is found every
+    time; and an early return before the wait counts as a branch."""
+    cases = {c["name"]: c for c in _ptx("selftest")}
+    for name in ("pair", "predicated", "symbol", "q-register", "one-line"):
+        c = cases[name]
+        assert c["pre_loads"] == 2 and c["weight"] == ["0"] and c["load_params"] != ["0"], c
+    assert cases["pair"]["load_params"] == ["0", "1"] and cases["return"]["branches"] == 1, cases
+    assert cases["return"]["load_params"] == ["0"] and cases["pair"]["branches"] == 0, cases
 
 
 def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
     """Compiled for sm_90a (no GPU): every kernel of a PDL plan (a training chain call at B=384 forward, and reverse
-    with the residual; one in fp32 at B=1; the fused reduce and PDL_TUNED's stationary forward cell tile at B=1; a
-    stationary backward cell tile) is built with the launch attribute, lets the next launch start
-    (``griddepcontrol.launch_dependents``) once, before it waits (``griddepcontrol.wait``) once, unconditionally (no
-    branch before it, not predicated), and before the wait writes nothing and reads no memory but, in a stationary
-    tile, its weight: every address loaded ahead of the wait traces back to the weight's parameter alone."""
+    with the residual; one in fp32 at B=1; the fused reduce and PDL_TUNED's stationary forward cell tile at B=1, in
+    training and in inference, and in reverse at B=16; a stationary backward cell tile) is built with the launch
+    attribute, lets the next launch start (``griddepcontrol.launch_dependents``) once, before it waits
+    (``griddepcontrol.wait``) once, unconditionally (no branch, return or call before it, not predicated), and before
+    the wait writes nothing and reads no memory but, in a stationary tile, its weight: every address loaded ahead of
+    the wait traces back to the weight's parameter alone."""
     cases = _ptx("kernels")
-    assert len(cases) == 6 + 5 + 1 + 6 + 6
+    assert len(cases) == 6 + 5 + 1 + 6 + 6 + 3 + 3
     for c in cases:
         assert c["launch_pdl"] and c["waits"] == 1 and c["triggers"] == 1 and c["trigger_first"], c
         assert not c["wait_predicated"] and c["branches"] == 0 and c["other_memory"] == [], c
@@ -285,7 +332,7 @@ def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
             assert c["pre_loads"] > 0 and c["load_params"] == c["weight"], c
         else:
             assert c["pre_loads"] == 0, c
-    assert sum(c["stationary"] for c in cases) == 4  # the forward cell at 1 and at 384 twice, the backward tile
+    assert sum(c["stationary"] for c in cases) == 6  # the forward cell at 1 (twice), 16 and 384 (twice); backward
 
 
 def _inputs(B, T, D, H, P, dtype, seed):
@@ -302,11 +349,11 @@ def _inputs(B, T, D, H, P, dtype, seed):
             r(B, P, scale=0.5), r(B, H, scale=0.5)], lengths.to("cuda")
 
 
-def _run(monkeypatch, on: bool, floats, lengths, *, grads: bool):
+def _run(monkeypatch, on: bool, floats, lengths, *, grads: bool, backend="triton"):
     monkeypatch.setenv(ENV, "1" if on else "0")
     leaves = [t.detach().clone().requires_grad_(grads) for t in floats]
     y, hn, cn = ops.lstmp(*leaves, lengths, cell_clip=3.0, proj_clip=3.0, reverse=True, residual=True,
-                          backend="triton")
+                          backend=backend)
     out = [y.detach(), hn.detach(), cn.detach()]
     if grads:
         g = torch.Generator().manual_seed(7)
@@ -324,7 +371,11 @@ def test_gpu_pdl_gives_the_same_bits(monkeypatch, B, dtype, fused):
     the fused reduce, and the training batch; both bf16 batches with a forward cell tile that loads its weight ahead
     of the wait): with programmatic dependent launch, loop graphs on (the default) and off, 20 calls each, forward
     and training (every gradient), the bits of the plain launches (a kernel reading before its wait, or a missing
-    wait, would race the step before it); eagerly, the launches did carry the attribute."""
+    wait, would race the step before it); eagerly, every launch but each loop's first carried the attribute. Those
+    plain launches run PDL_TUNED's tiles too, so in bf16 they are checked against the fp64 reference (within the
+    budget of the reference run in bf16)."""
+    from test_lstmp_triton import assert_low_precision
+
     from elmo_fast.kernels import lstmp_graphs
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -333,15 +384,22 @@ def test_gpu_pdl_gives_the_same_bits(monkeypatch, B, dtype, fused):
         monkeypatch.setitem(KL.TUNED, key, tile)
     monkeypatch.setenv(KL.FUSED_REDUCE_ENV, "16" if fused else "0")
     floats, lengths = _inputs(B, 20, 512, 4096, 512, dtype, seed=B)
+    T = 20
     for grads in (False, True):
         want = _run(monkeypatch, False, floats, lengths, grads=grads)
+        if grads and dtype == torch.bfloat16:
+            exact = _run(monkeypatch, False, [t.double() for t in floats], lengths, grads=True, backend="reference")
+            low = _run(monkeypatch, False, floats, lengths, grads=True, backend="reference")
+            assert_low_precision(dict(enumerate(want)), dict(enumerate(exact)), dict(enumerate(low)), dtype,
+                                 "[plain launches, PDL_TUNED tiles] ")
         for graphs in (True, False):
             with lstmp_graphs.suspended() if not graphs else contextlib.nullcontext():
                 with probe() as counts:
                     _run(monkeypatch, True, floats, lengths, grads=grads)
                 # eager either way (a first call of the PDL signature, or no graphs): every launch but each loop's
-                # first carries the attribute
-                assert sum(bool(la.flags.get("launch_pdl")) for la in counts.launches) >= 19, counts.launches
+                # first carries the attribute (forward: 3 or, fused, 2 a step; backward: 3 a step and its prologue)
+                dependent = (2 if fused else 3) * T - 1 + (3 * T if grads else 0)
+                assert sum(bool(la.flags.get("launch_pdl")) for la in counts.launches) == dependent, counts.launches
                 for i in range(20):
                     got = _run(monkeypatch, True, floats, lengths, grads=grads)
                     assert all(torch.equal(a, b) for a, b in zip(got, want)), (grads, graphs, i)

@@ -230,6 +230,35 @@ def test_stationary_cell_tiles(monkeypatch, dtype, which):
     assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, f"[{name} {tile}] ")
 
 
+@pytest.mark.parametrize("B", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_pdl_small_batch_tile(monkeypatch, dtype, B):
+    """``PDL_TUNED``'s stationary forward cell tile (16 rows, one row group) at the batches it is for: one row block,
+    partial below 16 rows (the next block the program loads ahead is wholly masked), an empty row at B = 3, two H
+    slices (the second partial), P = 35 padded to PK = 64; reverse with the residual, training: outputs and every
+    gradient against the fp64 reference (bf16: within the budget of the reference run in bf16)."""
+    mod = _mod()
+    tile = mod.PDL_TUNED[("fwd_cell", "16bit", 1)]
+    assert tile == mod.PDL_TUNED[("fwd_cell", "16bit", 16)] and tile.stationary and tile.groups == 1
+    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))  # fp64 runs the 16-bit design
+    monkeypatch.setitem(mod._INTERPRET_TILE, "fwd_cell", tile)
+    if DEV != "cpu":  # on a GPU the plan takes TUNED's tiles
+        monkeypatch.setitem(mod.TUNED, ("fwd_cell", "16bit" if dtype == torch.bfloat16 else "fp32",
+                                        mod.tuned_size(B)), tile)
+    shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=[3, 0, 1, 2, 3, 3, 1, 3, 2, 0, 3, 1, 2, 3, 3, 1][:B])
+    plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], dtype, training=True,
+                           target=mod.device_target(torch.device(DEV)))
+    assert plan["fwd_cell"].grid == (1, 2) and plan["fwd_cell"].constexprs["PK"] == 64
+    case = make_case(**{**shape, "residual": True})
+    fl = flags(reverse=True, residual=True)
+    want = run(reference, case, torch.float64, fl, upstream_grads(8))
+    got = run(kernel, case, dtype, fl, upstream_grads(8))
+    if dtype == torch.float64:
+        assert_close(got, want, TOL[torch.float64], f"[B={B}] ")
+        return
+    assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, f"[B={B}] ")
+
+
 # (kernel, tile fields, B, reverse, cell clip): row groups that do not divide the row blocks (3 over 4) and more
 # groups than blocks (5 over 3: the grid keeps 3), the forward direction and no cell clip
 GROUP_CASES = {
