@@ -208,26 +208,35 @@ def test_stationary_cell_tiles(monkeypatch, dtype, which):
     to PK = 64; the other kernels at the interpreter's tiles (the interpreter's plan: bf16 products emulated as on
     the other interpreter tests). Outputs and every gradient against the fp64 reference (bf16: within the budget of
     the reference run in bf16)."""
-    mod = _mod()
     name, tile = _stationary_tiles()[which]
     assert tile.stationary and not tile.BK
+    B = 2 * tile.BM + 3
+    _stationary_against_reference(monkeypatch, name, tile, dtype, ([3, 0, 1, 2, 3, 3, 1] * 20)[:B], tile.groups,
+                                  f"[{name} {tile}] ")
+
+
+def _stationary_against_reference(monkeypatch, name, tile, dtype, lengths, groups, what):
+    """``tile`` for ``name`` (the interpreter's tile; TUNED's at this batch on a GPU), at len(lengths) rows, two H
+    slices (the second partial) and P = 35 padded to PK = 64, reverse with the residual, training: outputs and every
+    gradient against the fp64 reference (bf16: within the budget of the reference run in bf16)."""
+    mod = _mod()
+    B = len(lengths)
     monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))  # fp64 runs the 16-bit design
     monkeypatch.setitem(mod._INTERPRET_TILE, name, tile)
     if DEV != "cpu":  # on a GPU the plan takes TUNED's tiles
-        monkeypatch.setitem(mod.TUNED, (name, "16bit" if dtype == torch.bfloat16 else "fp32", 384), tile)
-    B = 2 * tile.BM + 3
-    shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=([3, 0, 1, 2, 3, 3, 1] * 20)[:B])
+        monkeypatch.setitem(mod.TUNED, (name, "16bit" if dtype == torch.bfloat16 else "fp32", mod.tuned_size(B)), tile)
+    shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=lengths)
     plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], dtype, training=True,
                            target=mod.device_target(torch.device(DEV)))
-    assert plan[name].grid == (tile.groups, 2) and plan[name].constexprs["PK"] == 64
+    assert plan[name].grid == (groups, 2) and plan[name].constexprs["PK"] == 64
     case = make_case(**{**shape, "residual": True})
     fl = flags(reverse=True, residual=True)
     want = run(reference, case, torch.float64, fl, upstream_grads(8))
     got = run(kernel, case, dtype, fl, upstream_grads(8))
     if dtype == torch.float64:
-        assert_close(got, want, TOL[torch.float64], f"[{name} {tile}] ")
+        assert_close(got, want, TOL[torch.float64], what)
         return
-    assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, f"[{name} {tile}] ")
+    assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, what)
 
 
 @pytest.mark.parametrize("B", [1, 3, 16])
@@ -240,23 +249,8 @@ def test_pdl_small_batch_tile(monkeypatch, dtype, B):
     mod = _mod()
     tile = mod.PDL_TUNED[("fwd_cell", "16bit", 1)]
     assert tile == mod.PDL_TUNED[("fwd_cell", "16bit", 16)] and tile.stationary and tile.groups == 1
-    monkeypatch.setattr(mod, "FUSED_GATES", dict.fromkeys(mod.FUSED_GATES, True))  # fp64 runs the 16-bit design
-    monkeypatch.setitem(mod._INTERPRET_TILE, "fwd_cell", tile)
-    if DEV != "cpu":  # on a GPU the plan takes TUNED's tiles
-        monkeypatch.setitem(mod.TUNED, ("fwd_cell", "16bit" if dtype == torch.bfloat16 else "fp32",
-                                        mod.tuned_size(B)), tile)
-    shape = dict(ODD, B=B, H=tile.BN + 3, P=35, lengths=[3, 0, 1, 2, 3, 3, 1, 3, 2, 0, 3, 1, 2, 3, 3, 1][:B])
-    plan = mod.launch_plan(B, shape["T"], shape["H"], shape["P"], dtype, training=True,
-                           target=mod.device_target(torch.device(DEV)))
-    assert plan["fwd_cell"].grid == (1, 2) and plan["fwd_cell"].constexprs["PK"] == 64
-    case = make_case(**{**shape, "residual": True})
-    fl = flags(reverse=True, residual=True)
-    want = run(reference, case, torch.float64, fl, upstream_grads(8))
-    got = run(kernel, case, dtype, fl, upstream_grads(8))
-    if dtype == torch.float64:
-        assert_close(got, want, TOL[torch.float64], f"[B={B}] ")
-        return
-    assert_low_precision(got, want, run(reference, case, dtype, fl, upstream_grads(8)), dtype, f"[B={B}] ")
+    _stationary_against_reference(monkeypatch, "fwd_cell", tile, dtype,
+                                  [3, 0, 1, 2, 3, 3, 1, 3, 2, 0, 3, 1, 2, 3, 3, 1][:B], 1, f"[B={B}] ")
 
 
 # (kernel, tile fields, B, reverse, cell clip): row groups that do not divide the row blocks (3 over 4) and more
