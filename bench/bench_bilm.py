@@ -105,9 +105,10 @@ def test_cpu_tiny_embed(benchmark, tiny):
 # ------------------------------------------------------------------------------------------ GPU
 # "+graph": the model CUDA graph; "+2streams": ELMO_FAST_BILM_STREAMS=2 (the two LSTM stacks on two streams);
 # "+fusedreduce": ELMO_FAST_LSTMP_FUSED_REDUCE=16 (the forward's reduce in the projection's last split, opt-in);
-# "+pdl": ELMO_FAST_LSTMP_PDL=1 (programmatic dependent launch in the LSTMP time loops, opt-in)
+# "+pdl": ELMO_FAST_LSTMP_PDL=1 (programmatic dependent launch in the LSTMP time loops, opt-in), "+kloop": with it, the
+# tiles of TUNED (PDL alone, without PDL_TUNED's small-batch cell tile)
 PROVIDERS = ("reference", "triton", "auto", "auto+2streams", "auto+graph", "auto+graph+2streams",
-             "auto+graph+fusedreduce", "auto+graph+pdl", "auto+graph+fusedreduce+pdl", "cuda")
+             "auto+graph+fusedreduce", "auto+graph+pdl", "auto+graph+pdl+kloop", "auto+graph+fusedreduce+pdl", "cuda")
 
 
 def _elmo_fast(o, w, provider, dev, dtype):
@@ -124,9 +125,7 @@ def _elmo_fast(o, w, provider, dev, dtype):
 
         m = common.with_env(m, FUSED_REDUCE_ENV, "16")
     if "pdl" in extras:
-        from elmo_fast.kernels.lstmp import PDL_ENV
-
-        m = common.with_env(m, PDL_ENV, "1")
+        m = common.with_pdl(m, k_loop="kloop" in extras)
     return common.with_env(m, "ELMO_FAST_BILM_STREAMS", "2") if "2streams" in extras else m
 
 

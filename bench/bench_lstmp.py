@@ -153,23 +153,6 @@ def _graphed(fn, chain):
     return graph.replay
 
 
-def _with_pdl(call, k_loop: bool):
-    """``call`` with ELMO_FAST_LSTMP_PDL=1 around it; ``k_loop``: with ``PDL_TUNED`` emptied as well (the plan keeps
-    TUNED's tiles, so PDL's own share shows apart from its small-batch tile's)."""
-    from elmo_fast.kernels import lstmp as KL
-
-    def run(*args, **kw):
-        saved = dict(KL.PDL_TUNED)
-        if k_loop:
-            KL.PDL_TUNED.clear()
-        try:
-            with common.env_var(KL.PDL_ENV, "1"):
-                return call(*args, **kw)
-        finally:
-            KL.PDL_TUNED.update(saved)
-    return run
-
-
 def _eager(fn):
     """``fn`` with the LSTMP loop graphs off."""
     def call(*args, **kw):
@@ -230,7 +213,7 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                         def call(fn=fn, chain=chain, up=up):
                             fwd_bwd(fn, chain, up)
                     if provider.startswith("triton-pdl"):
-                        call = _with_pdl(call, k_loop=provider.endswith("kloop"))
+                        call = common.with_pdl(call, k_loop=provider.endswith("kloop"))
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     try:

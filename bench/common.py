@@ -74,6 +74,32 @@ def parse_variants(specs) -> list[tuple[str, str]]:
     return out
 
 
+_PDL_LAST: dict = {}  # with_pdl's last call: its k_loop
+
+
+def with_pdl(fn, k_loop: bool = False):
+    """``fn`` with ELMO_FAST_LSTMP_PDL=1 around each call (programmatic dependent launch in the LSTMP time loops);
+    ``k_loop``: with ``kernels/lstmp.PDL_TUNED`` emptied as well, so that the plans keep TUNED's tiles and PDL's own
+    share shows apart from its small-batch tile's. Loop graphs are keyed by the setting, not by the tiles: where a
+    call's ``k_loop`` differs from the last one's, the loop-graph pool is emptied first, so that neither variant
+    replays the other's plan."""
+    from elmo_fast.kernels import lstmp as KL
+
+    def call(*args, **kwargs):
+        if _PDL_LAST.get("k_loop", k_loop) != k_loop:
+            KL.graphs.POOL.clear()
+        _PDL_LAST["k_loop"] = k_loop
+        saved = dict(KL.PDL_TUNED)
+        if k_loop:
+            KL.PDL_TUNED.clear()
+        try:
+            with env_var(KL.PDL_ENV, "1"):
+                return fn(*args, **kwargs)
+        finally:
+            KL.PDL_TUNED.update(saved)
+    return call
+
+
 def with_env(fn, name: str, value: str):
     """``fn`` called with os.environ[name] = value (restored after each call).
 

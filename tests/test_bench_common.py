@@ -246,3 +246,31 @@ def test_bench_data_smoke(tmp_path, monkeypatch):
     assert [r["round"] for r in received] == ["asleep", "busy"] and all(r["batches"] > 0 for r in received)
     bench_data.report(rows)
     assert (tmp_path / "data.csv").exists()
+
+
+def test_with_pdl_sets_the_variable_and_keeps_the_k_loop_variant_apart(monkeypatch):
+    """``common.with_pdl``: ELMO_FAST_LSTMP_PDL=1 only around each call; ``k_loop``: PDL_TUNED empty during the call
+    and whole again after it, even when the call raises; a call whose variant differs from the last one's empties the
+    loop-graph pool first (the graphs are keyed by the setting, not the tiles), and a repeat of it does not."""
+    KL = pytest.importorskip("elmo_fast.kernels.lstmp")
+    monkeypatch.delenv(KL.PDL_ENV, raising=False)
+    monkeypatch.setattr(common, "_PDL_LAST", {})
+    cleared = []
+    monkeypatch.setattr(KL.graphs.POOL, "clear", lambda: cleared.append(1))
+    full = dict(KL.PDL_TUNED)
+    seen = []
+
+    def probe(fail=False):
+        seen.append((os.environ.get(KL.PDL_ENV), dict(KL.PDL_TUNED)))
+        if fail:
+            raise RuntimeError("boom")
+
+    common.with_pdl(probe)()
+    common.with_pdl(probe, k_loop=True)()
+    common.with_pdl(probe, k_loop=True)()
+    with pytest.raises(RuntimeError, match="boom"):
+        common.with_pdl(probe, k_loop=True)(fail=True)
+    common.with_pdl(probe)()
+    assert seen == [("1", full), ("1", {}), ("1", {}), ("1", {}), ("1", full)]
+    assert KL.PDL_TUNED == full and KL.PDL_ENV not in os.environ
+    assert len(cleared) == 2  # into the k_loop variant, and out of it
