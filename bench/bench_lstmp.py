@@ -165,7 +165,6 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
               providers=("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph", "reference",
                          "cudnn"),
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
-    from elmo_fast.kernels import lstmp as KL
     from elmo_fast.kernels.lstmp import lstmp_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -183,15 +182,14 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    KL.graphs.POOL.clear()  # no provider replays another's loop graphs (a plan's tiles are not
-                    # in their key: triton-pdl and triton-pdl-kloop share one)
                     if provider in ("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph"):
                         # triton: the time loops replay from loop graphs (the default on a GPU) after the first
                         # call; triton-pdl: the same with programmatic dependent launch (ELMO_FAST_LSTMP_PDL=1,
                         # opt-in; set around the whole call below: backward reads it too), whose plan takes
                         # PDL_TUNED's stationary cell tile at bf16 B <= 16; triton-pdl-kloop: PDL with TUNED's
-                        # K-loop tile there (the launches' share apart from the tile's); triton-eager: every step's
-                        # launches as launched (ELMO_FAST_LOOP_GRAPHS=0)
+                        # K-loop tile there (the launches' share apart from the tile's; common.with_pdl keeps the
+                        # two variants' loop graphs apart); triton-eager: every step's launches as launched
+                        # (ELMO_FAST_LOOP_GRAPHS=0)
                         fn = _eager(lstmp_triton) if provider == "triton-eager" else lstmp_triton
                     elif provider == "reference":
                         fn = lstmp_reference

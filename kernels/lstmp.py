@@ -1113,7 +1113,7 @@ def _fwd_loop(plan: dict, bufs: dict) -> None:
     """The forward time loop: every launch of every step (what a loop graph captures)."""
     names = [k for k in ("fwd_cell", "fwd_proj", "fwd_reduce") if k in plan]
     steps = [_bind(plan[k], bufs, dependent=True) for k in names]
-    first = _bind(plan[names[0]], bufs)
+    first = _bind(plan[names[0]], bufs) if plan[names[0]].constexprs.get("PDL") else steps[0]  # (the same without)
     for s in range(bufs["y"].shape[1]):
         for i, run in enumerate(steps):
             (first if s == 0 and i == 0 else run)(s)

@@ -34,11 +34,11 @@ def _inputs(B, T, D, H, P, dtype, device, seed=0):
             r(B, P, scale=0.5), r(B, H, scale=0.5)], lengths.to(device)
 
 
-def _run(monkeypatch, rows: str, floats, lengths, *, reverse, residual, grads=True):
+def _run(monkeypatch, rows: str, floats, lengths, *, reverse, residual, grads=True, backend="triton"):
     monkeypatch.setenv(ENV, rows)
     leaves = [t.detach().clone().requires_grad_(grads) for t in floats]
     y, hn, cn = ops.lstmp(*leaves, lengths, cell_clip=1.0, proj_clip=0.8, reverse=reverse, residual=residual,
-                          backend="triton")
+                          backend=backend)
     out = [y.detach(), hn.detach(), cn.detach()]
     if grads:
         out += list(torch.autograd.grad(_loss(y, hn, cn), leaves))

@@ -16,6 +16,8 @@ from elmo_fast import ops
 from elmo_fast.kernels import lstmp as KL
 from elmo_fast.kernels._common import INTERPRETER
 from elmo_fast.probes import probe
+from test_lstmp_fused_reduce import _inputs
+from test_lstmp_fused_reduce import _run as fused_reduce_run
 
 pytestmark = [pytest.mark.triton, requires_triton]
 DEV = triton_device()
@@ -335,31 +337,12 @@ def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
     assert sum(c["stationary"] for c in cases) == 6  # the forward cell at 1 (twice), 16 and 384 (twice); backward
 
 
-def _inputs(B, T, D, H, P, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
-
-    lengths = torch.randint(1, T + 1, (B,), generator=g)
-    lengths[0] = T
-    if B > 1:
-        lengths[-1] = 0
-    return [r(B, T, D), r(D, 4 * H, scale=0.3), r(P, 4 * H, scale=0.3), r(4 * H, scale=0.1), r(H, P, scale=0.3),
-            r(B, P, scale=0.5), r(B, H, scale=0.5)], lengths.to("cuda")
-
-
-def _run(monkeypatch, on: bool, floats, lengths, *, grads: bool, backend="triton"):
+def _run(monkeypatch, on: bool, fused: bool, floats, lengths, *, grads: bool, backend="triton"):
+    """test_lstmp_fused_reduce's run (reverse with the residual, both clips, its fixed upstream gradients) with the
+    setting on or off."""
     monkeypatch.setenv(ENV, "1" if on else "0")
-    leaves = [t.detach().clone().requires_grad_(grads) for t in floats]
-    y, hn, cn = ops.lstmp(*leaves, lengths, cell_clip=3.0, proj_clip=3.0, reverse=True, residual=True,
-                          backend=backend)
-    out = [y.detach(), hn.detach(), cn.detach()]
-    if grads:
-        g = torch.Generator().manual_seed(7)
-        loss = sum((t * torch.randn(t.shape, generator=g).to(t.device, t.dtype)).sum() for t in (y, hn, cn))
-        out += list(torch.autograd.grad(loss, leaves))
-    return out
+    return fused_reduce_run(monkeypatch, "16" if fused else "0", floats, lengths, reverse=True, residual=True,
+                            grads=grads, backend=backend)
 
 
 @pytest.mark.gpu
@@ -385,24 +368,24 @@ def test_gpu_pdl_gives_the_same_bits(monkeypatch, request, B, dtype, fused):
     # loop graphs are keyed by the setting, not the tiles: none captured at other tiles is replayed here, or after
     lstmp_graphs.POOL.clear()
     request.addfinalizer(lstmp_graphs.POOL.clear)
-    monkeypatch.setenv(KL.FUSED_REDUCE_ENV, "16" if fused else "0")
-    floats, lengths = _inputs(B, 20, 512, 4096, 512, dtype, seed=B)
+    floats, lengths = _inputs(B, 20, 512, 4096, 512, dtype, "cuda", seed=B)
     T = 20
     for grads in (False, True):
-        want = _run(monkeypatch, False, floats, lengths, grads=grads)
+        want = _run(monkeypatch, False, fused, floats, lengths, grads=grads)
         if grads and dtype == torch.bfloat16:
-            exact = _run(monkeypatch, False, [t.double() for t in floats], lengths, grads=True, backend="reference")
-            low = _run(monkeypatch, False, floats, lengths, grads=True, backend="reference")
+            exact = _run(monkeypatch, False, fused, [t.double() for t in floats], lengths, grads=True,
+                         backend="reference")
+            low = _run(monkeypatch, False, fused, floats, lengths, grads=True, backend="reference")
             assert_low_precision(dict(enumerate(want)), dict(enumerate(exact)), dict(enumerate(low)), dtype,
                                  "[plain launches, PDL_TUNED tiles] ")
         for graphs in (True, False):
             with lstmp_graphs.suspended() if not graphs else contextlib.nullcontext():
                 with probe() as counts:
-                    _run(monkeypatch, True, floats, lengths, grads=grads)
+                    _run(monkeypatch, True, fused, floats, lengths, grads=grads)
                 # eager either way (a first call of the PDL signature, or no graphs): every launch but each loop's
                 # first carries the attribute (forward: 3 or, fused, 2 a step; backward: 3 a step and its prologue)
                 dependent = (2 if fused else 3) * T - 1 + (3 * T if grads else 0)
                 assert sum(bool(la.flags.get("launch_pdl")) for la in counts.launches) == dependent, counts.launches
                 for i in range(20):
-                    got = _run(monkeypatch, True, floats, lengths, grads=grads)
+                    got = _run(monkeypatch, True, fused, floats, lengths, grads=grads)
                     assert all(torch.equal(a, b) for a, b in zip(got, want)), (grads, graphs, i)

@@ -75,10 +75,11 @@ def _hash_cpu(x: Tensor, seeds: Tensor, numels: list[int], p: float) -> Tensor:
     xf, yf = x.view(-1), y.view(-1)
     ext = cpu_ext_for(x)
     ext = ext if ext is not None and hasattr(ext, "dropout_apply") else None
+    thr, scale = dropout_threshold(p), 1.0 / (1.0 - p)
     off = 0
     for s, n in zip(values, numels):
         if ext is not None:
-            ext.dropout_apply(xf[off:off + n], yf[off:off + n], s, dropout_threshold(p), 1.0 / (1.0 - p))
+            ext.dropout_apply(xf[off:off + n], yf[off:off + n], s, thr, scale)
         else:
             yf[off:off + n] = dropout_reference(xf[off:off + n], s, p)
         off += n
