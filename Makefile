@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile,)
 
-.PHONY: setup test test-parity demo bench lint gpu-check gpu-check-smoke clean cuda-compile-check kernel-report \
+.PHONY: setup test test-parity demo bench lint gpu-check gpu-lease gpu-check-smoke clean cuda-compile-check kernel-report \
 	kernel-report-subset
 
 setup: $(STAMP)
@@ -77,6 +77,12 @@ cuda-compile-check:
 STEPS ?=
 gpu-check:
 	bash bench/gpu_check.sh $(STEPS)
+
+# A lease's plan (bench/gpu_check.py LEASE): `make gpu-lease CALL=1`, then at once `make gpu-lease CALL=2`; each
+# call about five minutes, both inside the device tool's 15 minutes a session with the machine's start.
+CALL ?= 1
+gpu-lease:
+	bash bench/gpu_check.sh --lease $(CALL)
 
 # Every gpu-check step on the CPU at the smallest sizes, from a fresh clone of HEAD (tests/test_gpu_check.py runs
 # it in `make test`).

@@ -129,10 +129,18 @@ def _elmo_fast(o, w, provider, dev, dtype):
     return common.with_env(m, "ELMO_FAST_BILM_STREAMS", "2") if "2streams" in extras else m
 
 
-def _providers(opts, o, w, dtype, dev):
+BASELINES = ("library", "allennlp")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CASES = ("throughput", "latency")
+
+
+def _providers(opts, o, w, dtype, dev, only=None):
+    """The providers to time, by row name (``only``: a subset of ``PROVIDERS`` + ``BASELINES``)."""
     provs = {}
     warm = elmo_fast.batch_to_ids([["warm", "up"]]).to(dev)
     for prov in PROVIDERS:
+        if only is not None and prov not in only:
+            continue
         try:
             m = _elmo_fast(o, w, prov, dev, dtype)
             with torch.no_grad():
@@ -140,21 +148,25 @@ def _providers(opts, o, w, dtype, dev):
             provs[f"elmo_fast-{prov}"] = m
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run here is skipped, and said so
             print(f"skip elmo_fast-{prov}: {type(exc).__name__}: {exc}")
-    lib = LibraryBiLM(opts).to(dev, dtype).eval()
-    bos, eos = (torch.tensor(elmo_fast.word_to_char_ids(t), device=dev) for t in ("<S>", "</S>"))
-    provs["library"] = lambda ids: lib(add_sentence_boundary_token_ids(ids, (ids > 0).any(-1), bos, eos)[0])
-    try:
-        from allennlp.modules.elmo import _ElmoBiLm
+    if only is None or "library" in only:
+        lib = LibraryBiLM(opts).to(dev, dtype).eval()
+        bos, eos = (torch.tensor(elmo_fast.word_to_char_ids(t), device=dev) for t in ("<S>", "</S>"))
+        provs["library"] = lambda ids: lib(add_sentence_boundary_token_ids(ids, (ids > 0).any(-1), bos, eos)[0])
+    if only is None or "allennlp" in only:
+        try:
+            from allennlp.modules.elmo import _ElmoBiLm
 
-        al = _ElmoBiLm(o, w).to(dev).eval()
-        if dtype == torch.float32:
-            provs["allennlp"] = al
-    except Exception as exc:  # noqa: BLE001
-        print(f"skip allennlp: {type(exc).__name__}")
+            al = _ElmoBiLm(o, w).to(dev).eval()
+            if dtype == torch.float32:
+                provs["allennlp"] = al
+        except Exception as exc:  # noqa: BLE001
+            print(f"skip allennlp: {type(exc).__name__}")
     return provs
 
 
-def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
+def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda", providers=None, dtypes=("fp32", "bf16"),
+            cases=CASES) -> list[dict]:
+    """Every case x dtype x provider (``providers``: a subset of ``PROVIDERS`` + ``BASELINES``; None: all)."""
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False  # the library provider's cuDNN LSTM in fp32 too (IEEE, like elmo_fast)
@@ -162,12 +174,11 @@ def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda") -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         o, w = write_random_model(d, opts)
         small = dev.type != "cuda"  # smoke run: a few short sentences
-        cases = {"throughput": sentences(3 if small else 64, 6 if small else 25, seed=1),
-                 "latency": sentences(1, 20, seed=2)}
-        cases["latency"] = [cases["latency"][0][:4 if small else 19] + ["."]]
-        for dtype in (torch.float32, torch.bfloat16):
-            provs = _providers(opts, o, w, dtype, dev)
-            for case, sents in cases.items():
+        texts = {"throughput": sentences(3 if small else 64, 6 if small else 25, seed=1),
+                 "latency": [sentences(1, 20, seed=2)[0][:4 if small else 19] + ["."]]}
+        for dtype in (DTYPES[d] for d in dtypes):
+            provs = _providers(opts, o, w, dtype, dev, providers)
+            for case, sents in ((c, texts[c]) for c in cases):
                 ids = elmo_fast.batch_to_ids(sents).to(dev)
                 n_tok = sum(len(s) for s in sents)
                 for name, fn in provs.items():
@@ -189,11 +200,25 @@ def test_gpu_bilm_benchmark():
     run_gpu()
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny test model instead of the original's sizes")
-    a = ap.parse_args()
+    ap.add_argument("--providers", help="comma-separated, of " + ", ".join(PROVIDERS + BASELINES) + " (default: all)")
+    ap.add_argument("--dtypes", help="comma-separated, of fp32, bf16 (default: both)")
+    ap.add_argument("--cases", help="comma-separated, of throughput, latency (default: both)")
+    a = ap.parse_args(argv)
+    try:
+        providers = common.comma_list("--providers", a.providers, PROVIDERS + BASELINES)
+        dtypes = common.comma_list("--dtypes", a.dtypes, tuple(DTYPES)) or tuple(DTYPES)
+        cases = common.comma_list("--cases", a.cases, CASES) or CASES
+    except ValueError as exc:
+        ap.error(str(exc))
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("bench_bilm: no CUDA device; `--device cpu --tiny` runs a smoke pass of this script")
-    run_gpu(TINY_OPTIONS if a.tiny else ORIGINAL_OPTIONS, a.device)
+    run_gpu(TINY_OPTIONS if a.tiny else ORIGINAL_OPTIONS, a.device, providers, dtypes, cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,6 +50,8 @@ FIELDS = ["date", "op", "provider", "mode", "B", "T", "D", "H", "P", "dtype", "m
 GPU_SHAPES = [(384, 20), (128, 20), (16, 20), (1, 20)]
 ELMO = dict(D=512, H=4096, P=512)
 CLIP = 3.0
+PROVIDERS = ("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph", "reference", "cudnn")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -161,12 +163,11 @@ def _eager(fn):
     return call
 
 
-def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32),
-              providers=("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph", "reference",
-                         "cudnn"),
+def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=None,
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
     from elmo_fast.kernels.lstmp import lstmp_triton
 
+    providers = providers or PROVIDERS
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     check_triton(device, dims)
@@ -536,23 +537,69 @@ def test_gpu_sweep():
 PARTS = ("sweep", "kernels", "splits", "tiles")
 
 
-def main(argv=None) -> int:
+def _batches(text: str | None) -> tuple | None:
+    """``--batches 384,1`` as (384, 1): positive integers (None: the flag not given)."""
+    if text is None:
+        return None
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        vals = ()
+    if not vals or min(vals) < 1:
+        raise ValueError(f"--batches {text!r}: expected a comma-separated list of positive integers, e.g. 384,1")
+    return vals
+
+
+def parse_args(argv=None):
+    """The command line, checked (a short lease cannot lose a step to a typo): the parts, and the batches, dtypes
+    and sweep providers that narrow them. ``--dry-run`` prints the plan and exits: the CPU smoke of a lease step."""
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in this order: {', '.join(PARTS)}")
-    parts = ap.parse_args(argv).parts.split(",")
-    unknown = sorted(set(parts) - set(PARTS))
-    if unknown:
-        ap.error(f"unknown part(s) {unknown}; the parts are: {', '.join(PARTS)}")
+    ap.add_argument("--batches", help="comma-separated batch sizes for every part, T = 20 (default: each part's "
+                    f"own; the sweep's: {', '.join(str(b) for b, _ in GPU_SHAPES)})")
+    ap.add_argument("--dtypes", help="comma-separated, of bf16, fp32 (default: each part's own)")
+    ap.add_argument("--providers", help=f"the sweep's, comma-separated, of {', '.join(PROVIDERS)} (default: all)")
+    ap.add_argument("--dry-run", action="store_true", help="print what would run, then exit (no GPU needed)")
+    a = ap.parse_args(argv)
+    try:
+        a.parts = common.comma_list("--parts", a.parts, PARTS)
+        a.batches = _batches(a.batches)
+        a.dtypes = common.comma_list("--dtypes", a.dtypes, DTYPES)
+        a.providers = common.comma_list("--providers", a.providers, PROVIDERS)
+    except ValueError as exc:
+        ap.error(str(exc))
+    return a
+
+
+def _narrowed(a) -> dict:
+    """Per part, the keyword arguments that ``--batches`` / ``--dtypes`` / ``--providers`` set."""
+    kw = {}
+    if a.dtypes:
+        kw["dtypes"] = tuple(DTYPES[d] for d in a.dtypes)
+    sweep = dict(kw, **({"providers": a.providers} if a.providers else {}))
+    if a.batches:
+        sweep["shapes"] = [(b, 20) for b in a.batches]
+        kw["batches"] = a.batches
+    return {"sweep": sweep, "kernels": kw, "splits": kw, "tiles": kw}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    kw = _narrowed(a)
+    if a.dry_run:
+        for part in a.parts:
+            print(f"bench_lstmp {part}: {kw[part] or 'its defaults'}")
+        return 0
     if not torch.cuda.is_available():
         sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
-    if "sweep" in parts:
-        print(f"wrote rows to {append_csv(bench_gpu())}")
+    if "sweep" in a.parts:
+        print(f"wrote rows to {append_csv(bench_gpu(**kw['sweep']))}")
     for part, name, fn in (("kernels", "lstmp_kernels", bench_kernels), ("splits", "lstmp_splits", bench_splits),
                            ("tiles", "lstmp_tiles", bench_tiles)):
-        if part in parts:
-            print(f"wrote {part} rows to {common.append_rows(name, fn(), KERNEL_FIELDS)}")
+        if part in a.parts:
+            print(f"wrote {part} rows to {common.append_rows(name, fn(**kw[part]), KERNEL_FIELDS)}")
     return 0
 
 

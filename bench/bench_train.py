@@ -179,6 +179,10 @@ def _timed(step, steps: int, rounds: int, warmup: int, dev, waited=None) -> dict
             "compiles_timed": compiled["compiled"], "peak_mem_mib": mem, "data_wait": round(wait, 3)}
 
 
+PROVIDERS = ("elmo_fast", "elmo_fast-eager", "elmo_fast-thread-data", "elmo_fast-pdl", "elmo_fast-towers",
+             "elmo_fast-towers-seq", "parts")
+
+
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
         n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3,
         providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0) -> list[dict]:
@@ -296,13 +300,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--providers", default="elmo_fast,elmo_fast-eager,parts",
-                    help="any of elmo_fast, elmo_fast-eager, elmo_fast-thread-data (GPU), elmo_fast-towers (3 towers "
-                         "of --batch / 3 rows, fused), elmo_fast-towers-seq (the same one after the other), parts")
+                    help="any of elmo_fast, elmo_fast-eager, elmo_fast-thread-data, elmo_fast-pdl (these three GPU "
+                         "only), elmo_fast-towers (3 towers of --batch / 3 rows, fused), elmo_fast-towers-seq (the "
+                         "same one after the other), parts")
     ap.add_argument("--profile", type=int, default=0, help="then profile this many elmo_fast steps")
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--config", default="original")
     a = ap.parse_args(argv)
+    try:  # checked before anything runs: a short lease cannot lose a step to a typo
+        a.providers = common.comma_list("--providers", a.providers, PROVIDERS)
+    except ValueError as exc:
+        ap.error(str(exc))
     if not torch.cuda.is_available():
         print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
         return 0
@@ -310,7 +319,7 @@ def main(argv=None) -> int:
     if a.config == "original":
         cfg.towers = 1  # one tower of --batch rows a step (the preset has bilm-tf's 3)
     _report(run(a.steps, a.vocab, a.batch, cfg, warmup=a.warmup, rounds=a.rounds,
-                    providers=a.providers.split(","), profile=a.profile))
+                    providers=a.providers, profile=a.profile))
     return 0
 
 

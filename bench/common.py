@@ -45,6 +45,17 @@ def env_rounds(default: int) -> int:
     return int(value)
 
 
+def comma_list(flag: str, text: str | None, allowed) -> tuple | None:
+    """A ``--flag a,b`` argument as a tuple, each value one of ``allowed`` (None: the flag not given). Raises
+    ValueError naming the flag and what it takes: a short GPU lease cannot lose a step to a typo."""
+    if text is None:
+        return None
+    vals = tuple(v for v in text.split(",") if v)
+    if not vals or any(v not in allowed for v in vals):
+        raise ValueError(f"{flag} {text!r}: expected a comma-separated list of {', '.join(allowed)}")
+    return vals
+
+
 @contextlib.contextmanager
 def env_var(name: str, value: str | None):
     """``os.environ[name] = value`` inside the block (``None``: left as it is), restored after it."""

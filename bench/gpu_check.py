@@ -3,7 +3,8 @@
     bench/gpu_check.sh                      # install, then every step that fits in the budget (default 560 s)
     bench/gpu_check.sh selfcheck test-gpu   # install if needed, then these steps only
     bench/gpu_check.sh selfcheck bench-lstmp:200   # NAME:SECONDS caps a step below its own limit
-    bench/gpu_check.sh --list               # the steps, their time limits and what they do
+    bench/gpu_check.sh --list               # the steps, their time limits and what they do; the lease plan
+    bench/gpu_check.sh --lease 1            # the lease plan's first call (``make gpu-lease CALL=1``), then 2
     python bench/gpu_check.py --smoke       # every step on the CPU, from a fresh clone (CI: make test)
 
 The GPU machine has python3 with a CUDA torch, triton, nvcc, ninja and pytest, and no network. ``install``
@@ -15,6 +16,15 @@ only itself) with unbuffered output, and its output is appended line by line to 
 are packed into ``$OUT/bench_rows.jsonl`` (one JSON object per row, with its ``bench`` name) after each step.
 Three files in all (the device machine returns at most 8). A step that would not finish inside the remaining
 budget is not started and is listed as such: run it in the next call.
+
+A lease is short: 15 minutes of device time a session, the machine's start (a minute or two) and the idle
+time between calls included (the device tool's README), against 10 minutes a command. ``LEASE`` is the plan that
+fits: two calls of about five minutes, the second run at once while the machine is warm (it goes back 30 s after
+a call), each step capped so that every one starts. The measurements that decide something come first: the
+training step and where its time goes, the LSTMP chain against cuDNN with and without the opt-in programmatic
+dependent launch, the single-sentence latency with the opt-ins; the GPU tests are the second call.
+tests/test_gpu_check.py checks that the caps fit each call's budget, and the calls, with the start, the transfers
+and the gap between them, the lease.
 
 ``--smoke`` clones the committed HEAD into a temporary directory, makes a virtual environment that sees this
 interpreter's packages but not the package itself (``elmo_fast`` must not import before ``install``), installs
@@ -61,6 +71,14 @@ _ENV = ("import platform, sys, torch; print('python', sys.version.split()[0], pl
         "print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', "
         "torch.cuda.get_device_name() if torch.cuda.is_available() else None)\n"
         "try:\n import triton; print('triton', triton.__version__)\nexcept Exception as e: print('triton:', e)")
+
+
+# the lease's narrowed benchmarks: the same arguments on the GPU and in the CPU smoke run
+_TRAIN_LEASE = ("--batch", "384", "--providers", "elmo_fast,elmo_fast-pdl,elmo_fast-towers,parts", "--profile", "3")
+_LSTMP_LEASE = ("--parts", "sweep,kernels", "--batches", "384,1", "--dtypes", "bf16",
+                "--providers", "triton,triton-pdl,triton-pdl-kloop,cudnn")
+_BILM_LEASE = ("--dtypes", "bf16", "--providers",
+               "auto+graph,auto+graph+fusedreduce,auto+graph+pdl,auto+graph+fusedreduce+pdl,library")
 
 
 def _bench_import(name):  # smoke of a GPU-only benchmark that has no CPU mode: it imports
@@ -115,6 +133,18 @@ STEPS = (
            "elmo_fast,elmo_fast-pdl,elmo_fast-towers,elmo_fast-towers-seq,elmo_fast-thread-data,elmo_fast-eager,"
            "parts"),),
          ((PY, "bench/bench_train.py"),)),
+    # the lease's narrowed benchmarks (LEASE): the shapes and providers that decide the targets and the opt-ins
+    Step("bench-train-lease", 300, "the training step at 384 rows: elmo_fast, with PDL, the original's 3 towers "
+         "fused, the library parts; then 3 elmo_fast steps under torch.profiler (where the step's time goes)",
+         ((PY, "bench/bench_train.py", *_TRAIN_LEASE, "--steps", "12", "--rounds", "3", "--warmup", "3"),),
+         ((PY, "bench/bench_train.py", *_TRAIN_LEASE),)),  # on the CPU: the arguments checked, nothing timed
+    Step("bench-lstmp-lease", 300, "the LSTMP chain at B = 384 and 1, bf16: Triton, with PDL (and at TUNED's tiles), "
+         "cuDNN; every launch beside its estimate",
+         ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE),), ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE, "--dry-run"),)),
+    Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph with "
+         "each opt-in (fused reduce, PDL, both) beside the library",
+         ((PY, "bench/bench_bilm.py", *_BILM_LEASE),), ((PY, "bench/bench_bilm.py", *_BILM_LEASE, "--device", "cpu",
+                                                         "--tiny"),)),
     Step("profile-train", 300, "a training step at 384 rows under torch.profiler: kernels by device time, host ops, "
          "how busy the GPU is (bench_train --profile)",
          ((PY, "bench/bench_train.py", "--batch", "384", "--steps", "6", "--rounds", "2", "--warmup", "3",
@@ -137,6 +167,33 @@ BY_NAME = {s.name: s for s in STEPS}
 # run's compile, and nothing on the GPU steps runs it; the cpu backend works without it).
 STEP_ENV = {"install": {"ELMO_FAST_BUILD_CPU": "0"},
             "build-cuda": {"ELMO_FAST_BUILD_CUDA": "1", "MAX_JOBS": os.environ.get("MAX_JOBS", "16")}}
+
+
+@dataclass(frozen=True)
+class Call:
+    budget: int  # seconds for the whole call (its --budget)
+    steps: tuple  # NAME or NAME:SECONDS, run in this order
+    why: str
+
+
+# The device tool's limits (/work/.library/device/README.md as of 2026-11): 15 minutes of device time a session,
+# start, idle time and every call counted; at most 10 minutes a command; warm for 30 s after a call.
+DEVICE_SECONDS = 900
+COMMAND_SECONDS = 600
+START_SECONDS = 150  # a machine's start, allowed for (a minute or more)
+TRANSFER_SECONDS = 30  # the working tree there and $OUT back, allowed for per call
+GAP_SECONDS = 20  # between two calls, the machine warm and idle (counted)
+STEP_MARGIN = 5  # main() starts a step only with its cap and this much of the call's budget left
+LEASE = (
+    Call(340, ("env:20", "install:40", "selfcheck:45", "bench-train-lease:90", "bench-lstmp-lease:65",
+               "bench-bilm-lease:50"),
+         "the targets and the opt-ins: the training step (58.8 ms on the H200 of 2026-11-26 against ~15 ms "
+         "modelled) and its profile, the LSTMP chain against cuDNN with and without PDL, the single-sentence "
+         "latency with the fused reduce and PDL"),
+    Call(310, ("install:40", "test-gpu:140", "test-triton:100"),
+         "the GPU tests (the opt-ins' bits against the plain launches', the original sizes), then every Triton "
+         "test on CUDA"),
+)
 
 
 class Output:
@@ -262,18 +319,26 @@ def main(argv=None) -> int:
     ap.add_argument("steps", nargs="*", help="steps to run (default: all), each NAME or NAME:SECONDS (a cap "
                     "below the step's own limit); install runs first unless skipped")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_out"))
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 560)),
-                    help="seconds for the whole call (the device machine allows 600 per command)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole call (default: $GPU_CHECK_BUDGET, else 560; with --lease, the "
+                    "call's own; the device machine allows 600 per command)")
     ap.add_argument("--smoke", action="store_true", help="every step on the CPU, from a fresh clone")
     ap.add_argument("--no-install", action="store_true", help="the package is installed already")
+    ap.add_argument("--lease", type=int, choices=range(1, len(LEASE) + 1), metavar="CALL",
+                    help=f"call CALL (1-{len(LEASE)}) of the lease plan, its steps in its order, under its budget")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
     if args.list:
         for s in STEPS:
             print(f"{s.name:20s} {s.timeout:4d} s  {s.what}")
+        for n, call in enumerate(LEASE, 1):
+            print(f"lease call {n} ({call.budget} s): {' '.join(call.steps)}\n    {call.why}")
         return 0
+    if args.lease and args.steps:
+        ap.error("--lease CALL runs the plan's steps: name no steps beside it")
+    call = LEASE[args.lease - 1] if args.lease else None
     try:
-        caps = dict(parse_step(a) for a in args.steps)
+        caps = dict(parse_step(a) for a in (call.steps if call else args.steps))
     except ValueError as exc:
         ap.error(str(exc))
     unknown = [n for n in caps if n not in BY_NAME]
@@ -282,7 +347,14 @@ def main(argv=None) -> int:
     names = list(caps) or [s.name for s in STEPS]
     if not args.no_install and "install" not in names:
         names = ["install", *names]
-    names = [s.name for s in STEPS if s.name in names]  # the order of STEPS: env, install, ... build-cuda last
+    if call:  # the plan's order (the decisive measurements first)
+        names = [n for n in names if n != "install" or not args.no_install]
+        if args.budget is None:
+            args.budget = float(call.budget)
+    else:
+        names = [s.name for s in STEPS if s.name in names]  # the order of STEPS: env, install, ... build-cuda last
+    if args.budget is None:
+        args.budget = float(os.environ.get("GPU_CHECK_BUDGET", 560))
 
     start = time.monotonic()
     out = Output(Path(args.out).resolve())
@@ -298,7 +370,7 @@ def main(argv=None) -> int:
             step = BY_NAME[name]
             left = args.budget - (time.monotonic() - start)
             own = min(step.timeout, caps.get(name) or step.timeout)
-            limit = min(own, left - 5)
+            limit = min(own, left - STEP_MARGIN)
             if limit < min(60, own):
                 out.note(f"{name:20s} NOT STARTED (budget: {left:.0f} s left); run it in the next call")
                 continue

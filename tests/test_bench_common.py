@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import common  # noqa: E402
@@ -274,3 +275,36 @@ def test_with_pdl_sets_the_variable_and_keeps_the_k_loop_variant_apart(monkeypat
     assert seen == [("1", full), ("1", {}), ("1", {}), ("1", {}), ("1", full)]
     assert KL.PDL_TUNED == full and KL.PDL_ENV not in os.environ
     assert len(cleared) == 2  # into the k_loop variant, and out of it
+
+
+def test_narrowing_arguments_are_checked_before_anything_runs(capsys):
+    """The lease's narrowed benchmarks (gpu_check LEASE): a typo in a provider, dtype, part or batch is an error that
+    names what the flag takes, before any GPU work; what is given narrows each part."""
+    import bench_bilm
+    import bench_lstmp
+    import bench_train
+
+    assert common.comma_list("--x", None, ("a", "b")) is None
+    assert common.comma_list("--x", "b,a", ("a", "b")) == ("b", "a")
+    for bad in ("", "a,c", ","):
+        with pytest.raises(ValueError, match="--x .*expected a comma-separated list of a, b"):
+            common.comma_list("--x", bad, ("a", "b"))
+    for main, argv, what in (
+            (bench_lstmp.parse_args, ["--providers", "triton,tritn"], "--providers 'triton,tritn': expected"),
+            (bench_lstmp.parse_args, ["--batches", "384,x"], "--batches '384,x': expected"),
+            (bench_lstmp.parse_args, ["--batches", "0"], "positive integers"),
+            (bench_lstmp.parse_args, ["--dtypes", "fp16"], "of bf16, fp32"),
+            (bench_lstmp.parse_args, ["--parts", "sweep,tile"], "--parts 'sweep,tile'"),
+            (bench_bilm.main, ["--providers", "auto+grph"], "--providers 'auto+grph'"),
+            (bench_bilm.main, ["--cases", "speed"], "of throughput, latency"),
+            (bench_train.main, ["--providers", "elmo_fast,elmo_fst"], "--providers 'elmo_fast,elmo_fst'")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert what in capsys.readouterr().err, (argv, what)
+    a = bench_lstmp.parse_args(["--parts", "sweep,kernels", "--batches", "384,1", "--dtypes", "bf16",
+                                "--providers", "triton,cudnn"])
+    kw = bench_lstmp._narrowed(a)
+    assert kw["sweep"] == {"dtypes": (torch.bfloat16,), "providers": ("triton", "cudnn"),
+                           "shapes": [(384, 20), (1, 20)]}
+    assert kw["kernels"] == {"dtypes": (torch.bfloat16,), "batches": (384, 1)}
+    assert bench_lstmp._narrowed(bench_lstmp.parse_args([]))["sweep"] == {}  # each part's own defaults

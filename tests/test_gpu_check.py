@@ -66,3 +66,48 @@ def test_step_caps(tmp_path, capsys):
         del gpu_check.BY_NAME["sleepy"]
     summary = (tmp_path / "o" / "summary.txt").read_text()
     assert rc == 1 and "sleepy               TIMEOUT" in summary, summary
+
+
+def test_the_lease_plan_fits_the_device_budget():
+    """Each call's capped steps fit its budget with the runner's margin (so every step starts with its whole cap),
+    each call fits one command, and the calls with the machine's start, the transfers and the idle gap between them
+    fit a session's device time."""
+    lease = gpu_check.LEASE
+    total = gpu_check.START_SECONDS + (len(lease) - 1) * gpu_check.GAP_SECONDS
+    for call in lease:
+        caps = [gpu_check.parse_step(s) for s in call.steps]
+        assert all(cap is not None and cap <= gpu_check.BY_NAME[name].timeout for name, cap in caps), call.steps
+        assert sum(cap + gpu_check.STEP_MARGIN for _, cap in caps) <= call.budget, call
+        assert call.budget + gpu_check.TRANSFER_SECONDS <= gpu_check.COMMAND_SECONDS
+        total += call.budget + gpu_check.TRANSFER_SECONDS
+    assert total <= gpu_check.DEVICE_SECONDS, total
+    names = [gpu_check.parse_step(s)[0] for call in lease for s in call.steps]
+    repeated = {n for n in names if names.count(n) > 1}
+    assert repeated <= {"install", "env"}, repeated  # a step measured once a lease
+    assert "install" in names[: names.index("selfcheck")]
+
+
+def test_a_lease_call_runs_its_steps_in_its_order_under_its_budget(tmp_path, monkeypatch):
+    quick = (sys.executable, "-c", "print('ran')")
+    fake = tuple(gpu_check.Step(n, 600, "test", (), (quick,), ()) for n in ("alpha", "mid", "zeta"))
+    monkeypatch.setattr(gpu_check, "STEPS", gpu_check.STEPS + fake)
+    monkeypatch.setattr(gpu_check, "BY_NAME", {**gpu_check.BY_NAME, **{s.name: s for s in fake}})
+    monkeypatch.setattr(gpu_check, "LEASE", (gpu_check.Call(40, ("zeta:10", "alpha:10", "mid:10"), "test"),))
+    rc = gpu_check.main(["--lease", "1", "--smoke", "--no-install", "--out", str(tmp_path / "o")])
+    summary = (tmp_path / "o" / "summary.txt").read_text()
+    assert rc == 0, summary
+    assert "gpu_check --smoke zeta alpha mid  (budget 40 s" in summary  # the plan's order, not STEPS'
+    assert [line.split()[0] for line in summary.splitlines()[1:]] == ["zeta", "alpha", "mid"]
+    # an explicit --budget wins, and a step without room for its cap and the margin is not started
+    rc = gpu_check.main(["--lease", "1", "--smoke", "--no-install", "--budget", "14", "--out", str(tmp_path / "p")])
+    summary = (tmp_path / "p" / "summary.txt").read_text()
+    assert rc == 0 and "(budget 14 s" in summary and summary.count("NOT STARTED") == 3, summary
+
+
+def test_lease_takes_no_steps_beside_it(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--lease", "1", "selfcheck"])
+    assert "name no steps beside it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--lease", str(len(gpu_check.LEASE) + 1)])
+    assert "invalid choice" in capsys.readouterr().err
