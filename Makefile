@@ -79,7 +79,7 @@ gpu-check:
 	bash bench/gpu_check.sh $(STEPS)
 
 # A lease's plan (bench/gpu_check.py LEASE): `make gpu-lease CALL=1`, then at once `make gpu-lease CALL=2`; each
-# call five to six minutes, both inside the device tool's 15 minutes a session with the machine's start.
+# call about six and five minutes, both inside the device tool's 15 minutes a session with the machine's start.
 CALL ?= 1
 gpu-lease:
 	bash bench/gpu_check.sh --lease $(CALL)

@@ -411,8 +411,11 @@ def _compile_one(i: int) -> dict:
     return st
 
 
-def compile_all(cases: list[Case], jobs: int) -> float:
-    """Compile every distinct variant once (in ``jobs`` processes) and attach the stats to every case."""
+def compile_all(cases: list[Case], jobs: int, warm: bool = False) -> float:
+    """Compile every distinct variant once (in ``jobs`` processes) and attach the stats to every case. Into a fresh
+    temporary cache (every variant compiled, so ptxas reports on each), or with ``warm`` into triton's own cache
+    (``triton.knobs.cache.dir``: ``TRITON_CACHE_DIR``, else ~/.triton/cache), where a JIT launch with the same key
+    finds it (gpu-check's precompile); a variant found there is not compiled again and has no ptxas counts."""
     global _JOBS
     keys: dict[str, int] = {}
     index = []
@@ -426,7 +429,8 @@ def compile_all(cases: list[Case], jobs: int) -> float:
             _JOBS.append((c, key))
         index.append(keys[k])
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="kreport_cache_") as cache:
+    with (contextlib.nullcontext(triton.knobs.cache.dir) if warm else
+          tempfile.TemporaryDirectory(prefix="kreport_cache_")) as cache:
         triton.knobs.cache.dir = cache
         if jobs > 1:
             with multiprocessing.get_context("fork").Pool(jobs) as pool:
@@ -1074,10 +1078,14 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a rule is broken outside the pending ops")
     ap.add_argument("--only", nargs="*", default=[],
                     help="keep the cases whose 'op kernel variant size dtype' contains every one of these words")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="compile into triton's own cache (TRITON_CACHE_DIR, else ~/.triton/cache) instead of a fresh "
+                    "temporary one, for later JIT launches to find (gpu-check's precompile); variants already there "
+                    "are not compiled again and have no register counts")
     a = ap.parse_args(argv)
     cases = subset_cases() if a.subset else workload_cases()
     cases = [c for c in cases if all(w in f"{c.op} {c.label} {c.size} {dt_name(c.dtype)}" for w in a.only)]
-    seconds = compile_all(cases, a.jobs)
+    seconds = compile_all(cases, a.jobs, warm=a.warm_cache)
     md, csv_path = write_report(cases, Path(a.out), seconds, a.jobs, a.subset)
     errors = [c for c in cases if "error" in c.stats]
     broken = [c for c in cases if c.op not in PENDING and violations(c)]

@@ -217,6 +217,33 @@ def test_report_subset_compiles_for_sm90(tmp_path):
     assert all(r["target"].startswith("sm_90a") and r["compiled_on"] and r["commit"] for r in rows)  # where from
 
 
+def test_warm_cache_compiles_into_tritons_own_cache(tmp_path):
+    """``--warm-cache`` (gpu-check's precompile) leaves the compiled variants in triton's cache (TRITON_CACHE_DIR
+    here), where a later compile of the same key finds them: a second run compiles nothing (no ptxas counts);
+    without it the report compiles in a temporary cache and leaves nothing there."""
+    pytest.importorskip("triton")
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache)
+
+    def report(*flags):
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_report.py"), "--subset", "--only", "highway",
+                            "--jobs", "1", "--out", str(out), *flags], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        with open(out / "kernel_report.csv") as fh:
+            return list(csv.DictReader(fh))
+
+    rows = report()
+    assert rows and all(int(r["regs"]) > 0 for r in rows) and not cache.exists()
+    rows = report("--warm-cache")
+    assert all(int(r["regs"]) > 0 for r in rows)  # compiled here, ptxas ran
+    assert {r["kernel"] for r in rows} == {p.stem for p in cache.rglob("*.cubin")}
+    assert all(int(r["regs"]) == 0 and r["hgmma"] == rows[i]["hgmma"]  # found in the cache: no ptxas, same SASS
+               for i, r in enumerate(report("--warm-cache")))
+
+
 def test_the_h200_chains_come_from_the_committed_rows():
     """The measured chains the calibrated table sets beside its estimates are the H200's rows (gpu_h200.md's table)."""
     import kernel_report
