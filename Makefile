@@ -72,7 +72,7 @@ cuda-compile-check:
 	bash csrc/compile_check.sh
 
 # On the GPU machine (python3 there has CUDA torch, triton, nvcc, ninja; no network): install, then named steps,
-# each under its own time limit, results in 3 files under $OUT. `make gpu-check STEPS="selfcheck test-gpu"`
+# each under its own time limit, results in 3 files under $OUT (4 with the lease's trace). `make gpu-check STEPS="selfcheck test-gpu"`
 # runs a subset; `bash bench/gpu_check.sh --list` names them.
 STEPS ?=
 gpu-check:

@@ -185,9 +185,11 @@ PROVIDERS = ("elmo_fast", "elmo_fast-eager", "elmo_fast-thread-data", "elmo_fast
 
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
         n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3,
-        providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0) -> list[dict]:
+        providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0, trace: str | None = None
+        ) -> list[dict]:
     """Every provider of ``providers`` timed (``_timed``); ``profile`` > 0: then that many more steps of elmo_fast
-    under torch.profiler (``common.device_profile``: kernels by device time, host ops, how busy the GPU was)."""
+    under torch.profiler (``common.device_profile``: the step's phases, kernels by device time, host ops, how busy
+    the GPU was), and with ``trace`` their gzipped Chrome trace there."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg is None:
         cfg = configs.original()
@@ -230,8 +232,8 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
                     results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,
                                                                 waited=lambda t=tr: t.data_wait_s)))
                     if profile and name == "elmo_fast":
-                        common.print_device_profile(f"elmo_fast training step, B={batch}",
-                                                    common.device_profile(lambda t=tr: float(t.train_step()), profile))
+                        common.print_device_profile(f"elmo_fast training step, B={batch}", common.device_profile(
+                            lambda t=tr: float(t.train_step()), profile, trace=trace))
                 finally:
                     tr.close()
             del tr
@@ -304,6 +306,7 @@ def main(argv=None) -> int:
                          "only), elmo_fast-towers (3 towers of --batch / 3 rows, fused), elmo_fast-towers-seq (the "
                          "same one after the other), parts")
     ap.add_argument("--profile", type=int, default=0, help="then profile this many elmo_fast steps")
+    ap.add_argument("--trace", help="with --profile: write the profiled steps' Chrome trace here, gzipped")
     ap.add_argument("--vocab", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--config", default="original")
@@ -319,7 +322,7 @@ def main(argv=None) -> int:
     if a.config == "original":
         cfg.towers = 1  # one tower of --batch rows a step (the preset has bilm-tf's 3)
     _report(run(a.steps, a.vocab, a.batch, cfg, warmup=a.warmup, rounds=a.rounds,
-                    providers=a.providers, profile=a.profile))
+                    providers=a.providers, profile=a.profile, trace=a.trace))
     return 0
 
 

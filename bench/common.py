@@ -317,12 +317,17 @@ def launched_us(gpu_us: float, graph: bool) -> float:
     return gpu_us + GRAPH_LAUNCH_US if graph else max(gpu_us, EAGER_LAUNCH_US)
 
 
-def device_profile(fn, steps: int = 2, top: int = 20) -> dict:
+PHASE_PREFIX = "elmo_fast.step."  # the training step's named ranges (elmo_fast.training.trainer._phase)
+
+
+def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) -> dict:
     """Where a GPU call's time goes: ``steps`` calls of ``fn`` under torch.profiler (CPU and, with CUDA, the device).
     Returns per call: ``wall_ms``; ``kernel_ms``, the device time of every kernel (CUDA-graph replays included);
     ``busy`` = kernel_ms / wall_ms (well under 1: the host, not the GPU, sets the pace); ``kernels``, the ``top``
-    kernels by device time (name, ms, launches); ``host_ops``, the ``top`` CPU ops by self time (name, ms, calls).
-    On the CPU only ``wall_ms`` and ``host_ops`` are filled."""
+    kernels by device time (name, ms, launches); ``host_ops``, the ``top`` CPU ops by self time (name, ms, calls);
+    ``phases``, the training step's named ranges in the order of ``PHASES`` (name, host ms inside the range,
+    device ms that torch attributes to it, calls). On the CPU the device columns are 0. ``trace``: also write the
+    profile as a gzipped Chrome trace there (chrome://tracing, ui.perfetto.dev): the timeline, gaps included."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -336,22 +341,52 @@ def device_profile(fn, steps: int = 2, top: int = 20) -> dict:
         if cuda:
             torch.cuda.synchronize()
     wall = 1e3 * (time.perf_counter() - t0) / steps
-    kernels, host = [], []
+    kernels, host, phases = [], [], {}
     for e in prof.key_averages():
-        if str(getattr(e, "device_type", "")).endswith("CUDA"):
+        if e.key.startswith(PHASE_PREFIX):  # a range, not a kernel or an op: its totals hold its children's
+            ph = phases.setdefault(e.key[len(PHASE_PREFIX):], [0.0, 0.0, 0.0])
+            ph[0] += e.cpu_time_total / 1e3 / steps
+            ph[1] += getattr(e, "device_time_total", 0) / 1e3 / steps
+            ph[2] = max(ph[2], e.count / steps)
+        elif str(getattr(e, "device_type", "")).endswith("CUDA"):
             kernels.append((e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps))
         else:
             host.append((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps))
     kernels.sort(key=lambda k: -k[1])
     host.sort(key=lambda k: -k[1])
     kernel_ms = sum(k[1] for k in kernels)
+    from elmo_fast.training.trainer import PHASES
+
+    order = {n: i for i, n in enumerate(PHASES)}
+    if trace:
+        _write_trace(prof, trace)
     return {"wall_ms": wall, "kernel_ms": kernel_ms, "busy": kernel_ms / wall if wall else 0.0,
-            "kernels": kernels[:top], "host_ops": host[:top]}
+            "kernels": kernels[:top], "host_ops": host[:top],
+            "phases": [(n, *v) for n, v in sorted(phases.items(), key=lambda kv: order.get(kv[0], len(order)))]}
+
+
+def _write_trace(prof, path: str) -> None:
+    """``prof``'s Chrome trace, gzipped, at ``path``."""
+    import gzip
+    import shutil
+    import tempfile
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as d:
+        raw = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def print_device_profile(name: str, prof: dict) -> None:
     print(f"\n{name}: {prof['wall_ms']:.2f} ms a call, {prof['kernel_ms']:.2f} ms of it in kernels "
           f"(busy {100 * prof['busy']:.0f}%)")
+    if prof.get("phases"):
+        print(f"  phases (host ms inside the range; device ms torch attributes to it): {'host':>8} {'device':>8} "
+              f"{'calls':>7}")
+        for key, host_ms, dev_ms, n in prof["phases"]:
+            print(f"    {key:<90} {host_ms:8.3f} {dev_ms:8.3f} {n:7.1f}")
     for title, rows in (("kernels by device time", prof["kernels"]), ("host ops by self time", prof["host_ops"])):
         if rows:
             print(f"  {title}: {'ms':>8} {'count':>7}")

@@ -14,8 +14,9 @@ Every step runs in its own process group under its own time limit (killed at the
 only itself) with unbuffered output, and its output is appended line by line to ``$OUT/log.txt`` as it comes;
 ``$OUT/summary.txt`` gets the environment first and one line per step as each ends; the benchmarks' CSV rows
 are packed into ``$OUT/bench_rows.jsonl`` (one JSON object per row, with its ``bench`` name) after each step.
-Three files in all (the device machine returns at most 8). A step that would not finish inside the remaining
-budget is not started and is listed as such: run it in the next call.
+Three files in all, and ``train_trace.json.gz`` after ``bench-train-lease`` (its profiled steps' timeline;
+"{out}" in a step's command is ``$OUT``): the device machine returns at most 8. A step that would not finish inside
+the remaining budget is not started and is listed as such: run it in the next call.
 
 A lease is short: 15 minutes of device time a session, the machine's start (a minute or two) and the idle
 time between calls included (the device tool's README), against 10 minutes a command. ``LEASE`` is the plan that
@@ -74,7 +75,8 @@ _ENV = ("import platform, sys, torch; print('python', sys.version.split()[0], pl
 
 
 # the lease's narrowed benchmarks: the same arguments on the GPU and in the CPU smoke run
-_TRAIN_LEASE = ("--batch", "384", "--providers", "elmo_fast,elmo_fast-pdl,elmo_fast-towers,parts", "--profile", "3")
+_TRAIN_LEASE = ("--batch", "384", "--providers", "elmo_fast,elmo_fast-pdl,elmo_fast-towers,parts", "--profile", "3",
+                "--trace", "{out}/train_trace.json.gz")
 _LSTMP_LEASE = ("--parts", "sweep,kernels", "--batches", "384,1", "--dtypes", "bf16",
                 "--providers", "triton,triton-pdl,triton-pdl-kloop,cudnn")
 _BILM_LEASE = ("--dtypes", "bf16", "--providers",
@@ -205,6 +207,7 @@ class Output:
 
     def __init__(self, out: Path):
         out.mkdir(parents=True, exist_ok=True)
+        self.dir = out
         self.summary = open(out / "summary.txt", "a", buffering=1, encoding="utf-8")
         self.log = open(out / "log.txt", "a", buffering=1, encoding="utf-8")
         self.rows = out / "bench_rows.jsonl"
@@ -383,7 +386,7 @@ def main(argv=None) -> int:
             if args.smoke:
                 env.update(step.smoke_env)
                 env.pop("ELMO_FAST_BUILD_CUDA", None)
-            cmds = [[str(py) if a == PY else a.replace("{tmp}", str(tmp)) for a in cmd]
+            cmds = [[str(py) if a == PY else a.replace("{tmp}", str(tmp)).replace("{out}", str(out.dir)) for a in cmd]
                     for cmd in (step.smoke if args.smoke else step.gpu)]
             out.log.write(f"\n==== {name} (limit {limit:.0f} s)\n")
             status, secs = run_step(cmds, env, cwd, limit, out.log)

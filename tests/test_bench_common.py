@@ -308,3 +308,30 @@ def test_narrowing_arguments_are_checked_before_anything_runs(capsys):
                            "shapes": [(384, 20), (1, 20)]}
     assert kw["kernels"] == {"dtypes": (torch.bfloat16,), "batches": (384, 1)}
     assert bench_lstmp._narrowed(bench_lstmp.parse_args([]))["sweep"] == {}  # each part's own defaults
+
+
+def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, capsys):
+    """bench_train --profile (the lease's bench-train-lease): the step's named ranges (data, forward, backward,
+    optimizer) in the printed profile with their host time, kept out of the kernel and op tables, and with --trace
+    the profiled steps' gzipped Chrome trace holding those ranges."""
+    import gzip
+    import json
+
+    import bench_train
+    from elmo_fast.training import configs
+    from elmo_fast.training.trainer import PHASES
+
+    cfg = configs.tiny()
+    cfg.backend = "reference"
+    trace = tmp_path / "out" / "train_trace.json.gz"
+    bench_train.run(steps=1, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, rounds=1, device="cpu",
+                    providers=("elmo_fast",), profile=2, trace=str(trace))
+    out = capsys.readouterr().out
+    table = [line for line in out[out.index("phases (host ms"):out.index("host ops by self time")].splitlines()[1:]
+             if line.strip()]
+    assert [line.split()[0] for line in table] == list(PHASES)
+    assert all(float(line.split()[1]) > 0 and float(line.split()[3]) == 1.0 for line in table)  # once a step
+    assert common.PHASE_PREFIX not in out[out.index("host ops by self time"):]
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {common.PHASE_PREFIX + p for p in PHASES} <= names

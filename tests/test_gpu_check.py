@@ -88,7 +88,7 @@ def test_the_lease_plan_fits_the_device_budget():
 
 
 def test_a_lease_call_runs_its_steps_in_its_order_under_its_budget(tmp_path, monkeypatch):
-    quick = (sys.executable, "-c", "print('ran')")
+    quick = (sys.executable, "-c", "import sys; open(sys.argv[1], 'a').write('ran')", "{out}/ran.txt")
     fake = tuple(gpu_check.Step(n, 600, "test", (), (quick,), ()) for n in ("alpha", "mid", "zeta"))
     monkeypatch.setattr(gpu_check, "STEPS", gpu_check.STEPS + fake)
     monkeypatch.setattr(gpu_check, "BY_NAME", {**gpu_check.BY_NAME, **{s.name: s for s in fake}})
@@ -98,6 +98,7 @@ def test_a_lease_call_runs_its_steps_in_its_order_under_its_budget(tmp_path, mon
     assert rc == 0, summary
     assert "gpu_check --smoke zeta alpha mid  (budget 40 s" in summary  # the plan's order, not STEPS'
     assert [line.split()[0] for line in summary.splitlines()[1:]] == ["zeta", "alpha", "mid"]
+    assert (tmp_path / "o" / "ran.txt").read_text() == "ran" * 3  # "{out}" in a command is the output folder
     # an explicit --budget wins, and a step without room for its cap and the margin is not started
     rc = gpu_check.main(["--lease", "1", "--smoke", "--no-install", "--budget", "14", "--out", str(tmp_path / "p")])
     summary = (tmp_path / "p" / "summary.txt").read_text()

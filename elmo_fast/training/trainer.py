@@ -193,6 +193,16 @@ def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
     return shards[gid::n_towers] if len(shards) >= n_towers else list(shards)
 
 
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def _phase(name: str):
+    """A named range of the training step (``elmo_fast.step.<name>``, one of ``PHASES``) for torch.profiler: a
+    profile, and its trace, then show where a step's host and device time go by phase (bench_train --profile).
+    Outside a profiler it costs one op call."""
+    return torch.profiler.record_function(f"elmo_fast.step.{name}")
+
+
 def _in_mode(method):
     """Run a Trainer method in deterministic mode when the configuration asks for it, and on the CPU with denormals
     flushed to zero, as TensorFlow runs its CPU ops (``cpu.ext.denormals_flushed``); the previous modes after."""
@@ -396,12 +406,14 @@ class Trainer:
     def _tower_step(self, tw: Tower, batch: dict, scale: float):
         cfg = self.cfg
         torch.manual_seed(_mix_seed(cfg.seed, self.step, tw.gid))  # dropout masks: same for any tower layout
-        inputs = self.batch_tensors(batch)
-        samples = self._samples(tw, batch)
-        self.softmax.train()
-        with self._autocast():
-            loss, h_n, c_n = self.model_loss(*inputs, tw.h, tw.c, samples)
-        (loss * (cfg.unroll_steps * scale)).backward()
+        with _phase("forward"):
+            inputs = self.batch_tensors(batch)
+            samples = self._samples(tw, batch)
+            self.softmax.train()
+            with self._autocast():
+                loss, h_n, c_n = self.model_loss(*inputs, tw.h, tw.c, samples)
+        with _phase("backward"):
+            (loss * (cfg.unroll_steps * scale)).backward()
         tw.h, tw.c = h_n.detach().float(), c_n.detach().float()
         return loss.detach()
 
@@ -416,19 +428,21 @@ class Trainer:
         for tw in towers:  # each tower's generators as its own step would seed them
             torch.manual_seed(_mix_seed(cfg.seed, self.step, tw.gid))
             states.append(rng_state(self.device))
-        per = [self.batch_tensors(b) for b in batches]
-        cf, cb, tf, tb = (torch.cat([p[i] for p in per], 0) for i in range(4))
-        samples = [self._samples(tw, b) for tw, b in zip(towers, batches)]
-        B = [p[2].shape[0] for p in per]
-        h0, c0 = torch.cat([tw.h for tw in towers], 2), torch.cat([tw.c for tw in towers], 2)
-        self.softmax.train()
-        groups = RowGroups(B, states, self.device)
-        with self._autocast(), row_groups(groups):
-            top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
-            parts = [t.split(B, 0) if t is not None else [None] * len(B) for t in (top_f, top_b, tf, tb)]
-            losses = self._head_losses([(*(p[g] for p in parts), samples[g]) for g in range(len(towers))])
+        with _phase("forward"):
+            per = [self.batch_tensors(b) for b in batches]
+            cf, cb, tf, tb = (torch.cat([p[i] for p in per], 0) for i in range(4))
+            samples = [self._samples(tw, b) for tw, b in zip(towers, batches)]
+            B = [p[2].shape[0] for p in per]
+            h0, c0 = torch.cat([tw.h for tw in towers], 2), torch.cat([tw.c for tw in towers], 2)
+            self.softmax.train()
+            groups = RowGroups(B, states, self.device)
+            with self._autocast(), row_groups(groups):
+                top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
+                parts = [t.split(B, 0) if t is not None else [None] * len(B) for t in (top_f, top_b, tf, tb)]
+                losses = self._head_losses([(*(p[g] for p in parts), samples[g]) for g in range(len(towers))])
         # the generators are left where the last tower's own step leaves them: its group draws last at each site
-        (torch.stack(losses).sum() * (cfg.unroll_steps * scale)).backward()
+        with _phase("backward"):
+            (torch.stack(losses).sum() * (cfg.unroll_steps * scale)).backward()
         for tw, h, c in zip(towers, h_n.detach().split(B, 2), c_n.detach().split(B, 2)):
             tw.h, tw.c = h.float().contiguous(), c.float().contiguous()
         return [loss.detach() for loss in losses]
@@ -439,23 +453,31 @@ class Trainer:
 
         No host synchronisation: every shape is fixed by the configuration (the softmax rows are summed by
         ``sum_rows``), the clip factor stays a tensor, and the loss is returned as a tensor."""
-        cfg = self.cfg
         self.model.train()
         for p in [*self.dense_params, *(t for t, _ in self.row_params)]:
             p.grad = None
         scale = 1.0 / self.n_towers_total
         if self.fused:
             t0 = time.perf_counter()
-            batches = [next(tw.loader) for tw in self.towers]
+            with _phase("data"):
+                batches = [next(tw.loader) for tw in self.towers]
             self.data_wait_s += time.perf_counter() - t0
             losses = self._fused_step(batches, scale)
         else:
             losses = []
             for tw in self.towers:
                 t0 = time.perf_counter()
-                batch = next(tw.loader)
+                with _phase("data"):
+                    batch = next(tw.loader)
                 self.data_wait_s += time.perf_counter() - t0
                 losses.append(self._tower_step(tw, batch, scale))
+        with _phase("optimizer"):
+            return self._update(losses)
+
+    def _update(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The step's end: the towers' mean loss, the gradients gathered (row gradients summed by row), clipped by
+        their global norm, and Adagrad on the dense parameters and on the touched rows of the row tables."""
+        cfg = self.cfg
         loss = torch.stack(losses).sum() / self.n_towers_total
         dense, accs = list(self.dense_params), list(self.acc_dense)
         tables, rows, vals = [], [], []  # the tables with row gradients: softmax W and b, a word embedding
