@@ -79,6 +79,7 @@ _TRAIN_LEASE = ("--batch", "384", "--providers", "elmo_fast,elmo_fast-pdl,elmo_f
                 "--trace", "{out}/train_trace.json.gz")
 _LSTMP_LEASE = ("--parts", "sweep,kernels", "--batches", "384,1", "--dtypes", "bf16",
                 "--providers", "triton,triton-pdl,triton-pdl-kloop,cudnn")
+_TILES_LEASE = ("--parts", "tiles", "--batches", "384", "--dtypes", "bf16")
 _BILM_LEASE = ("--dtypes", "bf16", "--providers",
                "auto+graph,auto+graph+fusedreduce,auto+graph+pdl,auto+graph+fusedreduce+pdl,library")
 
@@ -145,6 +146,9 @@ STEPS = (
     Step("bench-lstmp-lease", 300, "the LSTMP chain at B = 384 and 1, bf16: Triton, with PDL (and at TUNED's tiles), "
          "cuDNN; every launch beside its estimate",
          ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE),), ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE, "--dry-run"),)),
+    Step("bench-lstmp-tiles-lease", 300, "the cell kernels' tile alternatives at B = 384, bf16 (the tuned tile, the "
+         "ones it replaced, the occupancy probes), each checked against the tuned tile's outputs",
+         ((PY, "bench/bench_lstmp.py", *_TILES_LEASE),), ((PY, "bench/bench_lstmp.py", *_TILES_LEASE, "--dry-run"),)),
     Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph with "
          "each opt-in (fused reduce, PDL, both) beside the library",
          ((PY, "bench/bench_bilm.py", *_BILM_LEASE),), ((PY, "bench/bench_bilm.py", *_BILM_LEASE, "--device", "cpu",
@@ -178,6 +182,7 @@ class Call:
     budget: int  # seconds for the whole call (its --budget)
     steps: tuple  # NAME or NAME:SECONDS, run in this order
     why: str
+    optional: bool = False  # run only where the device time left allows (status's budget_left_s), not counted
 
 
 # The device tool's limits (/work/.library/device/README.md as of 2026-11): 15 minutes of device time a session,
@@ -199,6 +204,10 @@ LEASE = (
     Call(275, ("install:30", "test-gpu:140", "test-triton:90"),
          "the GPU tests (the opt-ins' bits against the plain launches', the original sizes), then every Triton "
          "test on CUDA"),
+    Call(110, ("install:20", "bench-lstmp-tiles-lease:80"),
+         "only if the device time left (status's budget_left_s) is at least this call's budget and its transfers "
+         "and the machine is still warm: the cell kernels' tiles at B = 384 bf16, the tuned against the replaced "
+         "ones and the occupancy probes (whether the calibrated model needs an occupancy term)", optional=True),
 )
 
 
@@ -339,7 +348,8 @@ def main(argv=None) -> int:
         for s in STEPS:
             print(f"{s.name:20s} {s.timeout:4d} s  {s.what}")
         for n, call in enumerate(LEASE, 1):
-            print(f"lease call {n} ({call.budget} s): {' '.join(call.steps)}\n    {call.why}")
+            print(f"lease call {n}{' (optional)' if call.optional else ''} ({call.budget} s): "
+                  f"{' '.join(call.steps)}\n    {call.why}")
         return 0
     if args.lease and args.steps:
         ap.error("--lease CALL runs the plan's steps: name no steps beside it")
