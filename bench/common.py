@@ -325,9 +325,11 @@ def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) 
     Returns per call: ``wall_ms``; ``kernel_ms``, the device time of every kernel (CUDA-graph replays included);
     ``busy`` = kernel_ms / wall_ms (well under 1: the host, not the GPU, sets the pace); ``kernels``, the ``top``
     kernels by device time (name, ms, launches); ``host_ops``, the ``top`` CPU ops by self time (name, ms, calls);
-    ``phases``, the training step's named ranges in the order of ``PHASES`` (name, host ms inside the range,
-    device ms that torch attributes to it, calls). On the CPU the device columns are 0. ``trace``: also write the
-    profile as a gzipped Chrome trace there (chrome://tracing, ui.perfetto.dev): the timeline, gaps included."""
+    ``phases``, the training step's named ranges in the order of ``PHASES``: (name, host ms inside the range, device
+    ms of the kernels launched inside it, device span ms of its GPU-side annotation, entries). On the CPU the device
+    columns are 0. User annotations (these ranges' GPU side and any other) are not kernels: never summed as such.
+    ``trace``: also write the profile as a gzipped Chrome trace there (chrome://tracing, ui.perfetto.dev): the
+    timeline, gaps included."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -343,12 +345,18 @@ def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) 
     wall = 1e3 * (time.perf_counter() - t0) / steps
     kernels, host, phases = [], [], {}
     for e in prof.key_averages():
+        on_device = str(getattr(e, "device_type", "")).endswith("CUDA")
         if e.key.startswith(PHASE_PREFIX):  # a range, not a kernel or an op: its totals hold its children's
-            ph = phases.setdefault(e.key[len(PHASE_PREFIX):], [0.0, 0.0, 0.0])
-            ph[0] += e.cpu_time_total / 1e3 / steps
-            ph[1] += getattr(e, "device_time_total", 0) / 1e3 / steps
-            ph[2] = max(ph[2], e.count / steps)
-        elif str(getattr(e, "device_type", "")).endswith("CUDA"):
+            ph = phases.setdefault(e.key[len(PHASE_PREFIX):], [0.0, 0.0, 0.0, 0.0])
+            if on_device:  # the range's GPU-side annotation: from its first kernel's start to its last's end
+                ph[2] += getattr(e, "device_time_total", 0) / 1e3 / steps
+            else:
+                ph[0] += e.cpu_time_total / 1e3 / steps
+                ph[1] += getattr(e, "device_time_total", 0) / 1e3 / steps
+                ph[3] += e.count / steps
+        elif getattr(e, "is_user_annotation", False):
+            continue
+        elif on_device:
             kernels.append((e.key, getattr(e, "self_device_time_total", 0) / 1e3 / steps, e.count / steps))
         else:
             host.append((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps))
@@ -383,10 +391,10 @@ def print_device_profile(name: str, prof: dict) -> None:
     print(f"\n{name}: {prof['wall_ms']:.2f} ms a call, {prof['kernel_ms']:.2f} ms of it in kernels "
           f"(busy {100 * prof['busy']:.0f}%)")
     if prof.get("phases"):
-        print(f"  phases (host ms inside the range; device ms torch attributes to it): {'host':>8} {'device':>8} "
-              f"{'calls':>7}")
-        for key, host_ms, dev_ms, n in prof["phases"]:
-            print(f"    {key:<90} {host_ms:8.3f} {dev_ms:8.3f} {n:7.1f}")
+        print(f"  phases (ms: host inside the range, its kernels' device time, its device span): {'host':>8} "
+              f"{'kernels':>8} {'span':>8} {'calls':>7}")
+        for key, host_ms, kern_ms, span_ms, n in prof["phases"]:
+            print(f"    {key:<78} {host_ms:8.3f} {kern_ms:8.3f} {span_ms:8.3f} {n:7.1f}")
     for title, rows in (("kernels by device time", prof["kernels"]), ("host ops by self time", prof["host_ops"])):
         if rows:
             print(f"  {title}: {'ms':>8} {'count':>7}")
