@@ -335,3 +335,42 @@ def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, c
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = {e.get("name") for e in events}
     assert {common.PHASE_PREFIX + p for p in PHASES} <= names
+
+
+def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch):
+    """On a GPU a phase range has a CPU entry (its host time, its kernels' device time) and a GPU-side annotation of
+    the same name (its device span); neither, nor any other annotation, is a kernel (a fake profile: no GPU here)."""
+    from types import SimpleNamespace as E
+
+    import torch.profiler
+
+    pre = common.PHASE_PREFIX
+    events = [E(key=pre + "forward", device_type="DeviceType.CPU", cpu_time_total=8000, device_time_total=6000,
+                count=2, is_user_annotation=True),
+              E(key=pre + "forward", device_type="DeviceType.CUDA", cpu_time_total=0, device_time_total=7000,
+                count=2, is_user_annotation=True),
+              E(key="other range", device_type="DeviceType.CUDA", self_device_time_total=9000, count=2,
+                is_user_annotation=True),
+              E(key="gemm_kernel", device_type="DeviceType.CUDA", self_device_time_total=4000, count=4,
+                is_user_annotation=False),
+              E(key="aten::mm", device_type="DeviceType.CPU", self_cpu_time_total=1000, count=4,
+                is_user_annotation=False)]
+
+    class Fake:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Fake)
+    prof = common.device_profile(lambda: None, steps=2)
+    assert prof["kernels"] == [("gemm_kernel", 2.0, 2.0)] and prof["kernel_ms"] == 2.0
+    assert prof["host_ops"] == [("aten::mm", 0.5, 2.0)]
+    assert prof["phases"] == [("forward", 4.0, 3.0, 3.5, 1.0)]
