@@ -570,6 +570,8 @@ def parse_args(argv=None):
         a.providers = common.comma_list("--providers", a.providers, PROVIDERS)
     except ValueError as exc:
         ap.error(str(exc))
+    if a.providers and "sweep" not in a.parts:
+        ap.error("--providers narrows the sweep: add sweep to --parts")
     return a
 
 

@@ -315,6 +315,8 @@ def main(argv=None) -> int:
         a.providers = common.comma_list("--providers", a.providers, PROVIDERS)
     except ValueError as exc:
         ap.error(str(exc))
+    if a.trace and not a.profile:
+        ap.error("--trace writes the profiled steps' trace: give --profile N too")
     if not torch.cuda.is_available():
         print("bench_train: no CUDA GPU; nothing to measure (the CPU smoke test is `pytest bench/bench_train.py`)")
         return 0

@@ -51,8 +51,8 @@ def comma_list(flag: str, text: str | None, allowed) -> tuple | None:
     if text is None:
         return None
     vals = tuple(v for v in text.split(",") if v)
-    if not vals or any(v not in allowed for v in vals):
-        raise ValueError(f"{flag} {text!r}: expected a comma-separated list of {', '.join(allowed)}")
+    if not vals or any(v not in allowed for v in vals) or len(set(vals)) < len(vals):
+        raise ValueError(f"{flag} {text!r}: expected a comma-separated list of {', '.join(allowed)}, each once")
     return vals
 
 
@@ -374,27 +374,24 @@ def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) 
 
 
 def _write_trace(prof, path: str) -> None:
-    """``prof``'s Chrome trace, gzipped, at ``path``."""
-    import gzip
-    import shutil
-    import tempfile
-
+    """``prof``'s Chrome trace at ``path`` (torch gzips it for a ``.gz`` path)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as d:
-        raw = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    prof.export_chrome_trace(path)
 
 
 def print_device_profile(name: str, prof: dict) -> None:
     print(f"\n{name}: {prof['wall_ms']:.2f} ms a call, {prof['kernel_ms']:.2f} ms of it in kernels "
           f"(busy {100 * prof['busy']:.0f}%)")
     if prof.get("phases"):
-        print(f"  phases (ms: host inside the range, its kernels' device time, its device span): {'host':>8} "
+        print(f"  {'phases (ms: host inside the range, its kernels, its device span)':<80} {'host':>8} "
               f"{'kernels':>8} {'span':>8} {'calls':>7}")
         for key, host_ms, kern_ms, span_ms, n in prof["phases"]:
             print(f"    {key:<78} {host_ms:8.3f} {kern_ms:8.3f} {span_ms:8.3f} {n:7.1f}")
+        rest = prof["kernel_ms"] - sum(ph[2] for ph in prof["phases"])
+        # on a GPU the backward's kernels are launched from autograd's device thread, outside the main thread's
+        # ranges: they land here, not in "backward" (whose host time is right)
+        print(f"    {'(kernels in no range: the backward on autograd device thread, ...)':<78} {'':>8} "
+              f"{rest:8.3f}")
     for title, rows in (("kernels by device time", prof["kernels"]), ("host ops by self time", prof["host_ops"])):
         if rows:
             print(f"  {title}: {'ms':>8} {'count':>7}")

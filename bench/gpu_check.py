@@ -57,7 +57,8 @@ class Step:
     what: str
     gpu: tuple  # command lines (lists), run in order; "{py}" is the interpreter
     smoke: tuple  # the same step on the CPU at the smallest sizes
-    smoke_env: tuple = (("TRITON_INTERPRET", "1"),)
+    smoke_env: tuple = (("TRITON_INTERPRET", "1"),)  # "{tmp}" in a value: the run's temporary folder
+    lease: bool = False  # a narrowed benchmark of the lease plan (LEASE): not in the default list of steps
 
 
 PY = "{py}"
@@ -105,7 +106,8 @@ STEPS = (
          "on the report's arguments; a hit on a GPU not seen yet)",
          ((PY, "bench/kernel_report.py", "--warm-cache", "--out", "{tmp}/kernel_report"),),
          ((PY, "bench/kernel_report.py", "--warm-cache", "--subset", "--only", "highway", "--out",
-           "{tmp}/kernel_report"),)),
+           "{tmp}/kernel_report"),),
+         (("TRITON_INTERPRET", "1"), ("TRITON_CACHE_DIR", "{tmp}/triton_cache"))),  # the smoke's own cache
     Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
          # every failure in one call (no -x), 8 processes (pytest-xdist is on the GPU image): a lease is short
          ((PY, "-m", "pytest", "-q", "-n", "8", "-m", "triton and not slow", "tests"),),
@@ -142,17 +144,20 @@ STEPS = (
     Step("bench-train-lease", 300, "the training step at 384 rows: elmo_fast, with PDL, the original's 3 towers "
          "fused, the library parts; then 3 elmo_fast steps under torch.profiler (where the step's time goes)",
          ((PY, "bench/bench_train.py", *_TRAIN_LEASE, "--steps", "12", "--rounds", "3", "--warmup", "3"),),
-         ((PY, "bench/bench_train.py", *_TRAIN_LEASE),)),  # on the CPU: the arguments checked, nothing timed
+         ((PY, "bench/bench_train.py", *_TRAIN_LEASE),),  # on the CPU: the arguments checked, nothing timed
+         lease=True),
     Step("bench-lstmp-lease", 300, "the LSTMP chain at B = 384 and 1, bf16: Triton, with PDL (and at TUNED's tiles), "
          "cuDNN; every launch beside its estimate",
-         ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE),), ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE, "--dry-run"),)),
+         ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE),), ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE, "--dry-run"),),
+         lease=True),
     Step("bench-lstmp-tiles-lease", 300, "the cell kernels' tile alternatives at B = 384, bf16 (the tuned tile, the "
          "ones it replaced, the occupancy probes), each checked against the tuned tile's outputs",
-         ((PY, "bench/bench_lstmp.py", *_TILES_LEASE),), ((PY, "bench/bench_lstmp.py", *_TILES_LEASE, "--dry-run"),)),
+         ((PY, "bench/bench_lstmp.py", *_TILES_LEASE),), ((PY, "bench/bench_lstmp.py", *_TILES_LEASE, "--dry-run"),),
+         lease=True),
     Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph with "
          "each opt-in (fused reduce, PDL, both) beside the library",
          ((PY, "bench/bench_bilm.py", *_BILM_LEASE),), ((PY, "bench/bench_bilm.py", *_BILM_LEASE, "--device", "cpu",
-                                                         "--tiny"),)),
+                                                         "--tiny"),), lease=True),
     Step("profile-train", 300, "a training step at 384 rows under torch.profiler: kernels by device time, host ops, "
          "how busy the GPU is (bench_train --profile)",
          ((PY, "bench/bench_train.py", "--batch", "384", "--steps", "6", "--rounds", "2", "--warmup", "3",
@@ -193,18 +198,19 @@ START_SECONDS = 150  # a machine's start, allowed for (a minute or more)
 TRANSFER_SECONDS = 30  # the working tree there and $OUT back, allowed for per call
 GAP_SECONDS = 20  # between two calls, the machine warm and idle (counted)
 STEP_MARGIN = 5  # main() starts a step only with its cap and this much of the call's budget left
+CALL_SLACK = 10  # a step killed at its cap takes up to 5 s more (SIGTERM, then SIGKILL), and its rows are packed
 LEASE = (
     # precompile first: every variant of the original model compiled on all cores at once (20 s on the H200) where
     # each benchmark process would otherwise compile its own, one at a time, inside its capped step
-    Call(375, ("env:15", "install:30", "precompile:30", "selfcheck:40", "bench-train-lease:110",
-               "bench-lstmp-lease:65", "bench-bilm-lease:50"),
+    Call(375, ("env:15", "install:30", "precompile:30", "selfcheck:40", "bench-train-lease:105",
+               "bench-lstmp-lease:60", "bench-bilm-lease:50"),
          "the targets and the opt-ins: the training step (58.8 ms on the H200 of 2026-11-26 against ~15 ms "
          "modelled) and its profile, the LSTMP chain against cuDNN with and without PDL, the single-sentence "
          "latency with the fused reduce and PDL"),
-    Call(275, ("install:30", "test-gpu:140", "test-triton:90"),
+    Call(275, ("install:30", "test-gpu:135", "test-triton:85"),
          "the GPU tests (the opt-ins' bits against the plain launches', the original sizes), then every Triton "
-         "test on CUDA"),
-    Call(110, ("install:20", "bench-lstmp-tiles-lease:80"),
+         "test on CUDA; then give the machine back unless call 3 runs at once"),
+    Call(120, ("install:20", "bench-lstmp-tiles-lease:80"),
          "only if the device time left (status's budget_left_s) is at least this call's budget and its transfers "
          "and the machine is still warm: the cell kernels' tiles at B = 384 bf16, the tuned against the replaced "
          "ones and the occupancy probes (whether the calibrated model needs an occupancy term)", optional=True),
@@ -361,7 +367,7 @@ def main(argv=None) -> int:
     unknown = [n for n in caps if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown step(s) {unknown}; the steps are: {', '.join(BY_NAME)}")
-    names = list(caps) or [s.name for s in STEPS]
+    names = list(caps) or [s.name for s in STEPS if not s.lease]  # the lease's narrowed runs repeat others
     if not args.no_install and "install" not in names:
         names = ["install", *names]
     if call:  # the plan's order (the decisive measurements first)
@@ -394,7 +400,7 @@ def main(argv=None) -> int:
             env = dict(os.environ, PYTHONUNBUFFERED="1", ELMO_FAST_BENCH_DIR=str(staging),
                        PIP_DISABLE_PIP_VERSION_CHECK="1", **STEP_ENV.get(name, {}))
             if args.smoke:
-                env.update(step.smoke_env)
+                env.update({k: v.replace("{tmp}", str(tmp)) for k, v in step.smoke_env})
                 env.pop("ELMO_FAST_BUILD_CUDA", None)
             cmds = [[str(py) if a == PY else a.replace("{tmp}", str(tmp)).replace("{out}", str(out.dir)) for a in cmd]
                     for cmd in (step.smoke if args.smoke else step.gpu)]

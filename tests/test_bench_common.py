@@ -286,7 +286,7 @@ def test_narrowing_arguments_are_checked_before_anything_runs(capsys):
 
     assert common.comma_list("--x", None, ("a", "b")) is None
     assert common.comma_list("--x", "b,a", ("a", "b")) == ("b", "a")
-    for bad in ("", "a,c", ","):
+    for bad in ("", "a,c", ",", "a,a"):
         with pytest.raises(ValueError, match="--x .*expected a comma-separated list of a, b"):
             common.comma_list("--x", bad, ("a", "b"))
     for main, argv, what in (
@@ -297,7 +297,9 @@ def test_narrowing_arguments_are_checked_before_anything_runs(capsys):
             (bench_lstmp.parse_args, ["--parts", "sweep,tile"], "--parts 'sweep,tile'"),
             (bench_bilm.main, ["--providers", "auto+grph"], "--providers 'auto+grph'"),
             (bench_bilm.main, ["--cases", "speed"], "of throughput, latency"),
-            (bench_train.main, ["--providers", "elmo_fast,elmo_fst"], "--providers 'elmo_fast,elmo_fst'")):
+            (bench_train.main, ["--providers", "elmo_fast,elmo_fst"], "--providers 'elmo_fast,elmo_fst'"),
+            (bench_train.main, ["--trace", "t.json.gz"], "give --profile N too"),
+            (bench_lstmp.parse_args, ["--parts", "kernels", "--providers", "triton"], "add sweep to --parts")):
         with pytest.raises(SystemExit):
             main(argv)
         assert what in capsys.readouterr().err, (argv, what)
@@ -328,7 +330,7 @@ def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, c
                     providers=("elmo_fast",), profile=2, trace=str(trace))
     out = capsys.readouterr().out
     table = [line for line in out[out.index("phases (ms"):out.index("host ops by self time")].splitlines()[1:]
-             if line.strip()]
+             if line.strip() and "kernels in no range" not in line]
     assert [line.split()[0] for line in table] == list(PHASES)
     assert all(float(line.split()[1]) > 0 and float(line.split()[4]) == 1.0 for line in table)  # once a step
     assert common.PHASE_PREFIX not in out[out.index("host ops by self time"):]
@@ -337,7 +339,7 @@ def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, c
     assert {common.PHASE_PREFIX + p for p in PHASES} <= names
 
 
-def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch):
+def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch, capsys):
     """On a GPU a phase range has a CPU entry (its host time, its kernels' device time) and a GPU-side annotation of
     the same name (its device span); neither, nor any other annotation, is a kernel (a fake profile: no GPU here)."""
     from types import SimpleNamespace as E
@@ -351,7 +353,7 @@ def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch):
                 count=2, is_user_annotation=True),
               E(key="other range", device_type="DeviceType.CUDA", self_device_time_total=9000, count=2,
                 is_user_annotation=True),
-              E(key="gemm_kernel", device_type="DeviceType.CUDA", self_device_time_total=4000, count=4,
+              E(key="gemm_kernel", device_type="DeviceType.CUDA", self_device_time_total=10000, count=4,
                 is_user_annotation=False),
               E(key="aten::mm", device_type="DeviceType.CPU", self_cpu_time_total=1000, count=4,
                 is_user_annotation=False)]
@@ -371,6 +373,9 @@ def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch):
 
     monkeypatch.setattr(torch.profiler, "profile", Fake)
     prof = common.device_profile(lambda: None, steps=2)
-    assert prof["kernels"] == [("gemm_kernel", 2.0, 2.0)] and prof["kernel_ms"] == 2.0
+    assert prof["kernels"] == [("gemm_kernel", 5.0, 2.0)] and prof["kernel_ms"] == 5.0
     assert prof["host_ops"] == [("aten::mm", 0.5, 2.0)]
     assert prof["phases"] == [("forward", 4.0, 3.0, 3.5, 1.0)]
+    common.print_device_profile("fake", prof)  # the kernels in no range (the backward's, on a GPU) on their own line
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "kernels in no range" in ln)
+    assert float(line.split()[-1]) == 2.0
