@@ -20,10 +20,11 @@ the remaining budget is not started and is listed as such: run it in the next ca
 
 A lease is short: 15 minutes of device time a session, the machine's start (a minute or two) and the idle
 time between calls included (the device tool's README), against 10 minutes a command. ``LEASE`` is the plan that
-fits: two calls of about six and five minutes, the second run at once while the machine is warm (it goes back 30 s after
-a call), each step capped so that every one starts. The measurements that decide something come first: the
-training step and where its time goes, the LSTMP chain against cuDNN with and without the opt-in programmatic
-dependent launch, the single-sentence latency with the opt-ins; the GPU tests are the second call.
+fits: two calls of about six and five minutes, the second run at once while the machine is warm (it goes back
+30 s after a call), each step capped so that every one starts; a third, optional, where device time is left. The
+measurements that decide something come first: the training step and where its time goes, the LSTMP chain against
+cuDNN with and without the opt-in programmatic dependent launch, the single-sentence latency with the opt-ins; the
+GPU tests are the second call, the cell kernels' tile sweep at B = 384 the third.
 tests/test_gpu_check.py checks that the caps fit each call's budget, and the calls, with the start, the transfers
 and the gap between them, the lease.
 
