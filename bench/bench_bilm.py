@@ -165,8 +165,10 @@ def _providers(opts, o, w, dtype, dev, only=None):
 
 
 def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda", providers=None, dtypes=("fp32", "bf16"),
-            cases=CASES) -> list[dict]:
-    """Every case x dtype x provider (``providers``: a subset of ``PROVIDERS`` + ``BASELINES``; None: all)."""
+            cases=CASES, keep_going: bool | None = None) -> list[dict]:
+    """Every case x dtype x provider (``providers``: a subset of ``PROVIDERS`` + ``BASELINES``; None: all), each row
+    appended to the CSV as it is timed. ``keep_going`` (default: on CUDA): a provider that raises is kept as an error
+    row and the next one runs (a failing opt-in must not take the baseline's numbers with it); else it raises."""
     dev = torch.device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False  # the library provider's cuDNN LSTM in fp32 too (IEEE, like elmo_fast)
@@ -182,16 +184,23 @@ def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda", providers=None, dtypes=
                 ids = elmo_fast.batch_to_ids(sents).to(dev)
                 n_tok = sum(len(s) for s in sents)
                 for name, fn in provs.items():
-                    with torch.no_grad():
-                        p50, p20, p80 = common.time_ms(lambda fn=fn, ids=ids: fn(ids), dev, reps=1)
-                        mem = common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids))
-                    rows.append({"case": case, "provider": name, "dtype": str(dtype).replace("torch.", ""),
-                                 "sentences": len(sents), "tokens": n_tok, "ms_p50": round(p50, 4),
-                                 "ms_p20": round(p20, 4), "ms_p80": round(p80, 4),
-                                 "tokens_per_s": round(n_tok / (p50 / 1e3)), "peak_mem_mib": round(mem, 1)})
-                    print(f"{case:10s} {rows[-1]['dtype']:8s} {name:30s} {p50:9.3f} ms "
-                          f"{rows[-1]['tokens_per_s']:>10d} tok/s", flush=True)
-    common.append_rows("bilm", rows)
+                    row = {"case": case, "provider": name, "dtype": str(dtype).replace("torch.", ""),
+                           "sentences": len(sents), "tokens": n_tok}
+                    try:
+                        with torch.no_grad():
+                            p50, p20, p80 = common.time_ms(lambda fn=fn, ids=ids: fn(ids), dev, reps=1)
+                            mem = common.peak_memory_mib(lambda fn=fn, ids=ids: fn(ids))
+                        row.update(ms_p50=round(p50, 4), ms_p20=round(p20, 4), ms_p80=round(p80, 4),
+                                   tokens_per_s=round(n_tok / (p50 / 1e3)), peak_mem_mib=round(mem, 1))
+                        print(f"{case:10s} {row['dtype']:8s} {name:30s} {p50:9.3f} ms "
+                              f"{row['tokens_per_s']:>10d} tok/s", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - kept as the row, then the next provider
+                        if not (dev.type == "cuda" if keep_going is None else keep_going):
+                            raise  # the CPU smoke run hides nothing
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        print(f"{case:10s} {row['dtype']:8s} {name:30s} FAILED ({row['error']})", flush=True)
+                    rows.append(row)
+                    common.append_rows("bilm", [row])  # as it comes: a run killed at its cap keeps its rows
     return rows
 
 

@@ -163,8 +163,10 @@ def _eager(fn):
     return call
 
 
-def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=None,
+def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), providers=None, append=False,
               modes=("fwd", "fwd+bwd"), warmup=25, rep=100, device="cuda", dims=ELMO) -> list[dict]:
+    """The chain sweep (module docstring): every dtype x shape x provider (None: all of ``PROVIDERS``) x mode; with
+    ``append`` each row goes to the CSV as soon as it is timed."""
     from elmo_fast.kernels.lstmp import lstmp_triton
 
     providers = providers or PROVIDERS
@@ -231,6 +233,8 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
                     ))
                     print(f"{provider:>9} {mode:>7} B={B:<3} T={T} {rows[-1]['dtype']:>8}: {p50:8.3f} ms "
                           f"{rows[-1]['tflops']:>7} TFLOP/s {note}", flush=True)
+                    if append:  # as it comes: a run killed at its time cap keeps every row it timed
+                        append_csv(rows[-1:])
                     del chain, params, up
     return rows
 
@@ -529,9 +533,8 @@ def _estimate_us(launch, dtype) -> float:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sweep():
-    rows = bench_gpu()
-    path = append_csv(rows)
-    print(f"wrote {len(rows)} rows to {path}")
+    rows = bench_gpu(append=True)
+    print(f"wrote {len(rows)} rows, each as it came")
 
 
 PARTS = ("sweep", "kernels", "splits", "tiles")
@@ -597,7 +600,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
     if "sweep" in a.parts:
-        print(f"wrote rows to {append_csv(bench_gpu(**kw['sweep']))}")
+        rows = bench_gpu(**kw["sweep"], append=True)
+        print(f"wrote {len(rows)} rows, each as it came")
     for part, name, fn in (("kernels", "lstmp_kernels", bench_kernels), ("splits", "lstmp_splits", bench_splits),
                            ("tiles", "lstmp_tiles", bench_tiles)):
         if part in a.parts:

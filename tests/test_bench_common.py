@@ -379,3 +379,64 @@ def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch, capsys
     common.print_device_profile("fake", prof)  # the kernels in no range (the backward's, on a GPU) on their own line
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "kernels in no range" in ln)
     assert float(line.split()[-1]) == 2.0
+
+
+def test_train_bench_keeps_each_providers_row_as_it_is_measured(bench_env, tmp_path, monkeypatch, capsys):
+    """bench_train: each provider's row is printed and appended to the CSV as soon as it is timed (a step killed at
+    its cap keeps them); on a GPU a provider that raises is kept as an error row and the next one runs; on the CPU
+    (the smoke test) the error propagates."""
+    import csv
+    import functools
+
+    import bench_train
+    from elmo_fast.training import configs
+
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    cfg = configs.tiny()
+    results = []
+    emit = functools.partial(bench_train._emit, results, 4, cfg, 200, 2)
+    with emit("a"):
+        results.append(dict(provider="a", ms_per_step=10.0, round_ms="10.0", compiles_timed=0, peak_mem_mib=1.0,
+                            data_wait=0.0))
+    rows = list(csv.DictReader(open(tmp_path / "train.csv")))
+    assert [(r["provider"], float(r["tokens_per_s"])) for r in rows] == [("a", 4 * cfg.unroll_steps / 0.01)]
+    monkeypatch.setattr(bench_train, "_on_gpu", lambda: True)
+    with emit("b"):
+        raise RuntimeError("boom")
+    assert results[-1] == {"provider": "b", "error": "RuntimeError: boom"}
+    assert "b: FAILED (RuntimeError: boom)" in capsys.readouterr().out
+    assert [r["provider"] for r in csv.DictReader(open(tmp_path / "train.csv"))] == ["a", "b"]
+    bench_train._report(results)  # the speedups skip the error row (no parts here: nothing printed)
+    monkeypatch.setattr(bench_train, "_on_gpu", lambda: False)
+    with pytest.raises(RuntimeError, match="on the cpu"):
+        with emit("c"):
+            raise RuntimeError("on the cpu")
+
+
+def test_bilm_bench_keeps_going_past_a_failing_provider(bench_env, tmp_path, monkeypatch):
+    """bench_bilm on a GPU (keep_going): a provider that raises becomes an error row, the others are timed, and
+    every row is in the CSV; without keep_going (the CPU smoke run) the error propagates."""
+    import csv
+
+    import bench_bilm
+    from elmo_fast.testing import TINY_OPTIONS
+
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+    real = bench_bilm._providers
+
+    def providers(*a, **k):
+        provs = real(*a, **k)
+
+        def broken(ids):
+            raise RuntimeError("no such launch option")
+
+        return {"elmo_fast-broken": broken, **provs}
+
+    monkeypatch.setattr(bench_bilm, "_providers", providers)
+    rows = bench_bilm.run_gpu(TINY_OPTIONS, "cpu", providers=("library",), dtypes=("fp32",), cases=("latency",),
+                              keep_going=True)
+    assert [(r["provider"], "error" in r) for r in rows] == [("elmo_fast-broken", True), ("library", False)]
+    assert rows[0]["error"] == "RuntimeError: no such launch option" and rows[1]["ms_p50"] > 0
+    assert [r["provider"] for r in csv.DictReader(open(tmp_path / "bilm.csv"))] == ["elmo_fast-broken", "library"]
+    with pytest.raises(RuntimeError, match="no such launch option"):
+        bench_bilm.run_gpu(TINY_OPTIONS, "cpu", providers=("library",), dtypes=("fp32",), cases=("latency",))
