@@ -1,5 +1,6 @@
 import contextlib
 import math
+import os
 import random
 
 import numpy as np
@@ -18,6 +19,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None and not has_gpu:
             item.add_marker(skip_gpu)
+    items[:] = tests_first(items, os.environ.get("ELMO_FAST_TESTS_FIRST", ""))
+
+
+def tests_first(items: list, spec: str) -> list:
+    """``items`` with those whose node id contains one of the comma-separated words of ``spec`` first, in the order
+    of the words, the rest after, each group in collection order. gpu-check's test-gpu step names the checks that
+    decide the opt-ins: under a lease's time cap they run first (pytest-xdist hands tests out in this order)."""
+    words = [w for w in spec.split(",") if w]
+
+    def rank(item):
+        return next((i for i, w in enumerate(words) if w in item.nodeid), len(words))
+
+    return sorted(items, key=rank)  # stable: collection order within a rank
 
 
 @pytest.fixture(autouse=True)

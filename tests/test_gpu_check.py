@@ -117,3 +117,29 @@ def test_lease_takes_no_steps_beside_it(capsys):
     with pytest.raises(SystemExit):
         gpu_check.main(["--lease", str(len(gpu_check.LEASE) + 1)])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_test_gpu_runs_the_decisive_checks_first():
+    """The test-gpu step's ELMO_FAST_TESTS_FIRST puts the opt-ins' checks first in collection (so first to the
+    xdist workers); every named file holds gpu tests; the rest keep their order."""
+    import subprocess
+
+    from conftest import tests_first
+
+    first = gpu_check.STEP_ENV["test-gpu"]["ELMO_FAST_TESTS_FIRST"]
+    env = dict(__import__("os").environ, ELMO_FAST_TESTS_FIRST=first)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-m", "gpu and not cuda_ext", "tests"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout
+    ids = [line for line in out.splitlines() if "::" in line]
+    files = [i.split("::")[0].split("/")[-1] for i in ids]
+    words = first.split(",")
+    assert set(words) <= set(files)
+    assert files[: sum(f in words for f in files)] == sorted((f for f in files if f in words), key=words.index)
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    items = [Item(n) for n in ("a.py::x", "b.py::y", "c.py::z", "a.py::w")]
+    assert [i.nodeid for i in tests_first(items, "c.py,a.py")] == ["c.py::z", "a.py::x", "a.py::w", "b.py::y"]
+    assert tests_first(items, "") == items
