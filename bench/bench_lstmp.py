@@ -59,6 +59,11 @@ def append_csv(rows: list[dict]) -> Path:
     return common.append_rows("lstmp", rows, FIELDS, os.environ.get("ELMO_FAST_BENCH_CSV"))
 
 
+def _csv_path() -> Path:
+    """Where ``append_csv`` writes."""
+    return Path(os.environ.get("ELMO_FAST_BENCH_CSV") or common.results_dir() / "lstmp.csv")
+
+
 def flop_per_token(D: int, H: int, P: int) -> int:
     return 2 * (D * 4 * H + P * 4 * H + H * P)
 
@@ -534,7 +539,7 @@ def _estimate_us(launch, dtype) -> float:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_sweep():
     rows = bench_gpu(append=True)
-    print(f"wrote {len(rows)} rows, each as it came")
+    print(f"wrote {len(rows)} rows, each as it came, to {_csv_path()}")
 
 
 PARTS = ("sweep", "kernels", "splits", "tiles")
@@ -601,7 +606,7 @@ def main(argv=None) -> int:
         sys.exit("bench_lstmp: the GPU sweep needs CUDA; run the CPU part with pytest instead")
     if "sweep" in a.parts:
         rows = bench_gpu(**kw["sweep"], append=True)
-        print(f"wrote {len(rows)} rows, each as it came")
+        print(f"wrote {len(rows)} rows, each as it came, to {_csv_path()}")
     for part, name, fn in (("kernels", "lstmp_kernels", bench_kernels), ("splits", "lstmp_splits", bench_splits),
                            ("tiles", "lstmp_tiles", bench_tiles)):
         if part in a.parts:

@@ -186,11 +186,13 @@ PROVIDERS = ("elmo_fast", "elmo_fast-eager", "elmo_fast-thread-data", "elmo_fast
 
 def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: configs.TrainConfig | None = None,
         n_tokens: int = 2_000_000, warmup: int = 5, device: str | None = None, rounds: int = 3,
-        providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0, trace: str | None = None
-        ) -> list[dict]:
+        providers=("elmo_fast", "elmo_fast-eager", "parts"), profile: int = 0, trace: str | None = None,
+        append: bool = True) -> list[dict]:
     """Every provider of ``providers`` timed (``_timed``); ``profile`` > 0: then that many more steps of elmo_fast
     under torch.profiler (``common.device_profile``: the step's phases, kernels by device time, host ops, how busy
-    the GPU was), and with ``trace`` their gzipped Chrome trace there."""
+    the GPU was), and with ``trace`` their gzipped Chrome trace there. Each row is appended to the CSV as it is
+    measured (``append``; the CPU smoke test leaves the CSV alone); a provider that fails on CUDA is a row with
+    ``error`` (``_emit``)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg is None:
         cfg = configs.original()
@@ -214,7 +216,7 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
         # the original recipe's 3 towers of batch / 3 rows each (the same rows a step), fused in one pass (the GPU
         # default) or one after the other
         variants += [("elmo_fast-towers", None, "auto"), ("elmo_fast-towers-seq", None, "auto")]
-        emit = functools.partial(_emit, results, batch, cfg, V, steps)
+        emit = functools.partial(_emit, results, batch, cfg, V, steps, dev, append)
         for name, graphs, worker in variants:
             if name not in providers:
                 continue
@@ -227,17 +229,21 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
                 run_cfg = dataclasses.replace(run_cfg, towers=configs.ORIGINAL_TOWERS,
                                               batch_size=batch // configs.ORIGINAL_TOWERS,
                                               fuse_towers="off" if name.endswith("-seq") else "on")
-            with emit(name), common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs), \
+            tr = None
+            with common.env_var("ELMO_FAST_LOOP_GRAPHS", graphs), \
                     common.env_var("ELMO_FAST_LSTMP_PDL", "1" if name.endswith("-pdl") else None):
-                tr = Trainer(run_cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
                 try:
-                    results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,
-                                                                waited=lambda t=tr: t.data_wait_s)))
-                    if profile and name == "elmo_fast":
-                        common.print_device_profile(f"elmo_fast training step, B={batch}", common.device_profile(
-                            tr.train_step, profile, trace=trace))  # no sync a step: as the timed rounds run
+                    with emit(name):  # the row written as soon as it is timed, before the profile
+                        tr = Trainer(run_cfg, vocab, [str(f) for f in files], None, tmp, device=dev)
+                        results.append(dict(provider=name, **_timed(tr.train_step, steps, rounds, warmup, dev,
+                                                                    waited=lambda t=tr: t.data_wait_s)))
+                    if profile and name == "elmo_fast" and "error" not in results[-1]:
+                        with emit(f"{name}-profile"):  # a row only if it fails
+                            common.print_device_profile(f"elmo_fast training step, B={batch}", common.device_profile(
+                                tr.train_step, profile, trace=trace))  # no sync a step: as the timed rounds run
                 finally:
-                    tr.close()
+                    if tr is not None:
+                        tr.close()
                     del tr
         if "parts" not in providers:
             return results
@@ -257,39 +263,32 @@ def run(steps: int = 30, vocab_size: int = 100_000, batch: int = 128, cfg: confi
     return results
 
 
-def _on_gpu() -> bool:
-    return torch.cuda.is_available()
-
-
 @contextlib.contextmanager
-def _emit(results, batch, cfg, V, steps, name):
-    """Around one provider: its result (the row the block appends to ``results``) finished, printed and appended to
-    the CSV as soon as it is measured, so a run killed at its time cap keeps every provider it timed; an exception
-    is printed and kept as that provider's row (``error``), and the next provider runs (on a GPU: a failing opt-in
-    must not take the baseline's numbers with it). The CPU smoke test re-raises: nothing to hide there."""
+def _emit(results, batch, cfg, V, steps, dev, append, name):
+    """Around one provider: the row the block appends to ``results`` finished, printed and (``append``) appended to
+    the CSV as soon as the block ends, so a run killed at its time cap keeps every provider it timed. An exception
+    becomes that provider's row (``error``) and the next provider runs where ``common.keep_going`` allows it (on
+    CUDA, the device still answering: a failing opt-in must not take the baseline's numbers with it); on the CPU
+    (the smoke test) it propagates."""
     n = len(results)
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - recorded, then the other providers
-        if not _on_gpu():
-            raise
-        import traceback
-
-        traceback.print_exc()
-        results.append({"provider": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    except Exception as exc:  # noqa: BLE001 - recorded, then the other providers (keep_going re-raises otherwise)
+        results.append({"provider": name, "error": common.keep_going(exc, dev)})
     for r in results[n:]:
-        if "error" not in r:
-            _finish([r], batch, cfg, V, steps)
+        _finish([r], batch, cfg, V, steps)
         _print_row(r)
-        try:
-            common.append_rows("train", [r])
-        except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
-            print(f"(not appended to CSV: {exc})")
+        if append:
+            try:
+                common.append_rows("train", [r])
+            except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
+                print(f"(not appended to CSV: {exc})")
 
 
 def _finish(results, batch, cfg, V, steps) -> list[dict]:
     for r in results:
-        r["tokens_per_s"] = batch * cfg.unroll_steps / (r["ms_per_step"] * 1e-3)
+        if "error" not in r:
+            r["tokens_per_s"] = batch * cfg.unroll_steps / (r["ms_per_step"] * 1e-3)
         r.update({"shape": f"2x{cfg.lstm_dim}_{cfg.projection_dim} B{batch} T{cfg.unroll_steps} "
                            f"S{cfg.n_negative_samples_batch} V{V}", "steps": steps})
     return results
@@ -314,19 +313,22 @@ def _report(results):
 
 @pytest.mark.gpu
 def test_bench_train_gpu():
-    _report(run())
+    res = run()
+    _report(res)
+    assert not [r for r in res if "error" in r]
 
 
 def test_bench_train_smoke_cpu():
     """Both loops run (2 steps, tiny model, reference backend) so the benchmark cannot rot without a GPU."""
     cfg = configs.tiny()
     cfg.backend = "reference"
-    res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu", profile=1)
+    res = run(steps=2, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, device="cpu", profile=1,
+              append=False)
     assert [r["provider"] for r in res] == ["elmo_fast", "parts"]
     assert all(r["tokens_per_s"] > 0 and len(r["round_ms"].split()) == 2 for r in res)
     assert 0.0 <= res[0]["data_wait"] <= 1.0 and res[1]["data_wait"] != res[1]["data_wait"]  # parts: NaN, no worker
     res = run(steps=2, vocab_size=200, batch=6, cfg=cfg, n_tokens=5000, warmup=1, device="cpu",
-              providers=("elmo_fast-towers", "elmo_fast-towers-seq"))
+              providers=("elmo_fast-towers", "elmo_fast-towers-seq"), append=False)
     assert [r["provider"] for r in res] == ["elmo_fast-towers", "elmo_fast-towers-seq"]
     assert all(r["tokens_per_s"] > 0 for r in res) and cfg.towers == 1  # the towers set on a copy of the config
 
@@ -358,9 +360,10 @@ def main(argv=None) -> int:
     cfg = configs.load_config(a.config)
     if a.config == "original":
         cfg.towers = 1  # one tower of --batch rows a step (the preset has bilm-tf's 3)
-    _report(run(a.steps, a.vocab, a.batch, cfg, warmup=a.warmup, rounds=a.rounds,
-                    providers=a.providers, profile=a.profile, trace=a.trace))
-    return 0
+    res = run(a.steps, a.vocab, a.batch, cfg, warmup=a.warmup, rounds=a.rounds, providers=a.providers,
+              profile=a.profile, trace=a.trace)
+    _report(res)
+    return 1 if any("error" in r for r in res) else 0  # every provider ran; the step still says one failed
 
 
 if __name__ == "__main__":

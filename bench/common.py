@@ -45,6 +45,29 @@ def env_rounds(default: int) -> int:
     return int(value)
 
 
+def keep_going(exc: BaseException, dev, force: bool = False) -> str:
+    """After a benchmark provider raised ``exc`` on ``dev``: where the run may go on with the next provider, the
+    error text for that provider's row (the traceback printed, the failed provider's memory released); else
+    ``exc`` raised again. It goes on only on CUDA (the CPU smoke runs hide nothing; ``force``: on any device, for
+    tests) and only while the device still answers: after an illegal memory access every later provider would fail
+    too, and be blamed."""
+    cuda = torch.device(dev).type == "cuda"
+    if not (cuda or force):
+        raise exc
+    import gc
+    import traceback
+
+    traceback.print_exception(exc)
+    if cuda:
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - a broken context: stop here, with the first error
+            raise exc from None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 def comma_list(flag: str, text: str | None, allowed) -> tuple | None:
     """A ``--flag a,b`` argument as a tuple, each value one of ``allowed`` (None: the flag not given). Raises
     ValueError naming the flag and what it takes: a short GPU lease cannot lose a step to a typo."""
@@ -219,12 +242,16 @@ def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
             if extra:  # new columns: the old rows are rewritten under the union of both
                 old = list(reader)
             fields = header + extra
-    mode = "w" if old or not path.exists() else "a"
-    with open(path, mode, newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        if mode == "w":
+    if old or not path.exists():  # a new file, or the old rows under the new columns: whole, then renamed over
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
             w.writeheader()
-        w.writerows(old + rows)
+            w.writerows(old + rows)
+        os.replace(tmp, path)
+    else:
+        with open(path, "a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore").writerows(rows)
     return path
 
 

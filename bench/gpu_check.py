@@ -180,7 +180,7 @@ BY_NAME = {s.name: s for s in STEPS}
 # install: pure Python (the optional CPU extension elmo_fast._cpu is for the cpu backend: 10-20 s of a 2-core smoke
 # run's compile, and nothing on the GPU steps runs it; the cpu backend works without it).
 # test-gpu: the tests that decide the opt-ins first (tests/conftest.py tests_first), so that a lease's time cap cuts
-# the others: PDL's and the fused reduce's bits, then the original sizes of the LSTMP chain
+# the others: PDL's and the fused reduce's bits, the LSTMP chain's original sizes, the dropout kernel, the fused towers
 STEP_ENV = {"install": {"ELMO_FAST_BUILD_CPU": "0"},
             "build-cuda": {"ELMO_FAST_BUILD_CUDA": "1", "MAX_JOBS": os.environ.get("MAX_JOBS", "16")},
             "test-gpu": {"ELMO_FAST_TESTS_FIRST": "test_lstmp_pdl.py,test_lstmp_fused_reduce.py,test_lstmp_triton.py,"

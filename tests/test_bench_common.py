@@ -382,9 +382,9 @@ def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch, capsys
 
 
 def test_train_bench_keeps_each_providers_row_as_it_is_measured(bench_env, tmp_path, monkeypatch, capsys):
-    """bench_train: each provider's row is printed and appended to the CSV as soon as it is timed (a step killed at
-    its cap keeps them); on a GPU a provider that raises is kept as an error row and the next one runs; on the CPU
-    (the smoke test) the error propagates."""
+    """bench_train: each provider's row is printed and appended to the CSV as soon as its block ends (a step killed
+    at its cap keeps them); where common.keep_going allows it a provider that raises is kept as an error row (with
+    the shape) and the next one runs; on the CPU (the smoke test) the error propagates."""
     import csv
     import functools
 
@@ -394,23 +394,41 @@ def test_train_bench_keeps_each_providers_row_as_it_is_measured(bench_env, tmp_p
     bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
     cfg = configs.tiny()
     results = []
-    emit = functools.partial(bench_train._emit, results, 4, cfg, 200, 2)
+    emit = functools.partial(bench_train._emit, results, 4, cfg, 200, 2, torch.device("cpu"), True)
     with emit("a"):
         results.append(dict(provider="a", ms_per_step=10.0, round_ms="10.0", compiles_timed=0, peak_mem_mib=1.0,
                             data_wait=0.0))
     rows = list(csv.DictReader(open(tmp_path / "train.csv")))
     assert [(r["provider"], float(r["tokens_per_s"])) for r in rows] == [("a", 4 * cfg.unroll_steps / 0.01)]
-    monkeypatch.setattr(bench_train, "_on_gpu", lambda: True)
-    with emit("b"):
-        raise RuntimeError("boom")
-    assert results[-1] == {"provider": "b", "error": "RuntimeError: boom"}
-    assert "b: FAILED (RuntimeError: boom)" in capsys.readouterr().out
-    assert [r["provider"] for r in csv.DictReader(open(tmp_path / "train.csv"))] == ["a", "b"]
-    bench_train._report(results)  # the speedups skip the error row (no parts here: nothing printed)
-    monkeypatch.setattr(bench_train, "_on_gpu", lambda: False)
     with pytest.raises(RuntimeError, match="on the cpu"):
-        with emit("c"):
+        with emit("b"):
             raise RuntimeError("on the cpu")
+    monkeypatch.setattr(common, "keep_going", functools.partial(common.keep_going, force=True))  # as on a GPU
+    with emit("c"):
+        raise RuntimeError("boom")
+    assert results[-1]["provider"] == "c" and results[-1]["error"] == "RuntimeError: boom"
+    assert results[-1]["shape"] == results[0]["shape"] and "tokens_per_s" not in results[-1]
+    assert "c: FAILED (RuntimeError: boom)" in capsys.readouterr().out
+    assert [r["provider"] for r in csv.DictReader(open(tmp_path / "train.csv"))] == ["a", "c"]
+    bench_train._report(results)  # the speedups skip the error row (no parts here: nothing printed)
+
+
+def test_keep_going_stops_where_the_device_no_longer_answers(monkeypatch):
+    """common.keep_going: the error text where the run may go on (CUDA answering a sync); the first error raised
+    again where a sync fails (a broken context would fail every later provider) and on the CPU."""
+    exc = RuntimeError("an illegal launch")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    assert common.keep_going(exc, "cuda") == "RuntimeError: an illegal launch"
+
+    def broken(*a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    with pytest.raises(RuntimeError, match="an illegal launch"):
+        common.keep_going(exc, "cuda")
+    with pytest.raises(RuntimeError, match="an illegal launch"):
+        common.keep_going(exc, "cpu")
+    assert common.keep_going(exc, "cpu", force=True) == "RuntimeError: an illegal launch"
 
 
 def test_bilm_bench_keeps_going_past_a_failing_provider(bench_env, tmp_path, monkeypatch):
@@ -440,3 +458,31 @@ def test_bilm_bench_keeps_going_past_a_failing_provider(bench_env, tmp_path, mon
     assert [r["provider"] for r in csv.DictReader(open(tmp_path / "bilm.csv"))] == ["elmo_fast-broken", "library"]
     with pytest.raises(RuntimeError, match="no such launch option"):
         bench_bilm.run_gpu(TINY_OPTIONS, "cpu", providers=("library",), dtypes=("fp32",), cases=("latency",))
+    # a provider asked for by name that cannot even be built here (the CUDA extension's) is an error row too
+    monkeypatch.setattr(bench_bilm, "_providers", real)
+    rows = bench_bilm.run_gpu(TINY_OPTIONS, "cpu", providers=("cuda", "library"), dtypes=("fp32",),
+                              cases=("latency",), keep_going=True)
+    assert [(r["provider"], "error" in r) for r in rows] == [("elmo_fast-cuda", True), ("library", False)]
+
+
+def test_train_bench_writes_the_timed_row_before_the_profile(bench_env, tmp_path, monkeypatch):
+    """The elmo_fast row is in the CSV before its profile runs: a profile that fails (or a step killed at its cap
+    during the profile) keeps the timed row."""
+    import csv
+
+    import bench_train
+    from elmo_fast.training import configs
+
+    bench_env.setenv("ELMO_FAST_BENCH_DIR", str(tmp_path))
+
+    def failing(*a, **k):
+        raise RuntimeError("the profiler failed")
+
+    monkeypatch.setattr(common, "device_profile", failing)
+    cfg = configs.tiny()
+    cfg.backend = "reference"
+    with pytest.raises(RuntimeError, match="the profiler failed"):  # on the CPU it propagates
+        bench_train.run(steps=1, vocab_size=200, batch=4, cfg=cfg, n_tokens=5000, warmup=1, rounds=1, device="cpu",
+                        providers=("elmo_fast",), profile=1)
+    rows = list(csv.DictReader(open(tmp_path / "train.csv")))
+    assert [r["provider"] for r in rows] == ["elmo_fast"] and float(rows[0]["tokens_per_s"]) > 0

@@ -122,15 +122,22 @@ def test_lease_takes_no_steps_beside_it(capsys):
 def test_test_gpu_runs_the_decisive_checks_first():
     """The test-gpu step's ELMO_FAST_TESTS_FIRST puts the opt-ins' checks first in collection (so first to the
     xdist workers); every named file holds gpu tests; the rest keep their order."""
+    import importlib.util
     import subprocess
 
-    from conftest import tests_first
+    # tests/conftest.py by its path: a session that collects bench/ too has another module named conftest
+    spec = importlib.util.spec_from_file_location("tests_conftest_ordering", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    tests_first = conftest.tests_first
 
     first = gpu_check.STEP_ENV["test-gpu"]["ELMO_FAST_TESTS_FIRST"]
     env = dict(__import__("os").environ, ELMO_FAST_TESTS_FIRST=first)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-m", "gpu and not cuda_ext", "tests"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stdout
-    ids = [line for line in out.splitlines() if "::" in line]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co", "-m",
+                           "gpu and not cuda_ext", "tests"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
     files = [i.split("::")[0].split("/")[-1] for i in ids]
     words = first.split(",")
     assert set(words) <= set(files)
