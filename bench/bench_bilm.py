@@ -208,10 +208,7 @@ def run_gpu(opts=ORIGINAL_OPTIONS, device: str = "cuda", providers=None, dtypes=
                         row["error"] = common.keep_going(exc, dev, force=bool(keep_going))
                         print(f"{case:10s} {row['dtype']:8s} {name:30s} FAILED ({row['error']})", flush=True)
                     rows.append(row)
-                    try:  # as it comes: a run killed at its cap keeps its rows
-                        common.append_rows("bilm", [row])
-                    except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
-                        print(f"(not appended to CSV: {exc})")
+                    common.append_rows_or_say("bilm", [row])  # as it comes: a run killed at its cap keeps its rows
     return rows
 
 

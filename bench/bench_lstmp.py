@@ -190,7 +190,7 @@ def bench_gpu(shapes=GPU_SHAPES, dtypes=(torch.bfloat16, torch.float32), provide
                     chain = make_chain(B, T, dtype=dtype, device=device, requires_grad=mode != "fwd", **dims)
                     params = [v for v in chain.values() if v.is_floating_point()]
                     note = ""
-                    if provider in ("triton", "triton-pdl", "triton-pdl-kloop", "triton-eager", "triton-graph"):
+                    if provider.startswith("triton"):
                         # triton: the time loops replay from loop graphs (the default on a GPU) after the first
                         # call; triton-pdl: the same with programmatic dependent launch (ELMO_FAST_LSTMP_PDL=1,
                         # opt-in; set around the whole call below: backward reads it too), whose plan takes

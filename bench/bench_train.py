@@ -276,22 +276,13 @@ def _emit(results, batch, cfg, V, steps, dev, append, name):
     except Exception as exc:  # noqa: BLE001 - recorded, then the other providers (keep_going re-raises otherwise)
         results.append({"provider": name, "error": common.keep_going(exc, dev)})
     for r in results[n:]:
-        _finish([r], batch, cfg, V, steps)
-        _print_row(r)
-        if append:
-            try:
-                common.append_rows("train", [r])
-            except Exception as exc:  # noqa: BLE001 - the numbers were printed; CSV is a bonus
-                print(f"(not appended to CSV: {exc})")
-
-
-def _finish(results, batch, cfg, V, steps) -> list[dict]:
-    for r in results:
         if "error" not in r:
             r["tokens_per_s"] = batch * cfg.unroll_steps / (r["ms_per_step"] * 1e-3)
         r.update({"shape": f"2x{cfg.lstm_dim}_{cfg.projection_dim} B{batch} T{cfg.unroll_steps} "
                            f"S{cfg.n_negative_samples_batch} V{V}", "steps": steps})
-    return results
+        _print_row(r)
+        if append:
+            common.append_rows_or_say("train", [r])
 
 
 def _print_row(r) -> None:

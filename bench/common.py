@@ -255,6 +255,15 @@ def append_rows(name: str, rows: list[dict], fields: list[str] | None = None,
     return path
 
 
+def append_rows_or_say(name: str, rows: list[dict]) -> None:
+    """``append_rows`` where the rows were printed already: a failure to write the CSV is said, not raised (the
+    numbers are in the log; the CSV is a bonus)."""
+    try:
+        append_rows(name, rows)
+    except Exception as exc:  # noqa: BLE001
+        print(f"(not appended to CSV: {exc})")
+
+
 def best_times(fns: dict, rounds: int, warmup: int = 1, calls: int = 1) -> dict:
     """Best-of-``rounds`` wall-clock seconds per call for each callable of ``fns`` (name -> callable): ``warmup``
     calls of each first, then ``rounds`` rounds in which the callables run in turn, ``calls`` calls each (a round's
@@ -344,9 +353,6 @@ def launched_us(gpu_us: float, graph: bool) -> float:
     return gpu_us + GRAPH_LAUNCH_US if graph else max(gpu_us, EAGER_LAUNCH_US)
 
 
-PHASE_PREFIX = "elmo_fast.step."  # the training step's named ranges (elmo_fast.training.trainer._phase)
-
-
 def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) -> dict:
     """Where a GPU call's time goes: ``steps`` calls of ``fn`` under torch.profiler (CPU and, with CUDA, the device).
     Returns per call: ``wall_ms``; ``kernel_ms``, the device time of every kernel (CUDA-graph replays included);
@@ -358,6 +364,8 @@ def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) 
     ``trace``: also write the profile as a gzipped Chrome trace there (chrome://tracing, ui.perfetto.dev): the
     timeline, gaps included."""
     from torch.profiler import ProfilerActivity, profile
+
+    from elmo_fast.training.trainer import PHASE_PREFIX, PHASES
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -390,8 +398,6 @@ def device_profile(fn, steps: int = 2, top: int = 20, trace: str | None = None) 
     kernels.sort(key=lambda k: -k[1])
     host.sort(key=lambda k: -k[1])
     kernel_ms = sum(k[1] for k in kernels)
-    from elmo_fast.training.trainer import PHASES
-
     order = {n: i for i, n in enumerate(PHASES)}
     if trace:
         _write_trace(prof, trace)

@@ -321,7 +321,7 @@ def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, c
 
     import bench_train
     from elmo_fast.training import configs
-    from elmo_fast.training.trainer import PHASES
+    from elmo_fast.training.trainer import PHASE_PREFIX, PHASES
 
     cfg = configs.tiny()
     cfg.backend = "reference"
@@ -333,10 +333,10 @@ def test_training_step_profile_names_its_phases_and_writes_the_trace(tmp_path, c
              if line.strip() and "kernels in no range" not in line]
     assert [line.split()[0] for line in table] == list(PHASES)
     assert all(float(line.split()[1]) > 0 and float(line.split()[4]) == 1.0 for line in table)  # once a step
-    assert common.PHASE_PREFIX not in out[out.index("host ops by self time"):]
+    assert PHASE_PREFIX not in out[out.index("host ops by self time"):]
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = {e.get("name") for e in events}
-    assert {common.PHASE_PREFIX + p for p in PHASES} <= names
+    assert {PHASE_PREFIX + p for p in PHASES} <= names
 
 
 def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch, capsys):
@@ -346,7 +346,8 @@ def test_device_profile_keeps_annotations_out_of_the_kernels(monkeypatch, capsys
 
     import torch.profiler
 
-    pre = common.PHASE_PREFIX
+    from elmo_fast.training.trainer import PHASE_PREFIX as pre
+
     events = [E(key=pre + "forward", device_type="DeviceType.CPU", cpu_time_total=8000, device_time_total=6000,
                 count=2, is_user_annotation=True),
               E(key=pre + "forward", device_type="DeviceType.CUDA", cpu_time_total=0, device_time_total=7000,

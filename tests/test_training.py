@@ -445,11 +445,12 @@ def test_log_records_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypa
         recs = []
         train_loop(tr, recs.append, progress=False)
         shares[case] = [r["data_wait"] for r in recs if r["event"] == "train"]
-    # the first record also covers the start of the run: its share fell to 0.56 once with other tests running beside
-    # (make test's 2 processes plus another suite), so the bound holds the second, steady record
+    # the first record also covers the start of the run (the worker's first batch): its share fell to 0.56 once for
+    # slow data, and rose to 0.58 once with data ready, with other tests running beside (make test's 2 processes),
+    # so the bounds hold the second, steady record
     assert len(shares["slow data"]) == 2 and 0.7 < shares["slow data"][-1] <= 1.0, shares
-    assert 0.0 < shares["slow data"][0] <= 1.0, shares
-    assert len(shares["data ready"]) == 2 and all(0.0 <= x < 0.3 for x in shares["data ready"]), shares
+    assert len(shares["data ready"]) == 2 and 0.0 <= shares["data ready"][-1] < 0.3, shares
+    assert all(0.0 <= x <= 1.0 for x in shares["slow data"] + shares["data ready"]), shares
 
 
 def test_tiny_model_beats_unigram_perplexity(tmp_path):

@@ -194,6 +194,7 @@ def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
 
 
 PHASES = ("data", "forward", "backward", "optimizer")
+PHASE_PREFIX = "elmo_fast.step."  # a phase's range is named PHASE_PREFIX + its name
 
 
 def _phase(name: str):
@@ -201,7 +202,7 @@ def _phase(name: str):
     profile, and its trace, then show where a step's host and device time go by phase (bench_train --profile).
     Outside a profiler it costs two dispatcher calls (enter, exit). On a GPU the backward's kernels are launched
     from autograd's device thread, outside the main thread's range: a profile counts them apart."""
-    return torch.profiler.record_function(f"elmo_fast.step.{name}")
+    return torch.profiler.record_function(PHASE_PREFIX + name)
 
 
 def _in_mode(method):
