@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if __name__ == "__main__":  # as a script only: an import (the tests) must not switch the interpreter on for the rest
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # of its process (on a GPU machine it turned PDL off, 2026-11-27)
 
 import torch  # noqa: E402
 
@@ -35,6 +36,12 @@ import common  # noqa: E402
 def kernels_stubbed():
     """Every interpreted kernel's run does nothing inside the block (the launch path up to it runs as usual)."""
     from triton.runtime.interpreter import InterpretedFunction
+
+    from elmo_fast._backend import triton_interpret
+
+    if not triton_interpret():
+        raise RuntimeError("host_launch_overhead stubs the Triton interpreter's kernels: set TRITON_INTERPRET=1 "
+                           "before Python starts (it measures the host's launch path on the CPU, not a GPU's)")
 
     real = InterpretedFunction.run
     InterpretedFunction.run = lambda self, *args, **kwargs: None

@@ -26,6 +26,10 @@ from elmo_fast.reference.sampled_softmax import (
     sampled_softmax_loss_reference,
 )
 
+# Where the Triton kernels' tensors live, chosen once at import (as test_lstmp_triton.py does): a test's
+# device cannot change with the environment at run time.
+DEV = triton_device()
+
 SLACK = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -40,8 +44,8 @@ def _chi2_critical_999(df: int) -> float:
 
 
 def _close(kernel: torch.Tensor, ref_dt: torch.Tensor, ref64: torch.Tensor, dtype, what: str):
-    kernel, ref_dt = kernel.to_dense().double().cpu(), ref_dt.to_dense().double()
-    ref64 = ref64.to_dense()
+    kernel, ref_dt = kernel.to_dense().double().cpu(), ref_dt.to_dense().double().cpu()
+    ref64 = ref64.to_dense().double().cpu()
     err = (kernel - ref64).abs().max().item()
     budget = 2.0 * (ref_dt - ref64).abs().max().item() + SLACK[dtype] * max(1.0, ref64.abs().max().item())
     assert torch.isfinite(kernel).all(), f"{what}: non-finite values"
@@ -239,7 +243,7 @@ def test_sampled_softmax_triton_matches_reference(N, P, V, S, hits, dtype):
 
         l64, g64 = run("reference", torch.float64)
         ldt, gdt = run("reference", dtype)
-        lk, gk = run("triton", dtype, triton_device())
+        lk, gk = run("triton", dtype, DEV)
         assert lk.dtype == dtype and lk.shape == l64.shape
         what = f"{reduction}/hits={remove_hits}"
         _close(lk, ldt, l64, dtype, f"loss {what}")
@@ -254,7 +258,7 @@ def test_sampled_softmax_triton_no_rejection_branch():
     """num_tries == S uses Q = p·S; S = 1 never rejects."""
     hidden, targets, weight, bias, ids, tries = _problem(8, 16, 100, 1, seed=5)
     assert tries == 1
-    dev = triton_device()
+    dev = DEV
     a = ops.sampled_softmax_loss(*(t.to(dev) for t in (hidden.float(), targets, weight.float(), bias.float(), ids)),
                                  tries, backend="triton")
     b = ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="reference")
@@ -266,7 +270,7 @@ def test_sampled_softmax_triton_no_rejection_branch():
 def test_sparse_grad_equals_dense_rows(backend):
     hidden, targets, weight, bias, ids, tries = _problem(12, 16, 200, 30, hits=3, seed=9)
     targets[5] = targets[6]  # a repeated target: its row must be summed once
-    dev = triton_device() if backend == "triton" else "cpu"
+    dev = DEV if backend == "triton" else "cpu"
     hidden, weight, bias = (t.to(dev, torch.float32) for t in (hidden, weight, bias))
     targets, ids = targets.to(dev), ids.to(dev)
 
@@ -295,7 +299,7 @@ def test_sparse_grad_equals_dense_rows(backend):
 @pytest.mark.parametrize("N,P,V", [(13, 20, 300), (16, 16, 32), (1, 7, 77)], ids=["N13-V300", "multiples", "N1-V77"])
 def test_full_softmax_triton_matches_cross_entropy(N, P, V, dtype):
     hidden, targets, weight, bias, _, _ = _problem(N, P, V, 1, seed=N + V)
-    dev = triton_device()
+    dev = DEV
     for reduction in ("mean", "none", "sum"):
         def ce(h, w, b):
             return F.cross_entropy(h @ w.t() + b, targets, reduction=reduction)
@@ -318,7 +322,7 @@ def test_full_softmax_column_splits(splits):
     from elmo_fast.kernels.softmax import softmax_lse_fwd
 
     hidden, targets, weight, bias, _, _ = _problem(5, 16, 230, 1, seed=2)
-    dev = triton_device()
+    dev = DEV
     h, w, b = (x.to(dev, torch.float32) for x in (hidden, weight, bias))
     t = targets.to(dev)
     lse, tgt = softmax_lse_fwd(h, w, None, b, t, b[t].contiguous(), mask_hits=False, num_splits=splits)
@@ -378,7 +382,7 @@ def test_softmax_grad_chunked_dlogit_and_gemms(nan_empty, sampled, chunk):
     d = torch.where(keep, torch.exp(logits - lse[:, None]), 0.0) * g[:, None]
     if not sampled:
         d -= torch.nn.functional.one_hot(targets, V) * g[:, None]
-    dev = triton_device()
+    dev = DEV
     args = tuple(t if t is None else t.to(dev, torch.float32 if t.is_floating_point() else t.dtype)
                  for t in (hidden, weight, ids if sampled else None, off, targets, lse, g))
     out = softmax_grad(*args, mask_hits=sampled, sub_target=not sampled, chunk_cols=chunk)
@@ -413,7 +417,7 @@ def test_softmax_grad_bf16_products_are_fp32(nan_empty, sampled, chunk):
     d = torch.where(keep, torch.exp(logits - lse[:, None]), 0.0) * g[:, None]
     if not sampled:
         d -= torch.nn.functional.one_hot(targets, V) * g[:, None]
-    dev = triton_device()
+    dev = DEV
     low = (d.float().view(torch.int32) & ~0xFFFF).view(torch.float32)  # the bf16 neighbour towards zero
     if dev == "cpu":
         rounded, either = low.double(), torch.zeros_like(d)
@@ -439,7 +443,7 @@ def test_softmax_grad_empty_shapes_and_bad_chunks():
     log-sum-exp of -inf; a chunk width that is not a positive number of columns is refused by name."""
     from elmo_fast.kernels.softmax import softmax_grad
 
-    dev = triton_device()
+    dev = DEV
     f32 = dict(dtype=torch.float32, device=dev)
     w, off = torch.randn(6, 8, **f32), torch.zeros(6, **f32)
     for N, C in ((0, 6), (3, 0)):
@@ -479,7 +483,7 @@ def test_ops_validate_inputs():
 @requires_triton
 def test_triton_rejects_fp64_with_hint():
     *tensors, tries = _problem(4, 8, 30, 5)
-    hidden, targets, weight, bias, ids = (t.to(triton_device()) for t in tensors)
+    hidden, targets, weight, bias, ids = (t.to(DEV) for t in tensors)
     with pytest.raises(TypeError, match="reference"):
         ops.sampled_softmax_loss(hidden, targets, weight, bias, ids, tries, backend="triton")
 
@@ -490,7 +494,7 @@ def test_triton_rejects_fp64_with_hint():
                                                                                requires_triton])])
 def test_module_train_and_eval(backend):
     V, P, S, N = 120, 16, 20, 10
-    dev = triton_device() if backend == "triton" else "cpu"
+    dev = DEV if backend == "triton" else "cpu"
     m = SampledSoftmaxLoss(V, P, S, seed=123, backend=backend).to(dev)
     assert m.softmax_W.shape == (V, P) and m.softmax_b.shape == (V,)
     assert (m.softmax_b == 0).all()

@@ -16,6 +16,10 @@ from elmo_fast import ops
 from elmo_fast.probes import probe
 from test_softmax import _close
 
+# Where the Triton kernels' tensors live, chosen once at import (as test_lstmp_triton.py does): a test's
+# device cannot change with the environment at run time.
+DEV = triton_device()
+
 pytestmark = [pytest.mark.triton, requires_triton]
 
 
@@ -67,7 +71,7 @@ def test_groups_match_the_reference(nan_empty, reduction, dtype):
     """Three groups of 21 rows, 40 samples each: every group's loss and hidden gradient and the table's gradients
     within the accuracy budget of the fp64 reference (``test_softmax._close``), each kernel launched once."""
     groups, w, b = _groups(3, 21, 24, 300, 40, seed=4)
-    got, launches = _launched(lambda: _run(groups, w, b, "triton", dtype, triton_device(), reduction=reduction))
+    got, launches = _launched(lambda: _run(groups, w, b, "triton", dtype, DEV, reduction=reduction))
     assert launches == {"_softmax_lse_fwd_kernel": 1, "_softmax_dlogit_kernel": 1}
     ref64 = _run(groups, w, b, "reference", torch.float64, "cpu", reduction=reduction)
     refdt = _run(groups, w, b, "reference", dtype, "cpu", reduction=reduction)
@@ -85,7 +89,7 @@ def test_groups_equal_one_call_per_group(nan_empty, reduction, sparse):
     """fp32: the grouped call against one triton call per group: the losses bitwise (the same tiles), the
     gradients to fp32 rounding (batched GEMMs, the table's rows summed once instead of per call)."""
     groups, w, b = _groups(4, 21, 24, 300, 40, seed=5)
-    dev = triton_device()
+    dev = DEV
     one = _run(groups, w, b, "triton", torch.float32, dev, reduction=reduction, sparse=sparse)
     each = _run(groups, w, b, "triton", torch.float32, dev, reduction=reduction, sparse=sparse, grouped=False)
     for a, c in zip(one[0], each[0]):
@@ -100,7 +104,7 @@ def test_groups_over_the_dlogit_budget_go_one_by_one(nan_empty, monkeypatch):
     from elmo_fast.kernels import softmax as KS
 
     groups, w, b = _groups(2, 21, 24, 300, 40, seed=6)
-    dev = triton_device()
+    dev = DEV
     whole = _run(groups, w, b, "triton", torch.float32, dev, reduction="mean")
     monkeypatch.setattr(KS, "dlogit_columns", lambda N, C, itemsize: min(C, 16))
     chunked, launches = _launched(lambda: _run(groups, w, b, "triton", torch.float32, dev, reduction="mean"))
@@ -115,7 +119,7 @@ def test_unlike_groups_run_one_call_each(nan_empty):
     (g1,), w, b = _groups(1, 21, 24, 300, 40, seed=7)
     (g2,), _, _ = _groups(1, 17, 24, 300, 40, seed=8)
     (g3,), _, _ = _groups(1, 21, 24, 300, 33, seed=9)
-    dev = triton_device()
+    dev = DEV
     got, launches = _launched(lambda: _run([g1, g2, g3], w, b, "triton", torch.float32, dev, reduction="mean"))
     assert launches["_softmax_lse_fwd_kernel"] == 3
     want = _run([g1, g2, g3], w, b, "reference", torch.float64, "cpu", reduction="mean", grouped=False)
@@ -151,7 +155,7 @@ def test_groups_of_no_rows_and_strided_ids():
     view (not contiguous) run forward and backward."""
     from elmo_fast.kernels.softmax import sampled_softmax_loss_triton
 
-    dev = triton_device()
+    dev = DEV
     groups, w, b = _groups(2, 6, 8, 50, 5, seed=2)
     w32, b32 = w.to(dev, torch.float32), b.to(dev, torch.float32)
     empty = [(torch.zeros(0, 8, device=dev), torch.zeros(0, dtype=torch.long, device=dev), ids.to(dev), tries)
