@@ -512,12 +512,13 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
 _WIDTHS: dict = {}
 
 
-def _filter_widths(groups: tuple, device: torch.device) -> torch.Tensor:
+def _filter_widths(groups: tuple, device: torch.device, like: torch.Tensor) -> torch.Tensor:
     """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Made once per
     filter layout and device, then reused (no host->device copy per call; a constant of the graph while
-    torch.compile / torch.export trace)."""
+    torch.compile / torch.export trace). Made afresh while ``like`` (the op's input) is traced, as
+    kernels/lstmp._consts."""
     key = (groups, torch.device(device))
-    wid = None if tracing() else _WIDTHS.get(key)
+    wid = None if tracing(like) else _WIDTHS.get(key)
     if wid is None:
         wid = torch.cat([torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups])
         if not tracing(wid):  # a fake or functional tensor (FakeTensorMode, make_fx, opcheck) is never cached
@@ -543,7 +544,7 @@ def _forward_op(char_ids: Tensor, char_embed: Tensor, conv_weights: list[Tensor]
     groups = _groups(conv_weights)
     w_packed = _pack_weights([w.to(dtype) for w in conv_weights], max(g[0] for g in groups), emb.shape[1])
     bias = torch.cat([b.to(dtype) for b in conv_biases]).contiguous()
-    wid = _filter_widths(groups, ids.device)
+    wid = _filter_widths(groups, ids.device, ids)
     out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=save)
     if not save:
         return out, *(nothing(out) for _ in range(4))
@@ -555,7 +556,7 @@ def _backward_op(char_ids: Tensor, char_embed: Tensor, w_packed: Tensor, out: Te
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad char_embed (V, d_c), grad w_packed (KWD, F), grad bias (F,)) in fp32 (fp64 for fp64 inputs); the
     first two are placeholders unless needed. ``groups``: (width, n_filters) of each filter group, flattened."""
-    wid = _filter_widths(tuple(zip(groups[::2], groups[1::2])), char_ids.device)
+    wid = _filter_widths(tuple(zip(groups[::2], groups[1::2])), char_ids.device, char_ids)
     gemb, gw, gb = char_cnn_bwd(char_ids.contiguous(), char_embed.contiguous(), w_packed, wid, out, arg, perm, bound,
                                 grad_out.contiguous(), activation, need_w, need_emb)
     return (nothing(gb) if gemb is None else gemb), (nothing(gb) if gw is None else gw), gb

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from elmo_fast.kernels._common import Launch
+from elmo_fast.ops._library import tracing
 from elmo_fast.ops.dropout import check_hash_args, hashed_dropout_op
 from elmo_fast.reference.dropout import dropout_threshold, seed_keys
 
@@ -106,11 +107,12 @@ def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, 
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inb)
 
 
-def _scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _scale(p: float, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
     """``1 / (1 - p)`` rounded once to ``dtype`` (the reference's factor), held in fp32 (fp64 for fp64: the value
     is exact there) on ``device``: made once per (p, dtype, device), so a call uploads nothing; made afresh while a
-    CUDA graph is being captured (a cached tensor filled inside a capture would hold nothing until its replay)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    CUDA graph is being captured (a cached tensor filled inside a capture would hold nothing until its replay), and
+    while ``like`` (the op's input) is traced, as kernels/lstmp._consts."""
+    if tracing(like) or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return _make_scale(p, dtype, device)
     return _cached_scale(p, dtype, device)
 
@@ -153,7 +155,7 @@ def _launch_groups(x: torch.Tensor, y: torch.Tensor, seeds: list[int], numels: l
     """y = dropout of the contiguous x, group g (``numels[g]`` elements) with ``seeds[g]``: one launch per
     ``MAX_GROUPS`` groups, on flat views of x and y."""
     xf, yf = x.view(-1), y.view(-1)
-    scale = _scale(p, x.dtype, x.device)
+    scale = _scale(p, x.dtype, x.device, x)
     off = 0
     for c in range(0, len(numels), MAX_GROUPS):
         n = numels[c:c + MAX_GROUPS]

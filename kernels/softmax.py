@@ -249,7 +249,9 @@ def _splits(n_tiles: int, programs: int, target: Target, requested: int | None) 
     for want in range(triton.cdiv(2 * sms, programs), triton.cdiv(16 * sms, programs) + 1):
         got = split(want)
         n = programs * got[0]
-        key = (n >= 2 * sms, n / (triton.cdiv(n, sms) * sms))  # an uneven split may fall short of 2 an SM
+        # an uneven split may fall short of 2 an SM; plain bool and float where the shapes are symbolic (AOT dispatch
+        # of dynamic shapes: the pick guards on them, SymBools do not order)
+        key = (bool(n >= 2 * sms), float(n / (triton.cdiv(n, sms) * sms)))
         if best is None or key[0] > best[0][0] or (key[0] == best[0][0] and key[1] > best[0][1] + 1e-9):
             best = (key, got)
     return best[1]

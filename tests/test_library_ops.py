@@ -238,11 +238,37 @@ def test_device_constants_made_under_fake_mode_are_not_cached(monkeypatch):
     monkeypatch.setattr(KC, "_WIDTHS", {})
     args = (0.25, 0.125, 0.0625, torch.float64, torch.device("cpu"))
     groups = ((1, 3), (2, 5))
-    with FakeTensorMode():
-        assert tracing(KL._consts(*args)) and tracing(KC._filter_widths(groups, torch.device("cpu")))
-    consts, wid = KL._consts(*args), KC._filter_widths(groups, torch.device("cpu"))
+    with FakeTensorMode() as mode:
+        like = mode.from_tensor(torch.zeros(2))  # the op's input, fake
+        assert tracing(KL._consts(*args, like)) and tracing(KC._filter_widths(groups, torch.device("cpu"), like))
+    real = torch.zeros(2)
+    consts, wid = KL._consts(*args, real), KC._filter_widths(groups, torch.device("cpu"), real)
     assert not tracing(consts) and consts.tolist() == [0.25, 0.125, 0.0625]
     assert not tracing(wid) and wid.tolist() == [1, 1, 1, 2, 2, 2, 2, 2]
+
+
+def test_cached_device_constants_are_not_served_to_a_traced_call():
+    """The other way round: once a real call has cached its constants, a call whose input is fake (opcheck's AOT
+    dispatch, make_fx: dynamo not running) gets constants made in its own mode. On a GPU the launch is traced with
+    them, and a real tensor among fake ones fails that trace (the H200, 2026-11-27: opcheck and torch.compile of
+    the LSTMP op)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from elmo_fast.kernels import char_cnn as KC
+    from elmo_fast.kernels import dropout as KD
+    from elmo_fast.kernels import lstmp as KL
+    from elmo_fast.ops._library import tracing
+
+    args = (0.25, 0.125, 0.0625, torch.float64, torch.device("cpu"))
+    groups = ((1, 3), (2, 5))
+    real = torch.zeros(2)
+    KL._consts(*args, real), KC._filter_widths(groups, torch.device("cpu"), real)  # cached by a real call
+    KD._scale(0.5, torch.float32, torch.device("cpu"), real)
+    with FakeTensorMode() as mode:
+        like = mode.from_tensor(real)
+        assert tracing(KL._consts(*args, like))
+        assert tracing(KC._filter_widths(groups, torch.device("cpu"), like))
+        assert tracing(KD._scale(0.5, torch.float32, torch.device("cpu"), like))
 
 
 def test_tracing_tells_real_fake_and_functional_tensors():
@@ -276,3 +302,23 @@ def test_auto_gives_fp64_calls_of_kernels_without_gpu_fp64_to_the_reference(monk
         assert backend_for("auto", gpu, op, torch.float32) == "triton"
         assert backend_for("auto", torch.device("cpu"), op, torch.float64) == "triton"
     assert backend_for("auto", gpu, "lstmp", torch.float64) == "triton"
+
+
+def test_softmax_column_splits_pick_under_symbolic_shapes():
+    """The full softmax's column-split pick (``_splits``, a GPU target's loop over split counts) traced with
+    symbolic shapes, as opcheck's AOT dispatch of dynamic shapes does on a GPU (the H200, 2026-11-27: SymBools
+    compared, a TypeError): it guards on the shapes and picks what the concrete call picks."""
+    import triton
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from elmo_fast.kernels import softmax as KS
+    from elmo_fast.kernels._common import H100
+
+    def f(h):
+        splits, per = KS._splits(triton.cdiv(h.shape[1], 64), triton.cdiv(h.shape[0], 64), H100, None)
+        return h.new_tensor([splits, per])
+
+    want = KS._splits(triton.cdiv(8192, 64), triton.cdiv(384 * 20, 64), H100, None)
+    assert want[0] > 1  # the loop ran: a pick, not the interpreter's fixed count
+    g = make_fx(f, tracing_mode="symbolic")(torch.zeros(384 * 20, 8192))
+    assert g(torch.zeros(384 * 20, 8192)).tolist() == list(want)
