@@ -188,7 +188,11 @@ def test_softmax_losses_compile_whole_and_match_eager(dtype):
     want += torch.autograd.grad(want[0], (h, W, b))
     got = [torch.compile(loss, fullgraph=True, backend="aot_eager")(h, W, b)]
     got += torch.autograd.grad(got[0], (h, W, b))
-    _close(got, want, atol=0)  # the same kernels and GEMMs in the same order
+    _close(got[:1], want[:1], atol=0)  # the same kernels and GEMMs in the same order
+    # h, W and b each feed four losses: the compiled joint graph may add their gradients in another order than eager
+    # autograd (the H200, 2026-11-27: fp32 dW off by 3e-8 at 8 of 800 elements), a rounding of each addition
+    ulp = torch.finfo(dtype).eps
+    _close(got[1:], want[1:], atol=4 * ulp * max(w.abs().max().item() for w in want[1:]))
 
 
 @pytest.mark.triton

@@ -89,7 +89,9 @@ def test_two_launches_a_step_and_the_counters_back_at_zero(monkeypatch):
     kw = dict(cell_clip=1.0, proj_clip=0.8, forget_bias=1.0, reverse=False, residual=False, save=False)
     plan, bufs = KL.fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
     assert sorted(plan) == ["fwd_cell", "fwd_proj"] and plan["fwd_proj"].kernel is KL._splitk_out_kernel
-    assert plan["fwd_proj"].grid[2] == 3 and bufs["tickets"].numel() == 2 * 2
+    # splits: the interpreter's fixed 3; a GPU's from its SMs (10 on the H200), more than one either way
+    assert plan["fwd_proj"].grid[2] == 3 if DEV == "cpu" else plan["fwd_proj"].grid[2] > 1
+    assert bufs["tickets"].numel() == 2 * 2
     with probe() as counts:
         KL._fwd_loop(plan, bufs)
     assert [la.kernel for la in counts.launches] == ["_fwd_cell_kernel", "_splitk_out_kernel"] * SHAPE["T"]
