@@ -404,22 +404,21 @@ def bench_splits(batches=(384,), dtypes=(torch.bfloat16,), T=20, dims=ELMO, devi
     return rows
 
 
-# (kernel, operand class, batch) -> (BM, BN, BK, warps, stages) that TUNED held before the calibrated search of
-# 2026-11-27 (bench/kernel_fit.py) replaced it: the tile sweep times each beside its successor.
-# The 16-bit forward cell tile at 384 was replaced by the stationary design (2026-11-27: 108 against 142 MB of L2 a
-# step, calibrated 37.0 against 45.3 µs), in the same fused design.
-# (The fwd_cell entry is kernels/lstmp.K_LOOP_FALLBACK's, the tile the plan falls back to; tests/test_bench_splits.py
-# holds the two equal. Plain tuples: this module imports without triton, for its CPU part.)
-REPLACED = {("bwd_cell", "16bit", 128): (128, 16, 32, 4, 4), ("bwd_cell", "16bit", 384): (128, 16, 64, 8, 4),
-            ("fwd_cell", "16bit", 384): (128, 32, 32, 8, 4)}
-# (kernel, operand class, batch) -> (BM, BN, BK, warps, stages) of an occupancy probe: a tile that the calibrated
-# model ranks below the tuned one for its extra L2 traffic but that keeps 3 programs an SM resident where the tuned
-# tile keeps 1 (sm_90a, compiled here 2026-11-27: forward 64x32x32 w4 168 registers, 192 against 142 MB of L2,
-# calibrated 61.5 against 45.3 µs; backward 64x32x32 w4 150 registers, 126 against 101 MB, 40.3 against 35.0 µs).
-# The H200's full-softmax forward (2 programs an SM, long column loops) ran at 5.2 TB/s of the same L2 count where
-# the LSTMP fit says 3.22: if the clock ranks a probe above the tuned tile, latency hiding matters more than the L2
-# bytes the model charges, and the model needs an occupancy term.
-PROBES = {("fwd_cell", "16bit", 384): (64, 32, 32, 4, 4), ("bwd_cell", "16bit", 384): (64, 32, 32, 4, 4)}
+# (kernel, operand class, batch) -> the Tile fields that TUNED held before it was last replaced: the tile sweep times
+# each beside its successor. At 384 the H200's timings (2026-11-27, bench/results/gpu_h200_s42.md) replaced the
+# calibrated search's picks with its occupancy probes: the forward cell's stationary tile (50.7 against 43.0 µs a
+# step) and the backward cell's 64x64x32 w8 (72.2 against 53.6 µs). (Plain dicts: this module imports without
+# triton, for its CPU part.)
+REPLACED = {("bwd_cell", "16bit", 128): dict(BM=128, BN=16, BK=32, warps=4, stages=4),
+            ("bwd_cell", "16bit", 384): dict(BM=64, BN=64, BK=32, warps=8, stages=4),
+            ("fwd_cell", "16bit", 384): dict(BM=64, BN=32, BK=0, warps=8, stages=1, stationary=True)}
+# (kernel, operand class, batch) -> the Tile fields of an occupancy probe: a tile that keeps more programs an SM
+# resident than the tuned one. The last probes (64x32x32 w4 s4, 3 programs an SM against 1) beat the tuned tiles on
+# the H200 by 15 and 26 % and replaced them, though the calibrated model ranked them below for their extra L2 bytes
+# (forward 192 against 142 MB a step): the model needs an occupancy term. The next ones go further: 32-row tiles,
+# twice the programs again (mma.sync rather than wgmma: a warp group's wgmma wants 64 rows).
+PROBES = {("fwd_cell", "16bit", 384): dict(BM=32, BN=32, BK=32, warps=4, stages=4),
+          ("bwd_cell", "16bit", 384): dict(BM=32, BN=32, BK=32, warps=4, stages=4)}
 
 
 def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
@@ -445,8 +444,8 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
             else ())
     key = (name, "16bit" if dtype != torch.float32 else "fp32", KL.tuned_size(B))
     old, probe = REPLACED.get(key), PROBES.get(key)
-    extra = twin + ((KL.Tile(*old, fused=tuned.fused),) if old else ()) + (
-        (KL.Tile(*probe, fused=tuned.fused),) if probe else ())
+    extra = twin + ((KL.Tile(**{"fused": tuned.fused, **old}),) if old else ()) + (
+        (KL.Tile(**{"fused": tuned.fused, **probe}),) if probe else ())
     # twin, predecessor and probe take the place of the last candidates: a sweep's launches (and its minutes on a
     # leased GPU) stay the same
     return (None, *extra, *[t for t in ranked if t != tuned and t not in extra][: max(0, top - len(extra))])

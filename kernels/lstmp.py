@@ -712,11 +712,13 @@ BATCHES = (1, 16, 64, 128, 384)  # the listed sizes; TUNED has one entry per (ke
 # stopped holding every gate tile at once (wider tiles compiled without spills; 128x16 before, 164 -> 101 MB of L2
 # traffic a step at 384). The other 16-bit entries at 128 and 384 are the roofline ranking's; each ties with the
 # calibrated search's pick (same estimate; its tie-break, fewest registers, takes other warps or BK there): kept.
-# The 16-bit fwd_cell entry at 384 is the calibrated search's stationary pick (2026-11-27: 37.0 against 45.3 µs
-# for 128x32x32 w8 s4, by its L2 traffic alone; the row loop is not software-pipelined, which the model does not see:
-# the tile sweep times both, bench_lstmp.REPLACED). At 128 and below a 128-row tile covers the batch in one block.
-# The backward cell kernel's stationary tiles (row groups of 2-3; search candidates, 84-109 MB of L2 against 101) do not
-# win: the calibrated model has that kernel bound by its compulsory bytes (55 MB a step at 1.62 TB/s) at every tile.
+# The 16-bit cell entries at 384 are the H200's, timed (bench_lstmp --parts tiles, 2026-11-27 21:42 UTC, commit
+# 1aca4d1, bench/results/gpu_h200_s42.md): the occupancy probes 64x32x32 w4 s4 (3 programs an SM resident where the
+# tiles they replaced kept 1) ran the forward cell kernel in 43.0 µs a step against 50.7 for the calibrated search's
+# stationary pick (64x32, 8 warps, no K loop) and 54.4 for 128x32x32 w8 s4, and the backward in 53.6 against 72.2 for
+# 64x64x32 w8 s4 and 60.4 for 128x16x64 w8 s4; the calibrated model had ranked them the other way round by their L2
+# bytes (forward 192 against 142 MB a step): latency hiding matters more there than the model's L2 charge. At 128
+# and below a 128-row tile covers the batch in one block (untimed).
 TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 1): Tile(16, 32, 32, 4, 4),
     ("fwd_proj", "16bit", 1): Tile(16, 32, 32, 4, 4),
@@ -742,10 +744,10 @@ TUNED: dict[tuple[str, str, int], Tile] = {
     ("bwd_cell", "16bit", 128): Tile(32, 64, 32, 8, 4),
     ("bwd_rec", "16bit", 128): Tile(64, 128, 32, 4, 4),
     ("bwd_reduce", "16bit", 128): Tile(16, 16, 0, 4, 1),
-    ("fwd_cell", "16bit", 384): Tile(64, 32, 0, 8, 1, stationary=True),
+    ("fwd_cell", "16bit", 384): Tile(64, 32, 32, 4, 4),
     ("fwd_proj", "16bit", 384): Tile(128, 128, 32, 4, 4),
     ("fwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
-    ("bwd_cell", "16bit", 384): Tile(64, 64, 32, 8, 4),
+    ("bwd_cell", "16bit", 384): Tile(64, 32, 32, 4, 4),
     ("bwd_rec", "16bit", 384): Tile(128, 256, 32, 8, 4),
     ("bwd_reduce", "16bit", 384): Tile(16, 16, 0, 4, 1),
     ("fwd_cell", "fp32", 1): Tile(16, 16, 16, 4, 4),
@@ -892,10 +894,9 @@ PDL_TUNED: dict[tuple[str, str, int], Tile] = {
 
 # (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
 # does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
-# a GPU before Hopper; or the per-gate design): the tile it replaced. Elsewhere: the same tile with a K loop (a
-# PDL_TUNED tile: TUNED's own).
-K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {("fwd_cell", "16bit", 384): Tile(128, 32, 32, 8, 4)}
-# (the tile sweep times the same tile: bench/bench_lstmp.REPLACED, held equal by tests/test_bench_splits.py)
+# a GPU before Hopper; or the per-gate design). Elsewhere: the same tile with a K loop (a PDL_TUNED tile: TUNED's
+# own). Empty since no TUNED entry is stationary (the H200's timings, above).
+K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {}
 
 
 def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:

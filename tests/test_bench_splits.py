@@ -104,13 +104,14 @@ def test_the_gpu_short_list_comes_from_the_compile_search():
     assert len(set(tiles[2:])) == 3 and tuned not in tiles[2:] and all(t.fused == tuned.fused for t in tiles[2:])
     tuned = KL._tile("fwd_cell", 384, torch.bfloat16, KL.H100)
     tiles = bench_lstmp._tile_alternatives("fwd_cell", 384, torch.bfloat16, top=4)
-    assert tuned.stationary and tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
-    assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)], fused=True)  # not stationary
-    assert KL.Tile(*bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)]) == KL.K_LOOP_FALLBACK[("fwd_cell", "16bit", 384)]
-    assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("fwd_cell", "16bit", 384)], fused=tuned.fused)
-    assert tuned not in tiles[1:] and all(t.fused for t in tiles[1:])
+    assert not tuned.stationary and tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
+    assert tiles[1] == dataclasses.replace(tuned, fused=not tuned.fused)  # the per-gate design
+    assert tiles[2] == KL.Tile(64, 32, 0, 8, 1, fused=True, stationary=True)  # the stationary tile it replaced
+    assert tiles[2] == KL.Tile(**bench_lstmp.REPLACED[("fwd_cell", "16bit", 384)], fused=True)
+    assert tiles[3] == KL.Tile(**bench_lstmp.PROBES[("fwd_cell", "16bit", 384)], fused=tuned.fused)
+    assert tuned not in tiles[1:] and all(t.fused for t in tiles[2:])
     tiles = bench_lstmp._tile_alternatives("bwd_cell", 384, torch.bfloat16, top=4)
     assert tiles[0] is None and len(tiles) == 5 and len(set(tiles[1:])) == 4
-    assert tiles[1] == KL.Tile(*bench_lstmp.REPLACED[("bwd_cell", "16bit", 384)])  # the tile the tuned one replaced
-    assert tiles[2] == KL.Tile(*bench_lstmp.PROBES[("bwd_cell", "16bit", 384)])  # 3 programs an SM
+    assert tiles[1] == KL.Tile(**bench_lstmp.REPLACED[("bwd_cell", "16bit", 384)])  # the tile the tuned one replaced
+    assert tiles[2] == KL.Tile(**bench_lstmp.PROBES[("bwd_cell", "16bit", 384)])  # more programs an SM
     assert KL._tile("bwd_cell", 384, torch.bfloat16, KL.H100) not in tiles[1:]

@@ -334,7 +334,8 @@ def test_the_compiled_kernels_wait_before_touching_what_a_launch_before_wrote():
             assert c["pre_loads"] > 0 and c["load_params"] == c["weight"], c
         else:
             assert c["pre_loads"] == 0, c
-    assert sum(c["stationary"] for c in cases) == 6  # the forward cell at 1 (twice), 16 and 384 (twice); backward
+    # the forward cell at 1 (twice) and 16 (PDL_TUNED's), the backward one; at 384 a K-loop tile since the H200 timed it
+    assert sum(c["stationary"] for c in cases) == 4
 
 
 def _run(monkeypatch, on: bool, fused: bool, floats, lengths, *, grads: bool, backend="triton"):

@@ -193,21 +193,22 @@ def test_tuned_backward_cell_tile(gpu_plan, monkeypatch, size):
 
 def _stationary_tiles():
     mod = _mod()
-    return {"fwd_tuned": ("fwd_cell", mod.TUNED[("fwd_cell", "16bit", 384)]),
+    # fwd_384_replaced: TUNED's at 384 until the H200 timed it
+    return {"fwd_384_replaced": ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, stationary=True)),
             "fwd_groups2": ("fwd_cell", mod.Tile(64, 32, 0, 8, 1, stationary=True, groups=2)),
             "bwd_groups2": ("bwd_cell", mod.Tile(64, 32, 0, 8, 1, stationary=True, groups=2))}
 
 
-@pytest.mark.parametrize("which", ["fwd_tuned", "fwd_groups2", "bwd_groups2"])
+@pytest.mark.parametrize("which", ["fwd_384_replaced", "fwd_groups2", "bwd_groups2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
 def test_stationary_cell_tiles(monkeypatch, dtype, which):
     """Stationary cell tiles (each program holds its H slice's whole weight, loaded once, and walks every groups-th
-    row block): the 16-bit forward's GPU tile at B = 384 (TUNED, one row group), and two row groups over three row
-    blocks (the first program walks blocks 0 and 2, the second block 1) for the forward and the backward cell
-    kernel, at a shape with three row blocks (the last partial), two H slices (the second partial) and P = 35 padded
-    to PK = 64; the other kernels at the interpreter's tiles (the interpreter's plan: bf16 products emulated as on
-    the other interpreter tests). Outputs and every gradient against the fp64 reference (bf16: within the budget of
-    the reference run in bf16)."""
+    row block): the 16-bit forward's GPU tile at B = 384 until the H200 timed it (one row group), and two row groups
+    over three row blocks (the first program walks blocks 0 and 2, the second block 1) for the forward and the
+    backward cell kernel, at a shape with three row blocks (the last partial), two H slices (the second partial) and
+    P = 35 padded to PK = 64; the other kernels at the interpreter's tiles (the interpreter's plan: bf16 products
+    emulated as on the other interpreter tests). Outputs and every gradient against the fp64 reference (bf16: within
+    the budget of the reference run in bf16)."""
     name, tile = _stationary_tiles()[which]
     assert tile.stationary and not tile.BK
     B = 2 * tile.BM + 3
@@ -331,7 +332,10 @@ def test_stationary_tiles_where_they_apply(monkeypatch):
     for name, t in bad:
         with pytest.raises(ValueError, match="stationary|BK"):
             mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True, tiles={name: t})
-    old = mod.K_LOOP_FALLBACK[("fwd_cell", "16bit", 384)]
+    # no TUNED entry is stationary since the H200's timings: a stationary one and its fallback put in for the test
+    old = mod.Tile(128, 32, 32, 8, 4)
+    monkeypatch.setitem(mod.TUNED, ("fwd_cell", "16bit", 384), mod.Tile(64, 32, 0, 8, 1, stationary=True))
+    monkeypatch.setitem(mod.K_LOOP_FALLBACK, ("fwd_cell", "16bit", 384), old)
     tuned = mod.launch_plan(384, 20, 4096, 512, torch.bfloat16, training=True)["fwd_cell"]
     assert tuned.tile.stationary and tuned.constexprs["PK"] == 512
     for P, has_proj, target in ((1024, True, mod.H100), (4096, False, mod.H100),
