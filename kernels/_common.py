@@ -143,13 +143,26 @@ def launchable(kernel, args):
     return kernel
 
 
+# Operators kept whole under torch.compile on a GPU too (``kept_whole``): the LSTMP time loops launch T steps of
+# kernels that mutate buffers aliasing one another (z is gx, unused buffers alias used ones) and, eagerly, replay
+# loop graphs; traced into on the H200 (2026-11-27), opcheck's AOT dispatch gave other outputs than eager and the
+# stateful biLM compiled to other numbers (0.48 off). Whole, the compiled graph calls them with real tensors.
+KEPT_WHOLE = frozenset({"lstmp_triton", "lstmp_triton_backward"})
+
+
+def kept_whole(name: str) -> bool:
+    """Whether torch.compile keeps the operator ``name`` whole (``triton_operator``): every operator under the
+    interpreter (its kernels cannot be recorded in a trace), the ``KEPT_WHOLE`` ones everywhere."""
+    return triton_interpret() or name in KEPT_WHOLE
+
+
 def triton_operator(name: str, fn):
     """``fn`` as the ``torch.library.triton_op`` ``elmo_fast::name`` (fn's own tracing is its fake implementation).
 
-    Under the interpreter the operator is kept whole where torch.compile would trace into it (its kernels cannot be
-    recorded there), like a ``custom_op``: the compiled graph calls it with real tensors."""
+    Where ``kept_whole``, the operator is kept whole where torch.compile would trace into it, like a ``custom_op``:
+    the compiled graph calls it with real tensors."""
     op = triton_op(qualname(name), fn, mutates_args=())
-    if triton_interpret():
+    if kept_whole(name):
         op.register_torch_dispatch(FunctionalTensorMode, _opaque)
     return op
 

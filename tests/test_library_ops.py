@@ -322,3 +322,21 @@ def test_softmax_column_splits_pick_under_symbolic_shapes():
     assert want[0] > 1  # the loop ran: a pick, not the interpreter's fixed count
     g = make_fx(f, tracing_mode="symbolic")(torch.zeros(384 * 20, 8192))
     assert g(torch.zeros(384 * 20, 8192)).tolist() == list(want)
+
+
+def test_the_lstmp_operators_are_kept_whole_under_compile_on_a_gpu_too(monkeypatch):
+    """torch.compile keeps the LSTMP operators whole on a GPU as under the interpreter (traced into on the H200,
+    2026-11-27, their outputs differed from eager: opcheck's AOT dispatch and the stateful biLM); the others are
+    traced into there (their kernels recorded) and kept whole only under the interpreter."""
+    from elmo_fast.kernels import _common
+    from elmo_fast.kernels import lstmp as KL
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what the check says on a GPU machine
+    assert _common.kept_whole("lstmp_triton") and _common.kept_whole("lstmp_triton_backward")
+    assert not _common.kept_whole("highway_triton") and not _common.kept_whole("sampled_softmax_triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _common.kept_whole("highway_triton")
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    for op in (KL._lstmp_op, KL._lstmp_backward_op):
+        assert FunctionalTensorMode in op._torch_dispatch_fns

@@ -91,11 +91,12 @@ def test_two_launches_a_step_and_the_counters_back_at_zero(monkeypatch):
     assert sorted(plan) == ["fwd_cell", "fwd_proj"] and plan["fwd_proj"].kernel is KL._splitk_out_kernel
     # splits: the interpreter's fixed 3; a GPU's from its SMs (10 on the H200), more than one either way
     assert plan["fwd_proj"].grid[2] == 3 if DEV == "cpu" else plan["fwd_proj"].grid[2] > 1
-    assert bufs["tickets"].numel() == 2 * 2
+    grid = plan["fwd_proj"].grid  # a counter a (row block, P slice): 2 x 2 at the interpreter's tile
+    assert bufs["tickets"].numel() == grid[0] * grid[1] and (DEV != "cpu" or grid[0] * grid[1] == 4)
     with probe() as counts:
         KL._fwd_loop(plan, bufs)
     assert [la.kernel for la in counts.launches] == ["_fwd_cell_kernel", "_splitk_out_kernel"] * SHAPE["T"]
-    assert torch.equal(bufs["tickets"].cpu(), torch.zeros(4, dtype=torch.int32))
+    assert torch.equal(bufs["tickets"].cpu(), torch.zeros(grid[0] * grid[1], dtype=torch.int32))
     monkeypatch.setenv(ENV, str(SHAPE["B"] - 1))
     plan, _ = KL.fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, **kw)
     assert sorted(plan) == ["fwd_cell", "fwd_proj", "fwd_reduce"]
