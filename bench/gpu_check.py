@@ -14,8 +14,9 @@ Every step runs in its own process group under its own time limit (killed at the
 only itself) with unbuffered output, and its output is appended line by line to ``$OUT/log.txt`` as it comes;
 ``$OUT/summary.txt`` gets the environment first and one line per step as each ends; the benchmarks' CSV rows
 are packed into ``$OUT/bench_rows.jsonl`` (one JSON object per row, with its ``bench`` name) after each step.
-Three files in all, and ``train_trace.json.gz`` after ``bench-train-lease`` (its profiled steps' timeline;
-"{out}" in a step's command is ``$OUT``): the device machine returns at most 8. A step that would not finish inside
+Three files in all, ``train_trace.json.gz`` after ``bench-train-lease`` (its profiled steps' timeline;
+"{out}" in a step's command or environment is ``$OUT``) and ``failures.txt`` where a test step had failures (each
+one's message as it came): the device machine returns at most 8. A step that would not finish inside
 the remaining budget is not started and is listed as such: run it in the next call.
 
 A lease is short: 15 minutes of device time a session, the machine's start (a minute or two) and the idle
@@ -110,8 +111,10 @@ STEPS = (
            "{tmp}/kernel_report"),),
          (("TRITON_INTERPRET", "1"), ("TRITON_CACHE_DIR", "{tmp}/triton_cache"))),  # the smoke's own cache
     Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
-         # every failure in one call (no -x), 8 processes (pytest-xdist is on the GPU image): a lease is short
-         ((PY, "-m", "pytest", "-q", "-n", "8", "-m", "triton and not slow", "tests"),),
+         # every failure in one call (no -x), 8 processes (pytest-xdist is on the GPU image): a lease is short; each
+         # test's name and result as it ends, each failure's message in $OUT/failures.txt as it comes (STEP_ENV): the
+         # 2026-11-27 lease's cap cut this step at 97% with 30 failures that -q had not yet named
+         ((PY, "-m", "pytest", "-v", "-rf", "-n", "8", "-m", "triton and not slow", "tests"),),
          ((PY, "-m", "pytest", "-q", "--co", "-m", "triton and not slow", "tests"),)),
     Step("test-gpu", 540, "the GPU tests at the original sizes (pytest -m 'gpu and not cuda_ext')",
          # 4 processes, each test's name and result printed as it ends: a step cut by its time cap still says which
@@ -180,11 +183,15 @@ BY_NAME = {s.name: s for s in STEPS}
 # install: pure Python (the optional CPU extension elmo_fast._cpu is for the cpu backend: 10-20 s of a 2-core smoke
 # run's compile, and nothing on the GPU steps runs it; the cpu backend works without it).
 # test-gpu: the tests that decide the opt-ins first (tests/conftest.py tests_first), so that a lease's time cap cuts
-# the others: PDL's and the fused reduce's bits, the LSTMP chain's original sizes, the dropout kernel, the fused towers
+# the others: PDL's and the fused reduce's bits, the LSTMP chain's original sizes, the dropout kernel, the fused towers.
+# The test steps write each failure's message to $OUT/failures.txt as it comes (tests/conftest.py); "{out}" in a
+# value is $OUT.
+_FAILURES = {"ELMO_FAST_FAILURE_LOG": "{out}/failures.txt"}
 STEP_ENV = {"install": {"ELMO_FAST_BUILD_CPU": "0"},
             "build-cuda": {"ELMO_FAST_BUILD_CUDA": "1", "MAX_JOBS": os.environ.get("MAX_JOBS", "16")},
             "test-gpu": {"ELMO_FAST_TESTS_FIRST": "test_lstmp_pdl.py,test_lstmp_fused_reduce.py,test_lstmp_triton.py,"
-                                                  "test_dropout_triton.py,test_fused_towers.py"}}
+                                                  "test_dropout_triton.py,test_fused_towers.py", **_FAILURES},
+            "test-triton": _FAILURES, "test-cuda-ext": _FAILURES}
 
 
 @dataclass(frozen=True)
@@ -403,7 +410,8 @@ def main(argv=None) -> int:
                 out.note(f"{name:20s} NOT STARTED (budget: {left:.0f} s left); run it in the next call")
                 continue
             env = dict(os.environ, PYTHONUNBUFFERED="1", ELMO_FAST_BENCH_DIR=str(staging),
-                       PIP_DISABLE_PIP_VERSION_CHECK="1", **STEP_ENV.get(name, {}))
+                       PIP_DISABLE_PIP_VERSION_CHECK="1",
+                       **{k: v.replace("{out}", str(out.dir)) for k, v in STEP_ENV.get(name, {}).items()})
             if args.smoke:
                 env.update({k: v.replace("{tmp}", str(tmp)) for k, v in step.smoke_env})
                 env.pop("ELMO_FAST_BUILD_CUDA", None)

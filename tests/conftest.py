@@ -34,6 +34,24 @@ def tests_first(items: list, spec: str) -> list:
     return sorted(items, key=rank)  # stable: collection order within a rank
 
 
+FAILURE_LOG_HEAD, FAILURE_LOG_TAIL = 4000, 5000  # characters of a long message kept from its start and its end
+
+
+def pytest_runtest_logreport(report):
+    """With ``ELMO_FAST_FAILURE_LOG`` set (gpu-check's test steps: ``$OUT/failures.txt``), each failure's node id,
+    phase and message appended to that file as it comes (the controlling process only, under pytest-xdist): a step cut
+    by a lease's time cap keeps what failed and why, where pytest prints the messages only at its end."""
+    path = os.environ.get("ELMO_FAST_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    text = report.longreprtext
+    if len(text) > FAILURE_LOG_HEAD + FAILURE_LOG_TAIL:
+        text = f"{text[:FAILURE_LOG_HEAD]}\n[... {len(text) - FAILURE_LOG_HEAD - FAILURE_LOG_TAIL} characters ...]\n" \
+               f"{text[-FAILURE_LOG_TAIL:]}"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{text}\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

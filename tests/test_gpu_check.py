@@ -150,3 +150,28 @@ def test_test_gpu_runs_the_decisive_checks_first():
     items = [Item(n) for n in ("a.py::x", "b.py::y", "c.py::z", "a.py::w")]
     assert [i.nodeid for i in tests_first(items, "c.py,a.py")] == ["c.py::z", "a.py::x", "a.py::w", "b.py::y"]
     assert tests_first(items, "") == items
+
+
+def test_test_steps_write_each_failure_as_it_comes(tmp_path):
+    """The test steps' ELMO_FAST_FAILURE_LOG ("{out}" is $OUT): tests/conftest.py appends each failure's node id,
+    phase and message (a long one cut to its start and end) to it, once under pytest-xdist (the controller)."""
+    import os
+    import subprocess
+
+    for name in ("test-triton", "test-gpu", "test-cuda-ext"):
+        assert gpu_check.STEP_ENV[name]["ELMO_FAST_FAILURE_LOG"] == "{out}/failures.txt"
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('elmo_tests_conftest', {str(ROOT / 'tests' / 'conftest.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
+        "pytest_runtest_logreport = m.pytest_runtest_logreport\n")
+    (tmp_path / "test_x.py").write_text("def test_ok():\n    pass\n\n\ndef test_long():\n"
+                                        "    assert 'a' * 20000 == 'b', 'START' + 'x' * 20000 + 'END'\n")
+    log = tmp_path / "failures.txt"
+    env = dict(os.environ, ELMO_FAST_FAILURE_LOG=str(log))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "test_x.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = log.read_text()
+    assert text.count("==== ") == 1 and "==== test_x.py::test_long (call)" in text and "test_ok" not in text
+    assert "START" in text and "END" in text and "characters ...]" in text and len(text) < 10_000
