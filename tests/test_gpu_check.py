@@ -160,9 +160,10 @@ def test_test_steps_write_each_failure_as_it_comes(tmp_path):
 
     for name in ("test-triton", "test-gpu", "test-cuda-ext"):
         assert gpu_check.STEP_ENV[name]["ELMO_FAST_FAILURE_LOG"] == "{out}/failures.txt"
+    ours = str(ROOT / "tests" / "conftest.py")
     (tmp_path / "conftest.py").write_text(
         "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('elmo_tests_conftest', {str(ROOT / 'tests' / 'conftest.py')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('elmo_tests_conftest', {ours!r})\n"
         "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
         "pytest_runtest_logreport = m.pytest_runtest_logreport\n")
     (tmp_path / "test_x.py").write_text("def test_ok():\n    pass\n\n\ndef test_long():\n"
