@@ -54,24 +54,25 @@ from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 #   softmax: its forward and its backward's dlogit kernel, once for both directions (and every tower, fused:
 #   ops.sampled_softmax_loss_groups), the backward's GEMMs are cuBLAS; + 12 dropout: 6 sites (4 LSTM inputs, 2
 #   top outputs), forward and backward, each one hashed-dropout kernel (kernels/dropout.py; 497 launches and 279
-#   torch ops when F.dropout ran there, now 267 torch ops)); 3 syncs: the
-#   sampler's one per sample set (x2: num_tries is a host int; this count runs the trainer on the CPU, where
+#   torch ops when F.dropout ran there, 267 torch ops since, 276 with the data stream's distinct tokens)); 2 syncs:
+#   the sampler's one per sample set (x2: num_tries is a host int; this count runs the trainer on the CPU, where
 #   the step draws its samples itself -- on a GPU the data thread draws them ahead from its CPU generator, off
-#   the step) and the token encoder's deduplication (torch.unique); no upload (the trainer's batch arrays are
-#   pinned by the data thread on a GPU and copied with non_blocking; on the CPU nothing moves).
+#   the step: none there); the token encoder's deduplication (torch.unique, 6 syncs a step on the H200) moved to
+#   the data stream (data.unique_char_rows: the batch brings its distinct tokens); no upload (the trainer's batch
+#   arrays are pinned by the data thread on a GPU and copied with non_blocking; on the CPU nothing moves).
 # * train-step-det: one launch more (the char CNN's window-gradient kernel), no sync more.
 # * train-step-loop-graphs: the 4 x 121 LSTMP launches become 4 x 2 replays: 509 - 484 + 8 = 33; no sync more
 #   (a replay refills its buffers with device copies).
 # * train-step-towers3: the same 33 launches for the 3 towers fused (one pass, one grouped softmax call, one
-#   dropout launch a site for the 3 towers' masks); the sampler's sync per sample set, 6, and the deduplication's:
-#   7 (31 launches before the grouped softmax call; 21 and 593 torch ops with F.dropout a tower and a cat a site,
-#   527 torch ops now).
+#   dropout launch a site for the 3 towers' masks); the sampler's sync per sample set, 6 (7 with the
+#   deduplication's, before the data stream found the distinct tokens; 31 launches before the grouped softmax
+#   call; 21 and 593 torch ops with F.dropout a tower and a cat a site, 527 torch ops then).
 BUDGET = {
     "forward": {"launches": 267, "syncs": 2, "uploads": 0},
-    "train-step": {"launches": 509, "syncs": 3, "uploads": 0},
-    "train-step-det": {"launches": 510, "syncs": 3, "uploads": 0},
-    "train-step-loop-graphs": {"launches": 33, "syncs": 3, "uploads": 0},
-    "train-step-towers3": {"launches": 33, "syncs": 7, "uploads": 0},
+    "train-step": {"launches": 509, "syncs": 2, "uploads": 0},
+    "train-step-det": {"launches": 510, "syncs": 2, "uploads": 0},
+    "train-step-loop-graphs": {"launches": 33, "syncs": 2, "uploads": 0},
+    "train-step-towers3": {"launches": 33, "syncs": 6, "uploads": 0},
 }
 STEPS = 20  # the original configuration's unroll steps (and the forward's tokens), at which BUDGET holds
 CHAINS = 4

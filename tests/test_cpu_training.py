@@ -208,12 +208,12 @@ def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
     a.next_batch()
     state = a.get_state()
     want = a.next_batch()
-    assert len(pinned) == 2 * 5  # four arrays and the sample sets, per batch
+    assert len(pinned) == 2 * 7  # four arrays, the distinct tokens (rows, inverse) and the sample sets, per batch
     assert want["sampled_ids"].shape == (2, 8) and len(want["num_tries"]) == 2
     b = make()
     b.set_state(state)
     got = b.next_batch()
-    for key in (*TowerStream.KEYS, "sampled_ids"):
+    for key in (*TowerStream.KEYS, "char_rows", "char_inverse", "sampled_ids"):
         assert torch.equal(got[key], want[key]), key
     assert got["num_tries"] == want["num_tries"]
 
@@ -260,5 +260,75 @@ def test_cpu_steps_run_with_denormals_flushed_and_restore(tmp_path, monkeypatch)
     try:
         tr.train_step()
         assert seen == [True] and not cpu_ext().denormals_flushed()
+    finally:
+        tr.close()
+
+
+def test_the_streams_distinct_tokens_rebuild_its_batch(tmp_path):
+    """``BidirectionalStream.next_batch_and_tokens``: ``rows[inverse]`` is the batch's forward input tokens, then its
+    reverse ones; the rows are distinct, as many as torch.unique finds, and in the same order whatever order the
+    stream's token cache met the words in (a resumed run rebuilds it); the batch is ``next_batch``'s."""
+    import numpy as np
+
+    files = _corpus(tmp_path)
+    counts, _, _, _ = D.count_tokens(files)
+    vocab = Vocabulary(words=D.build_vocab(counts))
+    stream, plain, primed = (D.BidirectionalStream(files, vocab, 4, 6, 50, seed=1) for _ in range(3))
+    primed.fwd.tokens.rows(sorted(counts, reverse=True))  # its cache holds every word, in another order
+    for _ in range(3):
+        b, rows, inverse = stream.next_batch_and_tokens()
+        want = plain.next_batch()
+        assert b.keys() == want.keys() and all(np.array_equal(b[k], want[k]) for k in b)
+        _, rows2, inverse2 = primed.next_batch_and_tokens()
+        assert np.array_equal(rows2, rows) and np.array_equal(inverse2, inverse)
+        flat = np.concatenate([b["tokens_characters"].reshape(-1, 50), b["tokens_characters_reverse"].reshape(-1, 50)])
+        assert rows.dtype == np.int32 and inverse.dtype == np.int64 and inverse.shape == (48,)
+        assert np.array_equal(rows[inverse], flat)
+        assert len(rows) == len(torch.unique(torch.from_numpy(flat), dim=0)) < 48
+
+
+def test_fused_towers_distinct_tokens_follow_the_fused_rows():
+    """``_fused_chars``: the towers' distinct tokens for their rows side by side (every tower's forward inputs,
+    then every tower's backward ones), each inverse shifted past the rows before it; None if a tower has none."""
+    from elmo_fast.training.trainer import _fused_chars
+
+    g = torch.Generator().manual_seed(1)
+    towers = [[torch.randint(0, 2, (n, 4, 5), generator=g) for _ in range(2)] for n in (2, 3)]  # (fwd, bwd) each
+    per = [torch.unique(torch.cat([f.reshape(-1, 5), b.reshape(-1, 5)]), dim=0, return_inverse=True)
+           for f, b in towers]
+    rows, inverse = _fused_chars(per, [f.shape[0] * f.shape[1] for f, _ in towers])
+    want = torch.cat([f.reshape(-1, 5) for f, _ in towers] + [b.reshape(-1, 5) for _, b in towers])
+    assert torch.equal(rows[inverse], want)
+    assert _fused_chars([per[0], None], [8, 12]) is None
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_train_step_encodes_the_distinct_tokens_its_stream_found(tmp_path, monkeypatch, backend):
+    """A char model's training step takes its batch's distinct tokens from the data stream (no torch.unique in the
+    step: on a GPU it synced the host 6 times a step), and its loss and every gradient are those of the step that
+    deduplicates in the token encoder."""
+    tr = _trainer(tmp_path, backend)
+    try:
+        tw = tr.towers[0]
+        batch = next(tw.loader)  # (its stream is its loader's thread's)
+        assert batch["char_rows"].shape[0] < batch["char_inverse"].shape[0] == 2 * batch["next_token_id"].numel()
+        inputs, samples, chars = tr.batch_tensors(batch), tw.stream.draw(), tr.char_tensors(batch)
+        params = [p for p in tr.model.parameters() if p.requires_grad]
+
+        def run(chars):
+            torch.manual_seed(3)  # the same dropout masks
+            loss, _, _ = tr.model_loss(*inputs, tw.h, tw.c, samples, chars)
+            return [loss, *torch.autograd.grad(loss, params, allow_unused=True)]
+
+        want = run(None)
+        real = torch.unique
+        monkeypatch.setattr(torch, "unique", lambda *a, **k: pytest.fail("torch.unique in the step"))
+        got = run(chars)
+        tr.train_step()
+        monkeypatch.setattr(torch, "unique", real)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert (a is None) == (b is None), i
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"item {i}: {m}")
     finally:
         tr.close()

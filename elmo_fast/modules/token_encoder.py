@@ -87,7 +87,10 @@ class CharCNNTokenEncoder(nn.Module):
             v = ops.projection(v, self.W_proj, self.b_proj, backend=be)
         return v
 
-    def forward(self, char_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, char_ids: torch.Tensor, unique: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """(..., L) char ids -> (..., output_dim), each distinct token encoded once: ``unique``'s (rows (U, L),
+        inverse (N,) with ``rows[inverse]`` the N tokens of ``char_ids`` in order, found where the batch was made:
+        the trainer's data stream), else ``torch.unique`` here (a host sync on a GPU)."""
         L = self.opts.max_characters_per_token
         if char_ids.shape[-1] != L:
             raise ValueError(f"char ids must have {L} characters per token in the last axis, got {char_ids.shape[-1]}")
@@ -95,6 +98,12 @@ class CharCNNTokenEncoder(nn.Module):
         flat = char_ids.reshape(-1, L)
         if flat.shape[0] == 0:
             return self.char_embed.new_zeros(*lead, self.output_dim)
+        if unique is not None:
+            rows, inverse = unique
+            if rows.dim() != 2 or rows.shape[1] != L or inverse.shape != (flat.shape[0],):
+                raise ValueError(f"unique: rows (U, {L}) and an inverse of the {flat.shape[0]} tokens expected, got "
+                                 f"{tuple(rows.shape)} and {tuple(inverse.shape)}")
+            return self.encode_unique(rows).index_select(0, inverse).reshape(*lead, self.output_dim)
         if torch.compiler.is_compiling():  # the number of distinct tokens would be a data-dependent shape
             return self.encode_unique(flat).reshape(*lead, self.output_dim)
         uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)

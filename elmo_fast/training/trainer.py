@@ -152,8 +152,10 @@ class TowerStream:
         return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
 
     def next_batch(self) -> dict:
-        b = self.stream.next_batch()
+        b, rows, inverse = self.stream.next_batch_and_tokens()
         out = {k: torch.from_numpy(b[k]) for k in self.keys}
+        if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
+            out["char_rows"], out["char_inverse"] = torch.from_numpy(rows), torch.from_numpy(inverse)
         if self.ahead and self.sampler is not None:
             out["sampled_ids"], out["num_tries"] = self.draw()
         return self.pinned(out) if self.pin else out
@@ -186,6 +188,21 @@ class Tower:
         if not self.stream.ahead and self.stream.sampler is not None:
             st["sampler"] = self.stream.sampler.get_state()
         return st
+
+
+def _fused_chars(per: list, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The towers' distinct tokens (each tower's ``Trainer.char_tensors``, or None) for their rows side by side
+    (``_fused_step``: every tower's forward inputs, then every tower's backward ones), each tower's ``tokens``
+    (B·T) a direction: the rows one after the other, each inverse shifted past the towers' rows before it. A token in
+    two towers is encoded twice (the same result). None where a tower's batch has none."""
+    if any(p is None for p in per):
+        return None
+    shift = [0]
+    for rows, _ in per[:-1]:
+        shift.append(shift[-1] + rows.shape[0])
+    fwd = [inv[:n] + s for (_, inv), n, s in zip(per, tokens, shift)]
+    bwd = [inv[n:] + s for (_, inv), n, s in zip(per, tokens, shift)]
+    return torch.cat([rows for rows, _ in per]), torch.cat(fwd + bwd)
 
 
 def tower_shards(shards: list[str], gid: int, n_towers: int) -> list[str]:
@@ -326,15 +343,25 @@ class Trainer:
         are char ids (B, T, L), or word ids (B, T) for a word-input model."""
         return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) for k in self.batch_keys)
 
+    def char_tensors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch's distinct tokens found by its data stream (``TowerStream``: rows (U, L), inverse (2·B·T,) over
+        the forward inputs then the backward ones) on the device, or None (a batch from elsewhere: the token encoder
+        deduplicates on the device)."""
+        if "char_rows" not in batch:
+            return None
+        return tuple(batch[k].to(self.device, non_blocking=True) for k in ("char_rows", "char_inverse"))
+
     def run_model(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
-                  c0: torch.Tensor, training: bool):
-        """``run_batch`` on the batch's tensors (``batch_tensors``)."""
+                  c0: torch.Tensor, training: bool, chars: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``run_batch`` on the batch's tensors (``batch_tensors``; ``chars``: ``char_tensors``' for both
+        directions)."""
         dev = self.device
         B, T = tf.shape
         bi = self.cfg.bidirectional
         x = torch.cat([cf, cb], 0) if bi else cf
         if self.embedding is None:
-            emb = self.model.token_encoder(x.long())
+            unique = (chars[0].long(), chars[1]) if chars is not None and bi else None
+            emb = self.model.token_encoder(x.long(), unique=unique)
         else:  # a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices)
             emb = F.embedding(x.long(), self.embedding, sparse=True)
         ef, eb = emb[:B], (emb[B:] if bi else None)
@@ -355,12 +382,14 @@ class Trainer:
                                                "bwd": [o.flip(1) for o in bwd]}
 
     def model_loss(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
-                   c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None):
+                   c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None,
+                   chars: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The model step of training, forward and loss of one tower batch: (loss, h_n, c_n). The batch's tensors
-        (``batch_tensors``), the LSTM states, and with the sampled softmax the two sample sets (ids (2, S) on the
-        device, num_tries of each). No host work: this is the function to hand to ``torch.compile`` (the step of
-        towers one after the other; ``_fused_step`` swaps generator states, which a compiled graph cannot)."""
-        top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
+        (``batch_tensors``), the LSTM states, with the sampled softmax the two sample sets (ids (2, S) on the
+        device, num_tries of each), and the batch's distinct tokens where its stream found them (``char_tensors``).
+        No host work: this is the function to hand to ``torch.compile`` (the step of towers one after the other;
+        ``_fused_step`` swaps generator states, which a compiled graph cannot)."""
+        top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True, chars=chars)
         return self._head_loss(top_f, top_b, tf, tb, samples), h_n, c_n
 
     def _head_loss(self, top_f, top_b, tf, tb, samples):
@@ -411,9 +440,10 @@ class Trainer:
         with _phase("forward"):
             inputs = self.batch_tensors(batch)
             samples = self._samples(tw, batch)
+            chars = self.char_tensors(batch)
             self.softmax.train()
             with self._autocast():
-                loss, h_n, c_n = self.model_loss(*inputs, tw.h, tw.c, samples)
+                loss, h_n, c_n = self.model_loss(*inputs, tw.h, tw.c, samples, chars)
         with _phase("backward"):
             (loss * (cfg.unroll_steps * scale)).backward()
         tw.h, tw.c = h_n.detach().float(), c_n.detach().float()
@@ -435,11 +465,13 @@ class Trainer:
             cf, cb, tf, tb = (torch.cat([p[i] for p in per], 0) for i in range(4))
             samples = [self._samples(tw, b) for tw, b in zip(towers, batches)]
             B = [p[2].shape[0] for p in per]
+            chars = _fused_chars([self.char_tensors(b) for b in batches], [b * tf.shape[1] for b in B])
             h0, c0 = torch.cat([tw.h for tw in towers], 2), torch.cat([tw.c for tw in towers], 2)
             self.softmax.train()
             groups = RowGroups(B, states, self.device)
             with self._autocast(), row_groups(groups):
-                top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True)
+                top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True,
+                                                                   chars=chars)
                 parts = [t.split(B, 0) if t is not None else [None] * len(B) for t in (top_f, top_b, tf, tb)]
                 losses = self._head_losses([(*(p[g] for p in parts), samples[g]) for g in range(len(towers))])
         # the generators are left where the last tower's own step leaves them: its group draws last at each site
