@@ -8,7 +8,12 @@ import pytest
 import torch
 
 
+_XDIST_WORKER = False  # set in a pytest-xdist worker (pytest_configure)
+
+
 def pytest_configure(config):
+    global _XDIST_WORKER
+    _XDIST_WORKER = hasattr(config, "workerinput")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
@@ -42,7 +47,7 @@ def pytest_runtest_logreport(report):
     phase and message appended to that file as it comes (the controlling process only, under pytest-xdist): a step cut
     by a lease's time cap keeps what failed and why, where pytest prints the messages only at its end."""
     path = os.environ.get("ELMO_FAST_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed or _XDIST_WORKER:
         return
     text = report.longreprtext
     if len(text) > FAILURE_LOG_HEAD + FAILURE_LOG_TAIL:

@@ -165,7 +165,7 @@ def test_test_steps_write_each_failure_as_it_comes(tmp_path):
         "import importlib.util\n"
         f"spec = importlib.util.spec_from_file_location('elmo_tests_conftest', {ours!r})\n"
         "m = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(m)\n"
-        "pytest_runtest_logreport = m.pytest_runtest_logreport\n")
+        "pytest_configure, pytest_runtest_logreport = m.pytest_configure, m.pytest_runtest_logreport\n")
     (tmp_path / "test_x.py").write_text("def test_ok():\n    pass\n\n\ndef test_long():\n"
                                         "    assert 'a' * 20000 == 'b', 'START' + 'x' * 20000 + 'END'\n")
     log = tmp_path / "failures.txt"
