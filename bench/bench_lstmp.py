@@ -416,9 +416,13 @@ REPLACED = {("bwd_cell", "16bit", 128): dict(BM=128, BN=16, BK=32, warps=4, stag
 # resident than the tuned one. The last probes (64x32x32 w4 s4, 3 programs an SM against 1) beat the tuned tiles on
 # the H200 by 15 and 26 % and replaced them, though the calibrated model ranked them below for their extra L2 bytes
 # (forward 192 against 142 MB a step): the model needs an occupancy term. The next ones go further: 32-row tiles,
-# twice the programs again (mma.sync rather than wgmma: a warp group's wgmma wants 64 rows).
+# twice the programs again (mma.sync rather than wgmma: a warp group's wgmma wants 64 rows); they lost (51.3 and
+# 57.7 µs against 43.9 and 53.2, 2026-11-27).
 PROBES = {("fwd_cell", "16bit", 384): dict(BM=32, BN=32, BK=32, warps=4, stages=4),
-          ("bwd_cell", "16bit", 384): dict(BM=32, BN=32, BK=32, warps=4, stages=4)}
+          ("bwd_cell", "16bit", 384): dict(BM=32, BN=32, BK=32, warps=4, stages=4),
+          # at 128, the tiles that won at 384 (the 32-row ones lost there, 2026-11-27)
+          ("fwd_cell", "16bit", 128): dict(BM=64, BN=32, BK=32, warps=4, stages=4),
+          ("bwd_cell", "16bit", 128): dict(BM=64, BN=32, BK=32, warps=4, stages=4)}
 
 
 def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
