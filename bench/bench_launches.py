@@ -58,8 +58,9 @@ from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 #   the sampler's one per sample set (x2: num_tries is a host int; this count runs the trainer on the CPU, where
 #   the step draws its samples itself -- on a GPU the data thread draws them ahead from its CPU generator, off
 #   the step: none there); the token encoder's deduplication (torch.unique, 6 syncs a step on the H200) moved to
-#   the data stream (data.unique_char_rows: the batch brings its distinct tokens); no upload (the trainer's batch
-#   arrays are pinned by the data thread on a GPU and copied with non_blocking; on the CPU nothing moves).
+#   the data stream (BidirectionalStream.next_batch_and_tokens: the batch brings its distinct tokens); no
+#   upload (the trainer's batch arrays are pinned by the data thread on a GPU and copied with non_blocking; on the
+#   CPU nothing moves).
 # * train-step-det: one launch more (the char CNN's window-gradient kernel), no sync more.
 # * train-step-loop-graphs: the 4 x 121 LSTMP launches become 4 x 2 replays: 509 - 484 + 8 = 33; no sync more
 #   (a replay refills its buffers with device copies).

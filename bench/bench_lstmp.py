@@ -432,7 +432,8 @@ def _tile_alternatives(name: str, B: int, dtype, top: int) -> tuple:
     candidates of ``bench/lstmp_compile.py``'s search in its compile-free order (programs rule, calibrated estimate,
     L2 traffic), in the tuned tile's design, up to ``top`` alternatives in all: the compile-time model's short list,
     for the clock to rank. On the H200 (2026-11-26) the cell kernels ran at 3.5-4.4x their roofline estimates at
-    B=384 bf16 and were two thirds of a step; the calibrated model (x1.2 on those timings) has not yet met a GPU."""
+    B=384 bf16 and were two thirds of a step; the calibrated model (x1.2 on those timings) met the H200 on
+    2026-11-27 and ranked the cell kernels' tiles at B=384 wrongly (the occupancy probes won: gpu_h200_s42.md)."""
     import dataclasses
     import functools
 

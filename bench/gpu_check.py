@@ -113,7 +113,7 @@ STEPS = (
     Step("test-triton", 540, "the Triton tests on CUDA tensors (pytest -m 'triton and not slow')",
          # every failure in one call (no -x), 8 processes (pytest-xdist is on the GPU image): a lease is short; each
          # test's name and result as it ends, each failure's message in $OUT/failures.txt as it comes (STEP_ENV): the
-         # 2026-11-27 lease's cap cut this step at 97% with 30 failures that -q had not yet named
+         # 2026-11-27 lease's cap cut this step at 97% with 27 failures that -q had not yet named
          ((PY, "-m", "pytest", "-v", "-rf", "-n", "8", "-m", "triton and not slow", "tests"),),
          ((PY, "-m", "pytest", "-q", "--co", "-m", "triton and not slow", "tests"),)),
     Step("test-gpu", 540, "the GPU tests at the original sizes (pytest -m 'gpu and not cuda_ext')",

@@ -189,7 +189,7 @@ BACKEND_STATUS: tuple[BackendStatus, ...] = (
                   "self-check passed for every op, fp32 and bf16, the dropout kernel included (2026-11-27); the GPU "
                   "tests at the original sizes passed but one test's own fault, PDL's and the fused reduce's bits "
                   "equal to the plain launches'; 331 of 357 Triton tests on CUDA passed (2026-11-27, at 1aca4d1): 16 "
-                  "failed from one test module's leaked `TRITON_INTERPRET=1`, 6 from traced calls (cached constants, "
+                  "failed from one test module's leaked `TRITON_INTERPRET=1`, 7 from traced calls (cached constants, "
                   "SymBools), 2 from test assumptions, fixed since on the CPU; then the LSTMP operator traced under "
                   "torch.compile gave other numbers than eager, kept whole since (8027b69, not re-run); one opt-in "
                   "PDL tile's bf16 gradient 1.4% over its budget (open); auto uses it behind a once-per-device "

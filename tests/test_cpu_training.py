@@ -302,12 +302,12 @@ def test_fused_towers_distinct_tokens_follow_the_fused_rows():
     assert _fused_chars([per[0], None], [8, 12]) is None
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_train_step_encodes_the_distinct_tokens_its_stream_found(tmp_path, monkeypatch, backend):
-    """A char model's training step takes its batch's distinct tokens from the data stream (no torch.unique in the
-    step: on a GPU it synced the host 6 times a step), and its loss and every gradient are those of the step that
-    deduplicates in the token encoder."""
-    tr = _trainer(tmp_path, backend)
+@pytest.mark.parametrize("backend, bidirectional", [("cpu", True), ("reference", True), ("cpu", False)])
+def test_train_step_encodes_the_distinct_tokens_its_stream_found(tmp_path, monkeypatch, backend, bidirectional):
+    """A char model's training step (both directions, or the forward LM alone) takes its batch's distinct tokens
+    from the data stream (no torch.unique in the step: on a GPU it synced the host 6 times a step), and its loss and
+    every gradient are those of the step that deduplicates in the token encoder."""
+    tr = _trainer(tmp_path, backend, bidirectional=bidirectional)
     try:
         tw = tr.towers[0]
         batch = next(tw.loader)  # (its stream is its loader's thread's)

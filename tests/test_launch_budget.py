@@ -60,10 +60,9 @@ def test_launches_and_syncs_within_budget(case):
     assert row["pageable_uploads"] <= budget["uploads"], row
 
 
-# bench/host_launch_overhead.py measures the interpreter: it stubs InterpretedFunction.run, builds CPU tensors and
-# sets TRITON_INTERPRET=1 when unset on import. On a GPU (interpreter off) its kernels would be compiled ones handed
-# CPU tensors, and the import would turn the interpreter flag on for the rest of the worker (the later tests'
-# triton_device() then said "cpu"); so these two run under the interpreter only, where the flag is already on.
+# bench/host_launch_overhead.py measures the interpreter: it stubs InterpretedFunction.run and builds CPU tensors (it
+# refuses without the interpreter). Until 77e66e1 its import set TRITON_INTERPRET=1 for the rest of the worker (on
+# the H200 the later tests' triton_device() then said "cpu"); so these two run under the interpreter only.
 interpreter_only = pytest.mark.skipif(
     DEV != "cpu", reason="measures the interpreter's launch path on CPU tensors (bench/host_launch_overhead.py); "
                          "TRITON_INTERPRET=1 only")

@@ -334,9 +334,17 @@ def test_the_lstmp_operators_are_kept_whole_under_compile_on_a_gpu_too(monkeypat
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what the check says on a GPU machine
     assert _common.kept_whole("lstmp_triton") and _common.kept_whole("lstmp_triton_backward")
     assert not _common.kept_whole("highway_triton") and not _common.kept_whole("sampled_softmax_triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _common.kept_whole("highway_triton")
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    for op in (KL._lstmp_op, KL._lstmp_backward_op):
-        assert FunctionalTensorMode in op._torch_dispatch_fns
+    for op in (KL._lstmp_op, KL._lstmp_backward_op):  # (triton_op's own rule traces into the function)
+        assert op._torch_dispatch_fns[FunctionalTensorMode] is _common._opaque
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    # triton_operator registers what kept_whole says, interpreter off: a name in the set whole, another not
+    monkeypatch.setattr(_common, "KEPT_WHOLE", _common.KEPT_WHOLE | {"kept_whole_probe"})
+    assert _common.triton_operator("kept_whole_probe", fn)._torch_dispatch_fns[FunctionalTensorMode] is _common._opaque
+    assert _common.triton_operator("traced_probe", fn)._torch_dispatch_fns[FunctionalTensorMode] is not _common._opaque
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _common.kept_whole("highway_triton")

@@ -356,28 +356,30 @@ class BidirectionalStream:
                             f"{seed}/reverse", cache)
 
     def next_batch(self) -> dict[str, np.ndarray]:
-        return self.next_batch_and_tokens()[0]
+        return self._next()[0]
+
+    def _next(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        f, fin = self.fwd.next_batch_and_inputs()
+        r, rin = self.rev.next_batch_and_inputs()
+        out = dict(f)
+        out.update({k + "_reverse": v for k, v in r.items()})
+        return out, fin, rin
 
     def next_batch_and_tokens(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``next_batch``, and its distinct input tokens, the forward direction's then the reverse one's: rows (U, L)
         char ids, int32, and inverse (2·B·T,) int64, with ``rows[inverse]`` its ``tokens_characters`` then its
         ``tokens_characters_reverse``, flattened. A word is a row of the directions' shared ``TokenCache``, so this is
-        a sort of 2·B·T integers. The trainer's batches carry them (``TowerStream``): the step's token encoder runs
-        each distinct token once without deduplicating on the device, where ``torch.unique(dim=0)`` waits for its sort
-        and its count (6 host syncs a step and a 1.4 ms sort on the H200, 2026-11-27). Two words that share their
-        char ids (truncated long words) stay two rows: encoded twice, the same result. The rows are in the order of
-        their char ids (lexicographic), not of the cache, whose rows depend on the order the words came in: a resumed
-        run, whose cache is rebuilt, encodes them in the same order (the char embedding's gradient sums them in it)."""
-        f, fin = self.fwd.next_batch_and_inputs()
-        r, rin = self.rev.next_batch_and_inputs()
-        out = dict(f)
-        out.update({k + "_reverse": v for k, v in r.items()})
-        uniq, inverse = np.unique(np.concatenate([fin.reshape(-1), rin.reshape(-1)]), return_inverse=True)
-        rows = self.fwd.tokens.chars[uniq]
-        order = np.lexsort(rows.T[::-1])  # by the first char id, then the second, ...: a content order
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order))
-        return out, rows[order], rank[inverse.reshape(-1)].astype(np.int64)
+        a sort of 2·B·T integers, then one of the U distinct words' rows by content. The trainer's char batches carry
+        them (``TowerStream``): the step's token encoder runs each distinct token once without deduplicating on the
+        device, where ``torch.unique(dim=0)`` waits for its sort and its count (6 host syncs a step and a 1.4 ms sort
+        on the H200, 2026-11-27). The rows are in the order of their char ids (lexicographic), as torch.unique's, not
+        of the cache, whose rows depend on the order the words came in: a resumed run, whose cache is rebuilt, encodes
+        them in the same order (the char embedding's gradient sums them in it); words that share their char ids
+        (truncated long words) are one row."""
+        out, fin, rin = self._next()
+        words, inverse = np.unique(np.concatenate([fin.reshape(-1), rin.reshape(-1)]), return_inverse=True)
+        rows, row_of_word = np.unique(self.fwd.tokens.chars[words], axis=0, return_inverse=True)
+        return out, rows, row_of_word.reshape(-1)[inverse.reshape(-1)].astype(np.int64)
 
     def get_state(self) -> dict:
         return {"fwd": self.fwd.get_state(), "rev": self.rev.get_state()}

@@ -152,10 +152,13 @@ class TowerStream:
         return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
 
     def next_batch(self) -> dict:
-        b, rows, inverse = self.stream.next_batch_and_tokens()
-        out = {k: torch.from_numpy(b[k]) for k in self.keys}
         if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
+            b, rows, inverse = self.stream.next_batch_and_tokens()
+            out = {k: torch.from_numpy(b[k]) for k in self.keys}
             out["char_rows"], out["char_inverse"] = torch.from_numpy(rows), torch.from_numpy(inverse)
+        else:
+            b = self.stream.next_batch()
+            out = {k: torch.from_numpy(b[k]) for k in self.keys}
         if self.ahead and self.sampler is not None:
             out["sampled_ids"], out["num_tries"] = self.draw()
         return self.pinned(out) if self.pin else out
@@ -360,7 +363,8 @@ class Trainer:
         bi = self.cfg.bidirectional
         x = torch.cat([cf, cb], 0) if bi else cf
         if self.embedding is None:
-            unique = (chars[0].long(), chars[1]) if chars is not None and bi else None
+            # (a forward-only model encodes the forward tokens: the inverse's first B·T; the reverse ones' rows idle)
+            unique = None if chars is None else (chars[0].long(), chars[1] if bi else chars[1][: B * T])
             emb = self.model.token_encoder(x.long(), unique=unique)
         else:  # a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices)
             emb = F.embedding(x.long(), self.embedding, sparse=True)
