@@ -238,20 +238,27 @@ def trainer(tmp_path):
 def test_trainer_model_step_compiles_whole_and_matches_eager(trainer):
     tr = trainer
     tower = tr.towers[0]
-    inputs = (*tr.batch_tensors(next(tower.loader)), tower.h, tower.c, tower.stream.draw())
+    batch = next(tower.loader)
+    inputs = (*tr.batch_tensors(batch), tower.h, tower.c, tower.stream.draw())
     tr.model.train()
     tr.softmax.train()
     _no_breaks(tr.model_loss, *inputs)
     params = [*tr.dense_params, tr.softmax_W, tr.softmax_b]
 
-    def step(fn):
+    def step(fn, *extra):
         torch.manual_seed(3)  # the same dropout masks (aot_eager draws them with eager's generator)
-        loss, h_n, c_n = fn(*inputs)
+        loss, h_n, c_n = fn(*inputs, *extra)
         return [loss, h_n, c_n, *(g.to_dense() for g in torch.autograd.grad(loss, params))]
 
     want = step(tr.model_loss)
     got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"))
     assert tr.softmax_W.grad is None
+    _close(got, want, atol=1e-6)
+    # with the batch's distinct tokens from its data stream (the trainer's step passes them): one graph too
+    chars = tr.char_tensors(batch)
+    _no_breaks(tr.model_loss, *inputs, chars)
+    torch._dynamo.reset()
+    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"), chars)
     _close(got, want, atol=1e-6)
 
 
