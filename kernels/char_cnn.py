@@ -54,10 +54,10 @@ import triton
 import triton.language as tl
 
 from elmo_fast.determinism import is_deterministic
-from elmo_fast.kernels._common import (Launch, Target, acc_dtype, dot_flags, tanh, target_of, tl_acc_dtype,
-                                      triton_operator)
+from elmo_fast.kernels._common import (Launch, Target, acc_dtype, device_constant, dot_flags, tanh, target_of,
+                                      tl_acc_dtype, triton_operator)
 from elmo_fast.kernels._common import dot as _dot
-from elmo_fast.ops._library import nothing, tracing
+from elmo_fast.ops._library import nothing
 from elmo_fast.reference.char_cnn import _activation
 
 PAD_CHAR_ID = 261  # inference id of the in-word padding character (see elmo_fast.reference.char_cnn)
@@ -513,17 +513,10 @@ _WIDTHS: dict = {}
 
 
 def _filter_widths(groups: tuple, device: torch.device, like: torch.Tensor) -> torch.Tensor:
-    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...). Made once per
-    filter layout and device, then reused (no host->device copy per call; a constant of the graph while
-    torch.compile / torch.export trace). Made afresh while ``like`` (the op's input) is traced, as
-    kernels/lstmp._consts."""
-    key = (groups, torch.device(device))
-    wid = None if tracing(like) else _WIDTHS.get(key)
-    if wid is None:
-        wid = torch.cat([torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups])
-        if not tracing(wid):  # a fake or functional tensor (FakeTensorMode, make_fx, opcheck) is never cached
-            _WIDTHS[key] = wid
-    return wid
+    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...), made once per filter
+    layout and device: ``device_constant`` (``like``: the op's input)."""
+    return device_constant(_WIDTHS, (groups, torch.device(device)), lambda: torch.cat(
+        [torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups]), like)
 
 
 # ------------------------------------------------------------------------------------------ operators

@@ -26,15 +26,13 @@ instead of 31-32 (sm_90a, kernel report).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
 import triton
 import triton.language as tl
 
-from elmo_fast.kernels._common import Launch
-from elmo_fast.ops._library import tracing
+from elmo_fast.kernels._common import Launch, device_constant
 from elmo_fast.ops.dropout import check_hash_args, hashed_dropout_op
 from elmo_fast.reference.dropout import dropout_threshold, seed_keys
 
@@ -109,20 +107,14 @@ def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, 
 
 def _scale(p: float, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
     """``1 / (1 - p)`` rounded once to ``dtype`` (the reference's factor), held in fp32 (fp64 for fp64: the value
-    is exact there) on ``device``: made once per (p, dtype, device), so a call uploads nothing; made afresh while a
-    CUDA graph is being captured (a cached tensor filled inside a capture would hold nothing until its replay), and
-    while ``like`` (the op's input) is traced, as kernels/lstmp._consts."""
-    if tracing(like) or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return _make_scale(p, dtype, device)
-    return _cached_scale(p, dtype, device)
-
-
-def _make_scale(p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    is exact there) on ``device``, made once per (p, dtype, device): ``device_constant`` (``like``: the op's
+    input)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return torch.full((1,), 1.0 / (1.0 - p), dtype=dtype, device=device).to(wide)
+    return device_constant(_SCALES, (p, dtype, device), lambda: torch.full(
+        (1,), 1.0 / (1.0 - p), dtype=dtype, device=device).to(wide), like)
 
 
-_cached_scale = functools.lru_cache(maxsize=None)(_make_scale)
+_SCALES: dict = {}
 
 
 def _keys(seed: int) -> tuple[int, int]:

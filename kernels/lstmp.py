@@ -132,7 +132,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from elmo_fast._backend import env_flag, triton_interpret
 from elmo_fast.kernels import lstmp_graphs as graphs
-from elmo_fast.kernels._common import H100, Target, acc_dtype, tanh, target_of, tl_acc_dtype, triton_operator
+from elmo_fast.kernels._common import (H100, Target, acc_dtype, device_constant, tanh, target_of, tl_acc_dtype,
+                                      triton_operator)
 from elmo_fast.ops._library import nothing, tracing
 from elmo_fast.reference.lstmp import lstmp_reference
 
@@ -884,25 +885,22 @@ def _tile(kernel: str, B: int, dtype: torch.dtype, target: Target, pdl: bool = F
 # stream the weight only after the wait. At B <= 16 a step is mostly that stream (the H200's B=1 cell kernel: 15.3 µs
 # alone, 2026-11-26). sm_90a, compiled here 2026-11-27: 16x32, 8 warps, 204 registers, no spill, 128 KiB of shared
 # memory, 128 programs (4 warps: 255 registers and 392 B of spills). Without PDL the K-loop tile stays: the model has
-# the same bytes for both, and only the overlap would set them apart. Unmeasured: bench_bilm's "+pdl" providers time
-# the plan with it.
+# the same bytes for both, and only the overlap would set them apart. Timed on the H200 (2026-11-27,
+# bench/results/gpu_h200_s42.md): slower than PDL with TUNED's K-loop tile (the B=1 chain's forward 0.497 against
+# 0.421 ms), and its bf16 bias gradient 1.4% over the budget of test_pdl_small_batch_tile[bf16-1] there.
 PDL_TUNED: dict[tuple[str, str, int], Tile] = {
     ("fwd_cell", "16bit", 1): Tile(16, 32, 0, 8, 1, stationary=True),
     ("fwd_cell", "16bit", 16): Tile(16, 32, 0, 8, 1, stationary=True),
 }
 
 
-# (kernel, operand class, batch) -> the K-loop tile a stationary TUNED entry falls back to where the stationary design
-# does not apply (its weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or
-# a GPU before Hopper; or the per-gate design). Elsewhere: the same tile with a K loop (a PDL_TUNED tile: TUNED's
-# own). Empty since no TUNED entry is stationary (the H200's timings, above).
-K_LOOP_FALLBACK: dict[tuple[str, str, int], Tile] = {}
-
-
 def _k_loop_tile(kernel: str, dtype: torch.dtype, B: int, t: Tile) -> Tile:
-    key = ("16bit" if _low(dtype) else "fp32", tuned_size(B))
-    tuned = TUNED[(kernel, *key)]  # a PDL_TUNED stationary tile falls back to TUNED's own (a K-loop tile)
-    k = K_LOOP_FALLBACK.get((kernel, *key)) or (None if tuned.stationary else tuned) or replace(t, BK=32, stages=4)
+    """The K-loop tile a stationary tuned tile ``t`` falls back to where the stationary design does not apply (its
+    weight slice does not fit the GPU's shared memory at this P, e.g. P = H without a projection or a GPU before
+    Hopper; or the per-gate design): a PDL_TUNED tile falls back to TUNED's own, a stationary TUNED entry (none since
+    the H200 timed them, 2026-11-27) to itself with a K loop."""
+    tuned = TUNED[(kernel, "16bit" if _low(dtype) else "fp32", tuned_size(B))]
+    k = tuned if not tuned.stationary else replace(t, BK=32, stages=4)
     return replace(k, fused=t.fused, stationary=False, groups=1)
 
 
@@ -1146,19 +1144,10 @@ _CONSTS: dict = {}
 def _consts(forget_bias, cell_clip, proj_clip, acc, dev, like: torch.Tensor) -> torch.Tensor:
     """(forget bias, cell clip, projection clip) as a device tensor in the accumulation dtype (a float kernel
     argument is fp32, which would round e.g. a clip of 0.3 and break fp64 agreement), uploaded once per
-    (device, dtype, values) and then reused: no host-to-device copy per call (a constant of the graph while
-    torch.compile / torch.export trace). ``like``, the op's input: while it is traced (a fake or functional tensor:
-    opcheck, make_fx, AOT autograd without dynamo) no cached real tensor is handed out, since the trace that would
-    launch with it refuses real tensors beside fake ones (on a GPU, where the launch is traced, not skipped)."""
+    (device, dtype, values): ``device_constant`` (``like``: the op's input)."""
     vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
                                     0.0 if proj_clip is None else proj_clip))
-    key = (dev, acc, vals)
-    t = None if tracing(like) else _CONSTS.get(key)
-    if t is None:
-        t = torch.tensor(vals, dtype=acc, device=dev)
-        if not tracing(t):  # a fake or functional tensor (FakeTensorMode, make_fx, opcheck) is never cached
-            _CONSTS[key] = t
-    return t
+    return device_constant(_CONSTS, (dev, acc, vals), lambda: torch.tensor(vals, dtype=acc, device=dev), like)
 
 
 def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:

@@ -332,3 +332,26 @@ def test_train_step_encodes_the_distinct_tokens_its_stream_found(tmp_path, monke
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"item {i}: {m}")
     finally:
         tr.close()
+
+
+def test_encode_tokens_is_forward_on_the_tokens_and_checks_its_arguments(tmp_path):
+    """``encode_tokens`` (rows, inverse, lead): each of the tokens ``rows[inverse]`` encoded as it is alone; rows of
+    another width or an inverse of another token count are refused with what was expected."""
+    tr = _trainer(tmp_path)
+    try:
+        te = tr.model.token_encoder
+        L = te.opts.max_characters_per_token
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randint(1, 200, (3, L), generator=g)
+        inverse = torch.tensor([0, 2, 1, 0, 2, 2])
+        with torch.no_grad():
+            got = te.encode_tokens(rows, inverse, (2, 3))
+            want = te.encode_unique(rows[inverse]).reshape(2, 3, -1)  # every token encoded, none deduplicated
+        assert got.shape == (2, 3, te.output_dim)
+        torch.testing.assert_close(got, want)
+        with pytest.raises(ValueError, match="an inverse of the 6 tokens"):
+            te.encode_tokens(rows, inverse[:5], (2, 3))
+        with pytest.raises(ValueError, match=f"rows \\(U, {L}\\)"):
+            te.encode_tokens(rows[:, :-1], inverse, (2, 3))
+    finally:
+        tr.close()

@@ -87,10 +87,18 @@ class CharCNNTokenEncoder(nn.Module):
             v = ops.projection(v, self.W_proj, self.b_proj, backend=be)
         return v
 
-    def forward(self, char_ids: torch.Tensor, unique: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """(..., L) char ids -> (..., output_dim), each distinct token encoded once: ``unique``'s (rows (U, L),
-        inverse (N,) with ``rows[inverse]`` the N tokens of ``char_ids`` in order, found where the batch was made:
-        the trainer's data stream), else ``torch.unique`` here (a host sync on a GPU)."""
+    def encode_tokens(self, rows: torch.Tensor, inverse: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """Tokens given as their distinct char-id rows (U, L) and ``inverse`` (N,), ``rows[inverse]`` the N tokens in
+        order -> (*lead, output_dim), each distinct token encoded once. ``forward`` finds them with ``torch.unique`` (a
+        host sync on a GPU); the trainer's data stream brings them with its batches."""
+        L = self.opts.max_characters_per_token
+        n = math.prod(lead)
+        if rows.dim() != 2 or rows.shape[1] != L or inverse.shape != (n,):
+            raise ValueError(f"rows (U, {L}) and an inverse of the {n} tokens of {tuple(lead)} expected, got "
+                             f"{tuple(rows.shape)} and {tuple(inverse.shape)}")
+        return self.encode_unique(rows).index_select(0, inverse).reshape(*lead, self.output_dim)
+
+    def forward(self, char_ids: torch.Tensor) -> torch.Tensor:
         L = self.opts.max_characters_per_token
         if char_ids.shape[-1] != L:
             raise ValueError(f"char ids must have {L} characters per token in the last axis, got {char_ids.shape[-1]}")
@@ -98,14 +106,7 @@ class CharCNNTokenEncoder(nn.Module):
         flat = char_ids.reshape(-1, L)
         if flat.shape[0] == 0:
             return self.char_embed.new_zeros(*lead, self.output_dim)
-        if unique is not None:
-            rows, inverse = unique
-            if rows.dim() != 2 or rows.shape[1] != L or inverse.shape != (flat.shape[0],):
-                raise ValueError(f"unique: rows (U, {L}) and an inverse of the {flat.shape[0]} tokens expected, got "
-                                 f"{tuple(rows.shape)} and {tuple(inverse.shape)}")
-            return self.encode_unique(rows).index_select(0, inverse).reshape(*lead, self.output_dim)
         if torch.compiler.is_compiling():  # the number of distinct tokens would be a data-dependent shape
             return self.encode_unique(flat).reshape(*lead, self.output_dim)
         uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)
-        out = self.encode_unique(uniq).index_select(0, inverse.reshape(-1))
-        return out.reshape(*lead, self.output_dim)
+        return self.encode_tokens(uniq, inverse.reshape(-1), tuple(lead))

@@ -154,11 +154,10 @@ class TowerStream:
     def next_batch(self) -> dict:
         if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
             b, rows, inverse = self.stream.next_batch_and_tokens()
-            out = {k: torch.from_numpy(b[k]) for k in self.keys}
-            out["char_rows"], out["char_inverse"] = torch.from_numpy(rows), torch.from_numpy(inverse)
+            b = {**b, "char_rows": rows, "char_inverse": inverse}
         else:
             b = self.stream.next_batch()
-            out = {k: torch.from_numpy(b[k]) for k in self.keys}
+        out = {k: torch.from_numpy(b[k]) for k in (*self.keys, "char_rows", "char_inverse") if k in b}
         if self.ahead and self.sampler is not None:
             out["sampled_ids"], out["num_tries"] = self.draw()
         return self.pinned(out) if self.pin else out
@@ -361,13 +360,12 @@ class Trainer:
         dev = self.device
         B, T = tf.shape
         bi = self.cfg.bidirectional
-        x = torch.cat([cf, cb], 0) if bi else cf
-        if self.embedding is None:
-            # (a forward-only model encodes the forward tokens: the inverse's first B·T; the reverse ones' rows idle)
-            unique = None if chars is None else (chars[0].long(), chars[1] if bi else chars[1][: B * T])
-            emb = self.model.token_encoder(x.long(), unique=unique)
-        else:  # a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices)
-            emb = F.embedding(x.long(), self.embedding, sparse=True)
+        n = 2 * B if bi else B  # rows through the token encoder
+        if chars is not None:  # (a forward-only model: the inverse's first B·T; the reverse tokens' rows idle)
+            emb = self.model.token_encoder.encode_tokens(chars[0].long(), chars[1][: n * T], (n, T))
+        else:  # (a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices))
+            x = (torch.cat([cf, cb], 0) if bi else cf).long()
+            emb = self.model.token_encoder(x) if self.embedding is None else F.embedding(x, self.embedding, sparse=True)
         ef, eb = emb[:B], (emb[B:] if bi else None)
         lengths = torch.full((B,), T, dtype=torch.long, device=dev)
         p = self.cfg.dropout if training else 0.0
