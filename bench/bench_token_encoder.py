@@ -230,7 +230,30 @@ def test_gpu_token_encoder():
     print(f"wrote {len(rows)} rows to {common.append_rows('token_encoder', rows)}")
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    import argparse
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="bf16,fp32", help="comma-separated: bf16, fp32")
+    ap.add_argument("--providers", default="triton,library,reference")
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and print the plan (no GPU needed)")
+    a = ap.parse_args(argv)
+    names = [d for d in a.dtypes.split(",") if d]
+    providers = [p for p in a.providers.split(",") if p]
+    bad = [d for d in names if d not in dtypes] + [p for p in providers if p not in ("triton", "library", "reference")]
+    if bad or not names or not providers:
+        ap.error(f"unknown or missing dtypes/providers {bad}: dtypes from {sorted(dtypes)}, providers from "
+                 "triton, library, reference")
+    if a.dry_run:
+        print(f"bench_token_encoder: would time {providers} x {names} x (fwd, fwd+bwd) at 7,680 tokens")
+        return 0
     if not torch.cuda.is_available():
         sys.exit("bench_token_encoder: the GPU part needs CUDA; run the CPU part with pytest instead")
-    print(f"wrote rows to {common.append_rows('token_encoder', bench_gpu())}")
+    rows = bench_gpu(dtypes=tuple(dtypes[d] for d in names), providers=tuple(providers))
+    print(f"wrote rows to {common.append_rows('token_encoder', rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

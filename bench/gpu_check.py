@@ -85,6 +85,7 @@ _TRAIN_LEASE = ("--batch", "384", "--providers", "elmo_fast,elmo_fast-towers,par
 _LSTMP_LEASE = ("--parts", "sweep,kernels", "--batches", "384,1", "--dtypes", "bf16", "--providers", "triton,cudnn")
 _TILES_LEASE = ("--parts", "tiles", "--batches", "128", "--dtypes", "bf16")
 _BILM_LEASE = ("--dtypes", "bf16", "--providers", "auto+graph,auto+graph+fusedreduce,library")
+_ENCODER_LEASE = ("--dtypes", "bf16", "--providers", "triton,library")
 
 
 def _bench_import(name):  # smoke of a GPU-only benchmark that has no CPU mode: it imports
@@ -158,6 +159,11 @@ STEPS = (
          "ones it replaced, the occupancy probes), each checked against the tuned tile's outputs",
          ((PY, "bench/bench_lstmp.py", *_TILES_LEASE),), ((PY, "bench/bench_lstmp.py", *_TILES_LEASE, "--dry-run"),),
          lease=True),
+    Step("bench-token-encoder-lease", 300, "the token encoder (char CNN + highway + projection), 7,680 tokens, bf16, "
+         "forward and forward+backward: elmo_fast against the library composition (the char CNN's window tiles and "
+         "relaxed atomics, the highway's bias gradient out of the dW loop: never timed)",
+         ((PY, "bench/bench_token_encoder.py", *_ENCODER_LEASE),),
+         ((PY, "bench/bench_token_encoder.py", *_ENCODER_LEASE, "--dry-run"),), lease=True),
     Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph with "
          "each opt-in (fused reduce, PDL, both) beside the library",
          ((PY, "bench/bench_bilm.py", *_BILM_LEASE),), ((PY, "bench/bench_bilm.py", *_BILM_LEASE, "--device", "cpu",
@@ -215,10 +221,11 @@ LEASE = (
     # precompile first: every variant of the original model compiled on all cores at once (20 s on the H200) where
     # each benchmark process would otherwise compile its own, one at a time, inside its capped step
     Call(375, ("env:15", "install:30", "precompile:30", "selfcheck:40", "bench-train-lease:90",
-               "bench-lstmp-lease:40", "bench-bilm-lease:35", "bench-softmax:40"),
+               "bench-token-encoder-lease:25", "bench-lstmp-lease:40", "bench-bilm-lease:35", "bench-softmax:40"),
          "the targets: the training step (34.8 ms on the H200 of 2026-11-27, host-bound; since, no host sync) and "
-         "its profile, the LSTMP chain against cuDNN, the embedding and single-sentence latency with the fused "
-         "reduce, the sampled softmax as redesigned (never timed since)"),
+         "its profile, the token encoder (char CNN and highway backward changed since), the LSTMP chain against "
+         "cuDNN, the embedding and single-sentence latency with the fused reduce, the sampled softmax as redesigned "
+         "(never timed since)"),
     Call(275, ("install:30", "test-gpu:80", "test-triton:140"),
          "the GPU tests (the opt-ins' bits against the plain launches', the original sizes), then every Triton "
          "test on CUDA; then give the machine back unless call 3 runs at once"),

@@ -180,8 +180,8 @@ def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows
     kwc, e = fwd.meta["KWC"], es(dtype)
     arg = (I8 if L_ < 128 else I32) if train else dtype
     flops = 2.0 * N * windows * kwc * F
-    io_bytes = N * L_ * 8 + kwd * F * e + N * F * e
-    out = [_entry("fwd", fwd, (M(I64), M(dtype), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(I32), M(dtype),
+    io_bytes = N * L_ * dc * e + kwd * F * e + N * F * e  # the embedded characters E (N, L, dc), weights, output
+    out = [_entry("fwd", fwd, (M(dtype), M(dtype), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(I32), M(dtype),
                                M(arg), N, F, L_, KC.PAD_CHAR_ID),
                   lambda lc: (flops, io_bytes + (N * F if train else 0)))]
     if train:
@@ -190,9 +190,10 @@ def char_cnn_cases(N, L_, filters, dc, n_chars, dtype, target, *, train, windows
         g_bytes = N * F * (2 * e + 1)  # upstream gradient, output, argmax
         # atomics: the weight tile once per token block, the window gradient once per filter block; ordered: the
         # weight and bias partials stored once per token block, the weight product only
-        out.append(_entry("bwd", bwd, (M(I64), M(dtype), M(dtype), M(I32), M(I32), M(I32), M(dtype), M(arg),
+        out.append(_entry("bwd", bwd, (M(dtype), M(dtype), M(I32), M(I32), M(I32), M(dtype), M(arg),
                                        M(dtype), M(acc), M(acc), M(acc), N, F, L_),
-                          lambda lc: ((1 if ordered else 2) * flops, N * L_ * 8 + g_bytes + lc.grid[0] * kwd * F * 4
+                          lambda lc: ((1 if ordered else 2) * flops, N * L_ * dc * e + g_bytes
+                                      + lc.grid[0] * kwd * F * 4
                                       + (0 if ordered else lc.grid[1] * N * windows * kwc * 4))))
         if ordered:
             win = KC.win_grad_launch(N, F, L_, dc, kwd, dtype, target, activation=activation)
@@ -220,10 +221,10 @@ def highway_cases(M_, F, dtype, target, *, train):
                           (M(dtype),) * 8 + (M(acc), M_, F),
                           lambda lc: (2 * gemm, (3 * M_ * F + 2 * F * F + 2 * M_ * F) * e + M_ * F * 4)))
         out.append(_entry("bwd", KH.dx_launch(M_, F, dtype, target),
-                          (M(dtype),) * 5 + (M(acc), M(dtype), M_, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0),
+                          (M(dtype),) * 5 + (M(acc), M_, F, F, 2 * F, 1, 1, F, F, 0, 0, 0),
                           lambda lc: (2 * gemm, (2 * M_ * F + 2 * F * F + M_ * F) * e + M_ * F * 4)))
         out.append(_entry("bwd", KH.dw_launch(M_, F, dtype, target),
-                          (M(dtype),) * 7 + (F, F, M_, 1, F, 2 * F, 1, F, 0, F, F * F, F),
+                          (M(dtype),) * 6 + (F, F, M_, 1, F, 2 * F, 1, F, 0, F, F * F),
                           lambda lc: (2 * gemm, (3 * M_ * F + 2 * F * F) * e)))
     return out
 
@@ -378,7 +379,8 @@ _PTXAS = {k: re.compile(rx) for k, rx in dict(regs=r"Used (\d+) registers", stac
                                                 spill_st=r"(\d+) bytes spill stores",
                                                 spill_ld=r"(\d+) bytes spill loads").items()}
 _SASS = {"hgmma": r"\bHGMMA\.", "hmma": r"\bHMMA\.", "ldgsts": r"\bLDGSTS\b", "tma": r"\b(?:UTMALDG|UBLKCP)\b",
-         "local": r"\b(?:LDL|STL)\b", "atom": r"\b(?:RED|ATOM|ATOMG)\b"}
+         "local": r"\b(?:LDL|STL)\b", "atom": r"\b(?:REDG?|ATOMG?)\b",
+         "membar_gpu": r"\bMEMBAR\.(?:[A-Z]+\.)*GPU\b"}
 _PTX = {"ptx_wgmma": r"wgmma\.mma_async", "ptx_mma": r"\bmma\.sync", "ptx_cp_async": r"cp\.async\.(?:ca|cg)",
         "ptx_tma": r"cp\.async\.bulk", "ptx_gdc_wait": r"griddepcontrol\.wait"}
 _JOBS: list = []  # (case, key) per distinct variant; forked workers read it
@@ -517,9 +519,10 @@ FEW_PROGRAMS_OK: dict[str, str] = {}
 NOTES = {
     "_embed_grad_kernel": "not GEMM-like: a one-hot reduction of the fp32 window gradients into the 262-row "
                           "character table, exact IEEE fp32 on purpose (its products are 0 or 1 times a value)",
-    "_char_cnn_bwd_kernel": "the window gradient is added with fp32 atomics, once per 64-filter block (32-way at "
-                            "F=2048): most of its estimated bytes; variant 'det' (deterministic mode) stores "
-                            "per-token-block partials of the weight and bias gradients instead",
+    "_char_cnn_bwd_kernel": "the window gradient is added with fp32 atomics (relaxed: no memory barrier), once per "
+                            "64-filter block (32-way at F=2048): most of its estimated bytes; variant 'det' "
+                            "(deterministic mode) stores per-token-block partials of the weight and bias gradients "
+                            "instead",
     "_char_cnn_win_grad_kernel": "deterministic mode's window gradient (one writer per element): each program re-reads "
                                  "its tokens' gradient tiles and the weights once per character slot; counted as "
                                  "traffic, though most of it should hit L2",
@@ -531,6 +534,13 @@ NO_K_LOOP = {
     "_bwd_reduce_kernel": "LSTMP split-K epilogue of the recurrent backward: an unrolled, ordered sum of the "
                           "partials into the carry, then the next step's projection-clip mask",
     "_dropout_hash_kernel": "elementwise dropout: one block of elements a program, loaded once (no loop)",
+}
+# Kernels that order memory at GPU scope on purpose (a MEMBAR.*.GPU in their code), and why. Anywhere else such a
+# barrier is a fault: Triton's atomics default to acq_rel, which puts one before every atomic (the char-CNN backward
+# had one per window-gradient tile until its sums became relaxed).
+GPU_FENCED = {
+    "_splitk_out_kernel": "the split-K ticket (fused reduce): partials stored, then an acq_rel ticket at GPU scope, so "
+                          "the split that draws last sees every partial",
 }
 PENDING: dict[str, str] = {}  # op -> why its violations are not (yet) enforced
 
@@ -555,6 +565,8 @@ def violations(case: Case) -> list[str]:
         out.append("no pipelined (async) loads")
     if st["smem"] > SMEM_PER_BLOCK:
         out.append(f"shared memory {st['smem']} B > {SMEM_PER_BLOCK}")
+    if st.get("membar_gpu") and case.kernel not in GPU_FENCED:
+        out.append(f"{st['membar_gpu']} GPU-scope memory barriers (an atomic sum without sem='relaxed'?)")
     return out
 
 
@@ -593,21 +605,27 @@ def torch_ops(size: Size, dt) -> dict[str, list[TorchOp]]:
     N, nt = size.tokens, size.B * size.T
     ops = {
         "char_cnn/fwd": [TorchOp("token dedup (torch.unique rows) + gather", 0, 3 * N * L * 8, 8, False),
-                         TorchOp("char_cnn prep: packed weights, lengths, argsort", 0, 4 * N * L * 8, 16, False)],
+                         TorchOp("char_cnn prep: packed weights, lengths, argsort", 0, 4 * N * L * 8, 16, False),
+                         TorchOp("char_cnn embedded characters E = table[ids] (embedding)", 0,
+                                 N * L * (8 + DC * es(dt)), 1, False)],
         "highway/fwd": [gemm("token projection 2048->512 (addmm)", N, P, NF, dt)],
         "lstmp/fwd": [gemm("input projection x·W_in (all steps)", nt, 4 * H, P, dt),
                       TorchOp("lstmp state copies, consts, zero fill", 0, size.B * (H + P) * 8, 6, False),
                       *_interleave_op(size, dt)],
     }
     if size.train:
-        ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False)]
+        embedded = TorchOp("char_cnn embedded characters again (embedding)", 0, N * L * (8 + DC * es(dt)), 1, False)
+        ops["char_cnn/bwd"] = [TorchOp("grad zero-fill, unpack, casts", 0, N * L * DC * 4, 12, False), embedded]
         kwd = max(w for w, _ in FILTERS) * DC
         tblocks = KC.bwd_launch(N, NF, L, DC, kwd, dt, KX.H100, activation="relu", need_w=True, need_emb=False,
                                 ordered=True).grid[0]
         rblocks = KC.embed_grad_launch(N * L, N_CHARS, DC, dt, KX.H100, ordered=True)[0].grid[0]
         ops["char_cnn/bwd det"] = [TorchOp("unpack, casts; partial sums (weights, bias, table) in block order", 0,
-                                           tblocks * (kwd + 1) * NF * 4 + rblocks * N_CHARS * DC * 4, 12, False)]
-        ops["highway/bwd"] = [gemm("token projection dX, dW", N, NF, P, dt, 2)]
+                                           tblocks * (kwd + 1) * NF * 4 + rblocks * N_CHARS * DC * 4, 12, False),
+                                   embedded]
+        ops["highway/bwd"] = [gemm("token projection dX, dW", N, NF, P, dt, 2),
+                              TorchOp("highway bias grads: column sums of dz, each layer", 0,
+                                      N_HIGHWAY * N * 2 * NF * es(dt), N_HIGHWAY, False)]
         ops["lstmp/bwd"] = [gemm("dW_in, dW_rec, dW_proj, dx (4 GEMMs)", nt, 4 * H, P, dt, 1),
                             gemm("", P, 4 * H, nt, dt, 1), gemm("", H, P, nt, dt, 1), gemm("", nt, P, 4 * H, dt, 1),
                             TorchOp("dbias (the sum of the bwd cell kernel's per-block partials), the residual's dy "
@@ -826,8 +844,8 @@ def softmax_l2_table(cases: list[Case]) -> list[str]:
 # ------------------------------------------------------------------------------------------ output
 COLUMNS = ["op", "phase", "size", "dtype", "kernel", "variant", "slot", "choice", "chosen", "config", "grid",
            "launches", "programs", "regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "blocks_per_sm",
-           "hgmma", "hmma", "ldgsts", "tma", "local", "atom", "gflop", "mbytes", "est_us", "cal_gpu_us", "violations",
-           "variant_id", "compile_s"]
+           "hgmma", "hmma", "ldgsts", "tma", "local", "atom", "membar_gpu", "gflop", "mbytes", "est_us", "cal_gpu_us",
+           "violations", "variant_id", "compile_s"]
 _CONFIG_KEYS = ("BLOCK", "BB", "BH", "BP", "BK", "GROUP", "KWC", "SPLIT", "FUSED", "STATIONARY", "PK", "num_")
 
 
@@ -842,7 +860,7 @@ def row_of(c: Case, picked: bool) -> dict:
              violations="; ".join(violations(c)))
     if "error" not in st:
         r.update({k: st[k] for k in ("regs", "spill_st", "spill_ld", "stack", "smem", "warps", "stages", "hgmma",
-                                     "hmma", "ldgsts", "tma", "local", "atom")},
+                                     "hmma", "ldgsts", "tma", "local", "atom", "membar_gpu")},
                  blocks_per_sm=occupancy(st), est_us=round(estimate_us(c), 2), compile_s=round(st["compile_s"], 1))
         cal = calibrated_gpu_us(c)
         r["cal_gpu_us"] = "" if cal is None else round(cal, 2)
@@ -912,7 +930,8 @@ def write_report(cases: list[Case], out_dir: Path, seconds: float, jobs: int, su
           f"executed (padded tiles included); char-CNN position loops of {MEAN_WINDOWS} windows. Token encoder "
           "over every position (no deduplication). Rules: no spill in bf16, none in fp32 up to B=128; "
           "tensor-core instructions in every bf16 GEMM-like kernel; >= 132 programs at B >= 128; async "
-          "(pipelined) loads in every kernel.",
+          "(pipelined) loads in every kernel; no GPU-scope memory barrier (MEMBAR.*.GPU, what an acq_rel atomic "
+          "costs) outside the kernels that order memory on purpose.",
           ""]
     sums = scenario_sums(cases) if not subset else []
     if sums:

@@ -11,9 +11,11 @@ concatenated along the filter axis: ``W_packed`` (KW·d_c, F). A filter of width
 for k >= w, and one program handles filters of different widths with one static K extent; ``wid[f]`` gives
 each filter's own number of valid windows ``L - w_f + 1``.
 
-The window matrix of position p for a block of tokens is gathered straight from the embedding table
-(``A[t, j] = char_embed[ids[t, p + j // d_c], j % d_c]``) and multiplied with the weight tile, which stays
-in registers for the whole position loop. The convolution maps are never written to memory; the running
+The tokens' characters are embedded once by the host (``E = char_embed[ids]``, (N, L, d_c), one gather
+launch), so the window matrix of position p for a block of tokens, ``A[t, j] = E[t, p + j // d_c, j % d_c]``,
+is a contiguous run of KW·d_c values per token: one strided tile load (16-byte vectors, issued ahead by the
+software pipeliner), not a gather of ids and then of table rows. It is multiplied with the weight tile, which
+stays on chip for the whole position loop. The convolution maps are never written to memory; the running
 max and its position (argmax, per token and filter) are kept in registers and only the argmax is saved
 for backward (int8 when L < 128).
 
@@ -34,7 +36,9 @@ registers, one atomic add per program) and the window gradient ``Gp · W^T`` (ad
 token, per character position fp32 scratch (N, L, d_c)). ``_embed_grad_kernel`` then reduces that scratch
 into the (n_chars, d_c) table gradient with one-hot products (no per-element atomics on the tiny table).
 Pad-window winners are stored with argmax = klen[t] (a real all-padding window of that token), so backward
-needs no special case. Sums use fp32 atomics: the gradients are not bitwise deterministic.
+needs no special case. Sums use fp32 atomics: the gradients are not bitwise deterministic. The atomics are
+relaxed (``sem="relaxed"``): they are sums, read only by later launches, so they need no ordering; Triton's
+default (acq_rel) put a GPU-wide memory barrier before every one of them (``MEMBAR.ALL.GPU`` in the sm_90a code).
 
 Deterministic mode (``elmo_fast.determinism``) adds nothing atomically. The backward kernel stores each token
 block's weight and bias gradient as a partial (summed in block order by torch); ``_char_cnn_win_grad_kernel``
@@ -75,13 +79,17 @@ def _act_grad(g, y, ACT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+def _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC: tl.constexpr):
+    # Window matrix at position p: A[t, j] = E[t, p + j // DC, j % DC], a contiguous run of KW·DC values of the
+    # token's embedded characters E (N, L, DC) (no gather: vector loads the pipeliner can issue ahead).
+    m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
+    return tl.load(e_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], mask=m2, other=0.0), m2
+
+
+@triton.jit
+def _fwd_step(e_ptr, row, tmask, klen, nwin, j, jk, jmask, wt, best, arg, p, L,
               DC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
-    # Window matrix at position p, gathered from the table: A[t, j] = E[ids[t, p + j // DC], j % DC].
-    q = p + jk
-    m2 = tmask[:, None] & (jmask & (q < L))[None, :]
-    cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
-    a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+    a, _ = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
     s = _dot(a, wt, UPCAST, IEEE).to(ACC)
     take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)  # strict: ties keep the first window
     best = tl.where(take, s, best)
@@ -90,25 +98,23 @@ def _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best,
 
 
 @triton.jit
-def _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+def _bwd_step(e_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jmask, wt, gw, p, L,
               DC: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
               UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
     gp = tl.where(arg == p, g, 0.0).to(wt.dtype)  # grads of the (token, filter) pairs won by window p
-    q = p + jk
-    m2 = tmask[:, None] & (jmask & (q < L))[None, :]
+    m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
     if NEED_W:
-        cid = tl.load(ids_ptr + row[:, None] * L + q[None, :], mask=m2, other=0)
-        a = tl.load(emb_ptr + cid * DC + jc[None, :], mask=m2, other=0.0)
+        a, _ = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
         gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
     if NEED_EMB:
         gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
-        tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2)
+        tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2, sem="relaxed")
     return gw
 
 
 @triton.jit
 def _char_cnn_fwd_kernel(
-    ids_ptr, emb_ptr, w_ptr, bias_ptr, wid_ptr, klen_ptr, perm_ptr, bound_ptr,
+    e_ptr, emb_ptr, w_ptr, bias_ptr, wid_ptr, klen_ptr, perm_ptr, bound_ptr,
     out_ptr, arg_ptr,
     N, F, L, pad_id,
     DC: tl.constexpr, KWD: tl.constexpr, KWC: tl.constexpr,
@@ -116,7 +122,8 @@ def _char_cnn_fwd_kernel(
     ACT: tl.constexpr, HAS_PAD: tl.constexpr, SAVE_ARG: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
-    """ids (N, L) int; emb (V, DC); w (KWD, F) packed; bias/wid (F,); klen/perm (N,); bound (n_tblocks,).
+    """e (N, L, DC): the tokens' embedded characters; emb (V, DC): the table (for its padding row); w (KWD, F)
+    packed; bias/wid (F,); klen/perm (N,); bound (n_tblocks,).
 
     Writes out (N, F) = act(max + bias) and, if SAVE_ARG, arg (N, F) = winning window start (-1: zero row).
     """
@@ -150,12 +157,12 @@ def _char_cnn_fwd_kernel(
     if WHILE_LOOPS:
         p = 0
         while p < p_end:
-            best, arg = _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+            best, arg = _fwd_step(e_ptr, row, tmask, klen, nwin, j, jk, jmask, wt, best, arg, p, L,
                                   DC, UPCAST, IEEE, ACC)
             p += 1
     else:
         for p in range(0, p_end):
-            best, arg = _fwd_step(ids_ptr, emb_ptr, row, tmask, klen, nwin, jk, jc, jmask, wt, best, arg, p, L,
+            best, arg = _fwd_step(e_ptr, row, tmask, klen, nwin, j, jk, jmask, wt, best, arg, p, L,
                                   DC, UPCAST, IEEE, ACC)
     # All-padding windows (they exist for filter f iff klen[t] < nwin[f]); the winner is stored as klen[t].
     if HAS_PAD:
@@ -181,7 +188,7 @@ def _char_cnn_fwd_kernel(
 
 @triton.jit
 def _char_cnn_bwd_kernel(
-    ids_ptr, emb_ptr, w_ptr, wid_ptr, perm_ptr, bound_ptr,
+    e_ptr, w_ptr, wid_ptr, perm_ptr, bound_ptr,
     out_ptr, arg_ptr, gout_ptr,
     gw_ptr, gb_ptr, gwin_ptr,
     N, F, L,
@@ -208,13 +215,12 @@ def _char_cnn_bwd_kernel(
     if ORDERED:  # one partial row per token block, summed in block order by the host
         tl.store(gb_ptr + pid_t.to(tl.int64) * F + rf, tl.sum(g, axis=0), mask=fmask)
     else:
-        tl.atomic_add(gb_ptr + rf, tl.sum(g, axis=0), mask=fmask)
+        tl.atomic_add(gb_ptr + rf, tl.sum(g, axis=0), mask=fmask, sem="relaxed")
     if NEED_W or NEED_EMB:
         arg = tl.load(arg_ptr + offs, mask=omask, other=-1).to(tl.int32)
         wid = tl.load(wid_ptr + rf, mask=fmask, other=1)
         j = tl.arange(0, KWC)
         jk = j // DC
-        jc = j % DC
         jmask = j < KWD
         wt = tl.load(w_ptr + j[:, None] * F + rf[None, :], mask=jmask[:, None] & fmask[None, :], other=0.0)
         gw = tl.zeros((KWC, BLOCK_F), ACC)
@@ -224,12 +230,12 @@ def _char_cnn_bwd_kernel(
         if WHILE_LOOPS:
             p = 0
             while p < p_end:
-                gw = _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+                gw = _bwd_step(e_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jmask, wt, gw, p, L,
                                DC, NEED_W, NEED_EMB, UPCAST, IEEE, ACC)
                 p += 1
         else:
             for p in range(0, p_end):
-                gw = _bwd_step(ids_ptr, emb_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jc, jmask, wt, gw, p, L,
+                gw = _bwd_step(e_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jmask, wt, gw, p, L,
                                DC, NEED_W, NEED_EMB, UPCAST, IEEE, ACC)
         if NEED_W:
             woffs = j[:, None] * F + rf[None, :]
@@ -237,7 +243,7 @@ def _char_cnn_bwd_kernel(
             if ORDERED:  # one partial tile per token block, as gb
                 tl.store(gw_ptr + pid_t.to(tl.int64) * KWD * F + woffs, gw, mask=wmask)
             else:
-                tl.atomic_add(gw_ptr + woffs, gw, mask=wmask)
+                tl.atomic_add(gw_ptr + woffs, gw, mask=wmask, sem="relaxed")
 
 
 @triton.jit
@@ -355,7 +361,7 @@ def _embed_grad_kernel(
     if ORDERED:  # summed in block order by the host
         tl.store(gemb_ptr + pid_r.to(tl.int64) * V * DC + offs, acc, mask=mask)
     else:
-        tl.atomic_add(gemb_ptr + offs, acc, mask=mask)
+        tl.atomic_add(gemb_ptr + offs, acc, mask=mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -448,6 +454,13 @@ def _token_lengths(ids: torch.Tensor, has_pad: bool) -> torch.Tensor:
     return torch.where(zero, -1, klen).to(torch.int32)
 
 
+def _embedded(ids: torch.Tensor, char_embed: torch.Tensor) -> torch.Tensor:
+    """E (N, L, d_c) = char_embed[ids]: every token's characters embedded, so that a window is a contiguous run of
+    E (the kernels load it as one tile instead of gathering ids, then table rows). One gather launch; an id outside
+    the table is an error here, not an out-of-bounds read in a kernel."""
+    return torch.nn.functional.embedding(ids, char_embed)
+
+
 def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg: bool):
     """Host launcher. Returns (out (N, F), arg (N, F) or None, perm, bound) where perm/bound order tokens."""
     N, L = ids.shape
@@ -464,7 +477,8 @@ def char_cnn_fwd(ids, char_embed, w_packed, bias, wid, activation: str, save_arg
     out = torch.empty((N, F), device=ids.device, dtype=char_embed.dtype)
     arg_dtype = torch.int8 if L < 128 else torch.int32
     arg = torch.empty((N, F), device=ids.device, dtype=arg_dtype) if save_arg else out
-    launch(ids, char_embed, w_packed, bias, wid, klen, perm, bound, out, arg, N, F, L, PAD_CHAR_ID)
+    launch(_embedded(ids, char_embed), char_embed, w_packed, bias, wid, klen, perm, bound, out, arg, N, F, L,
+           PAD_CHAR_ID)
     return out, (arg if save_arg else None), perm, bound
 
 
@@ -492,7 +506,8 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
     gw = new((*parts, kwd, F) if need_w else (1,), device=dev, dtype=acc)
     gb = new((*parts, F), device=dev, dtype=acc)
     gwin = new((N, L, dc) if need_emb else (1,), device=dev, dtype=acc)
-    launch(ids, char_embed, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin, N, F, L)
+    e = _embedded(ids, char_embed) if need_w else char_embed  # the windows: only the weight gradient reads them
+    launch(e, w_packed, wid, perm, bound, out, arg, grad_out, gw, gb, gwin, N, F, L)
     if ordered:
         gw, gb = (gw.sum(0) if need_w else gw), gb.sum(0)
         if need_emb:

@@ -12,8 +12,10 @@ the two products in the same kernel (MODE 1), whose epilogue writes
     dy ⊙ (1 − g)                                                        into dxd (N, F), fp32.
 
 Then ``_mm_kernel`` computes dx = dxd + dzc·W_carryᵀ + dzt·W_transformᵀ (one kernel, two K loops, the
-add in the epilogue) and dW = xᵀ·dz for both weights (one launch, grid axis 2 picks the weight), with the
-bias gradients (column sums of dz) accumulated by the programs of the first row tile.
+add in the epilogue) and dW = xᵀ·dz for both weights (one launch, grid axis 2 picks the weight). The bias
+gradients (column sums of dz) are one torch reduction: summed inside dW's K loop they cost every program a
+shared-memory read and a cross-thread reduction of each dz tile (about a third more instructions in the sm_90a
+code; only the first row tile's sums were kept).
 
 dtypes: fp32 (IEEE products, no TF32), bf16/fp16 (fp32 accumulation), fp64 (for near-exact tests).
 """
@@ -58,9 +60,8 @@ def _pair_step(x_ptr, wc_ptr, wt_ptr, rm64, rn, mmask, nmask, k0, F, acc_c, acc_
 
 
 @triton.jit
-def _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn, acc, cs,
-             DUAL: tl.constexpr, COLSUM: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-             IEEE: tl.constexpr, ACC: tl.constexpr):
+def _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn, acc,
+             DUAL: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     rk = k0 + tl.arange(0, BLOCK_K)
     kmask = rk < K
     amask = mmask[:, None] & kmask[None, :]
@@ -70,13 +71,11 @@ def _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, 
     a = tl.load(a_ptr + a_offs, mask=amask, other=0.0)
     b = tl.load(b_ptr + b_offs, mask=bmask, other=0.0)
     acc = dot_acc(a, b, acc, UPCAST, IEEE)
-    if COLSUM:
-        cs += tl.sum(b.to(ACC), axis=0)
     if DUAL:
         a2 = tl.load(a2_ptr + a_offs, mask=amask, other=0.0)
         b2 = tl.load(b2_ptr + b_offs, mask=bmask, other=0.0)
         acc = dot_acc(a2, b2, acc, UPCAST, IEEE)
-    return acc, cs
+    return acc
 
 
 @triton.jit
@@ -128,18 +127,15 @@ def _highway_fused_kernel(
 
 @triton.jit
 def _mm_kernel(
-    a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, add_ptr, cs_ptr,
+    a_ptr, b_ptr, a2_ptr, b2_ptr, c_ptr, add_ptr,
     M, N, K,
     s_am, s_ak, s_bk, s_bn, s_cm,
-    s_az, s_bz, s_cz, s_csz,
-    DUAL: tl.constexpr, HAS_ADD: tl.constexpr, COLSUM: tl.constexpr,
+    s_az, s_bz, s_cz,
+    DUAL: tl.constexpr, HAS_ADD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr, WHILE_LOOPS: tl.constexpr,
 ):
-    """c[z] (M, N) = a[z]·b[z] (+ a2·b2 if DUAL) (+ add, same layout as c); any strides for a and b.
-
-    COLSUM: cs[z] (N,) = column sums of b[z] over K, written by the programs with pid_m == 0.
-    """
+    """c[z] (M, N) = a[z]·b[z] (+ a2·b2 if DUAL) (+ add, same layout as c); any strides for a and b."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     z = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,24 +146,21 @@ def _mm_kernel(
     a_ptr += z * s_az
     b_ptr += z * s_bz
     acc = tl.zeros((BLOCK_M, BLOCK_N), ACC)
-    cs = tl.zeros((BLOCK_N,), ACC)
     if WHILE_LOOPS:
         k0 = 0
         while k0 < K:
-            acc, cs = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
-                               acc, cs, DUAL, COLSUM, BLOCK_K, UPCAST, IEEE, ACC)
+            acc = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
+                           acc, DUAL, BLOCK_K, UPCAST, IEEE)
             k0 += BLOCK_K
     else:
         for k0 in range(0, K, BLOCK_K):
-            acc, cs = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
-                               acc, cs, DUAL, COLSUM, BLOCK_K, UPCAST, IEEE, ACC)
+            acc = _mm_step(a_ptr, b_ptr, a2_ptr, b2_ptr, rm64, rn, mmask, nmask, k0, K, s_am, s_ak, s_bk, s_bn,
+                           acc, DUAL, BLOCK_K, UPCAST, IEEE)
     omask = mmask[:, None] & nmask[None, :]
     offs = rm64[:, None] * s_cm + rn[None, :]
     if HAS_ADD:
         acc += tl.load(add_ptr + offs, mask=omask, other=0.0).to(ACC)
     tl.store(c_ptr + z * s_cz + offs, acc.to(c_ptr.dtype.element_ty), mask=omask)
-    if COLSUM:
-        tl.store(cs_ptr + z * s_csz + rn, cs.to(cs_ptr.dtype.element_ty), mask=nmask & (pid_m == 0))
 
 
 # --------------------------------------------------------------------------------------------- host side
@@ -199,14 +192,14 @@ def fused_launch(M: int, F: int, dtype: torch.dtype, target: Target, *, backward
 def dx_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch]:
     """``_mm_kernel`` for dx = dxd + dzc·W_carryᵀ + dzt·W_transformᵀ (M, F)."""
     return [Launch(_mm_kernel, (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 1),
-                   dict(DUAL=True, HAS_ADD=True, COLSUM=False, **t, **_flags(dtype, target)))
+                   dict(DUAL=True, HAS_ADD=True, **t, **_flags(dtype, target)))
             for t in _tiles(dtype, target)]
 
 
 def dw_launch(M: int, F: int, dtype: torch.dtype, target: Target) -> list[Launch]:
-    """``_mm_kernel`` for dW = xᵀ·dz of both weights (F, F) and the bias grads, K = M rows."""
+    """``_mm_kernel`` for dW = xᵀ·dz of both weights (F, F), K = M rows."""
     return [Launch(_mm_kernel, (triton.cdiv(F, t["BLOCK_M"]) * triton.cdiv(F, t["BLOCK_N"]), 2),
-                   dict(DUAL=False, HAS_ADD=False, COLSUM=True, **t, **_flags(dtype, target)))
+                   dict(DUAL=False, HAS_ADD=False, **t, **_flags(dtype, target)))
             for t in _tiles(dtype, target)]
 
 
@@ -237,16 +230,16 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
     if need_x:
         dx = torch.empty_like(x)
         # dx[m, n] = dxd + sum_k dz[m, k] Wc[n, k] + sum_k dz[m, F + k] Wt[n, k]   (b[k, n] = W[n, k])
-        tuned(dx_launch(M, F, x.dtype, target), ("dx", Mb, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd, dx,
-              M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0, 0)
+        tuned(dx_launch(M, F, x.dtype, target), ("dx", Mb, F, x.dtype), dz, wc, dz[:, F:], wt, dx, dxd,
+              M, F, F, 2 * F, 1, 1, F, F, 0, 0, 0)
     dw = db = None
     if need_w:
         gdt = w_grad_dtype or x.dtype
         dw = torch.empty((2, F, F), device=dev, dtype=gdt)
-        db = torch.empty((2, F), device=dev, dtype=gdt)
-        # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n]
-        tuned(dw_launch(M, F, x.dtype, target), ("dw", Mb, F, x.dtype, gdt), x, dz, x, dz, dw, dw, db,
-              F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F, F)
+        # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n] (a torch reduction)
+        tuned(dw_launch(M, F, x.dtype, target), ("dw", Mb, F, x.dtype, gdt), x, dz, x, dz, dw, dw,
+              F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F)
+        db = dz.view(M, 2, F).sum(0, dtype=acc).to(gdt)
     return dx, dw, db
 
 

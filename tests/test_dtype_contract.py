@@ -85,8 +85,8 @@ def test_char_cnn_and_highway_autocast_run_bf16_variants():
         out = ops.highway(v, wc, bc, wt, bt, backend="triton")
         out.float().sum().backward()
     assert v.dtype == BF16 and out.dtype == BF16
-    _assert_bf16_variant(counts, "_char_cnn_fwd_kernel", ["emb_ptr", "w_ptr"])
-    _assert_bf16_variant(counts, "_char_cnn_bwd_kernel", ["emb_ptr", "w_ptr"])
+    _assert_bf16_variant(counts, "_char_cnn_fwd_kernel", ["e_ptr", "emb_ptr", "w_ptr"])
+    _assert_bf16_variant(counts, "_char_cnn_bwd_kernel", ["e_ptr", "w_ptr"])
     _assert_bf16_variant(counts, "_highway_fused_kernel", ["x_ptr", "wc_ptr", "wt_ptr"])
     _assert_bf16_variant(counts, "_mm_kernel", [])
     _grads_are_fp32(enc + hw)
