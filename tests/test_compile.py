@@ -239,26 +239,30 @@ def test_trainer_model_step_compiles_whole_and_matches_eager(trainer):
     tr = trainer
     tower = tr.towers[0]
     batch = next(tower.loader)
-    inputs = (*tr.batch_tensors(batch), tower.h, tower.c, tower.stream.draw())
+    tensors, chars = tr.batch_tensors(batch), tr.char_tensors(batch)  # (no char ids: its distinct tokens instead)
+    B, T = tensors[2].shape
+    rows, inverse = chars
+    plain = tuple(rows[inverse[d * B * T:(d + 1) * B * T].long()].long().reshape(B, T, -1) for d in (0, 1))
+    inputs = (*plain, *tensors[2:], tower.h, tower.c, tower.stream.draw())  # the char ids rebuilt
     tr.model.train()
     tr.softmax.train()
     _no_breaks(tr.model_loss, *inputs)
     params = [*tr.dense_params, tr.softmax_W, tr.softmax_b]
 
-    def step(fn, *extra):
+    def step(fn, args):
         torch.manual_seed(3)  # the same dropout masks (aot_eager draws them with eager's generator)
-        loss, h_n, c_n = fn(*inputs, *extra)
+        loss, h_n, c_n = fn(*args)
         return [loss, h_n, c_n, *(g.to_dense() for g in torch.autograd.grad(loss, params))]
 
-    want = step(tr.model_loss)
-    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"))
+    want = step(tr.model_loss, inputs)
+    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"), inputs)
     assert tr.softmax_W.grad is None
     _close(got, want, atol=1e-6)
-    # with the batch's distinct tokens from its data stream (the trainer's step passes them): one graph too
-    chars = tr.char_tensors(batch)
-    _no_breaks(tr.model_loss, *inputs, chars)
+    # with the batch's distinct tokens from its data stream (what the trainer's step passes): one graph too
+    with_chars = (*tensors, *inputs[4:], chars)
+    _no_breaks(tr.model_loss, *with_chars)
     torch._dynamo.reset()
-    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"), chars)
+    got = step(torch.compile(tr.model_loss, fullgraph=True, backend="aot_eager"), with_chars)
     _close(got, want, atol=1e-6)
 
 

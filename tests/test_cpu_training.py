@@ -208,12 +208,13 @@ def test_tower_stream_draws_ahead_pins_and_resumes(tmp_path, monkeypatch):
     a.next_batch()
     state = a.get_state()
     want = a.next_batch()
-    assert len(pinned) == 2 * 7  # four arrays, the distinct tokens (rows, inverse) and the sample sets, per batch
+    assert len(pinned) == 2 * 5  # the targets, the distinct tokens (rows, inverse), the sample sets, per batch
+    assert not set(TowerStream.CHAR_INPUTS) & want.keys()  # the distinct tokens replace the char ids
     assert want["sampled_ids"].shape == (2, 8) and len(want["num_tries"]) == 2
     b = make()
     b.set_state(state)
     got = b.next_batch()
-    for key in (*TowerStream.KEYS, "char_rows", "char_inverse", "sampled_ids"):
+    for key in (*TowerStream.KEYS[2:], "char_rows", "char_inverse", "sampled_ids"):
         assert torch.equal(got[key], want[key]), key
     assert got["num_tries"] == want["num_tries"]
 
@@ -237,7 +238,7 @@ def test_tower_stream_in_a_loader_process_is_pinned_in_this_process(tmp_path, mo
     try:
         for _ in range(3):
             want, got = ref.next_batch(), next(process)
-            for key in (*TowerStream.KEYS, "sampled_ids"):
+            for key in (*TowerStream.KEYS[2:], "char_rows", "char_inverse", "sampled_ids"):
                 assert torch.equal(got[key], want[key]), key
                 assert any(t is got[key] for t in pinned), f"{key} not pinned here"
             assert got["num_tries"] == want["num_tries"]
@@ -313,14 +314,20 @@ def test_train_step_encodes_the_distinct_tokens_its_stream_found(tmp_path, monke
         batch = next(tw.loader)  # (its stream is its loader's thread's)
         assert batch["char_rows"].shape[0] < batch["char_inverse"].shape[0] == 2 * batch["next_token_id"].numel()
         inputs, samples, chars = tr.batch_tensors(batch), tw.stream.draw(), tr.char_tensors(batch)
+        assert inputs[0] is None and inputs[1] is None  # the batch brings its distinct tokens instead of its char ids
+        B, T = inputs[2].shape
+        rows, inverse = chars
+        assert rows.dtype == torch.int16 and inverse.dtype == torch.int32  # a fifth of the char ids' bytes
+        plain = tuple(rows[inverse[d * B * T:(d + 1) * B * T].long()].long().reshape(B, T, -1) for d in (0, 1))
         params = [p for p in tr.model.parameters() if p.requires_grad]
 
         def run(chars):
             torch.manual_seed(3)  # the same dropout masks
-            loss, _, _ = tr.model_loss(*inputs, tw.h, tw.c, samples, chars)
+            loss, _, _ = tr.model_loss(*(plain if chars is None else inputs[:2]), *inputs[2:], tw.h, tw.c, samples,
+                                       chars)
             return [loss, *torch.autograd.grad(loss, params, allow_unused=True)]
 
-        want = run(None)
+        want = run(None)  # the char ids rebuilt: the token encoder deduplicates them itself
         real = torch.unique
         monkeypatch.setattr(torch, "unique", lambda *a, **k: pytest.fail("torch.unique in the step"))
         got = run(chars)

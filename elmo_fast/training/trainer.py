@@ -151,10 +151,15 @@ class TowerStream:
         draws = [log_uniform_sample(self.num_samples, self.vocab_size, generator=self.sampler) for _ in range(2)]
         return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
 
+    CHAR_INPUTS = KEYS[:2]  # what the distinct tokens replace in a char batch
+
     def next_batch(self) -> dict:
         if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
             b, rows, inverse = self.stream.next_batch_and_tokens()
-            b = {**b, "char_rows": rows, "char_inverse": inverse}
+            # ... instead of the batch's char ids: ~1/5 of the bytes to pickle, unpickle, pin and upload a step
+            # (rows (U, L) int16: ids < 262; inverse int32), and nothing on the device reads the (B, T, L) arrays
+            b = {**{k: v for k, v in b.items() if k not in self.CHAR_INPUTS},
+                 "char_rows": rows.astype(np.int16), "char_inverse": inverse.astype(np.int32)}
         else:
             b = self.stream.next_batch()
         out = {k: torch.from_numpy(b[k]) for k in (*self.keys, "char_rows", "char_inverse") if k in b}
@@ -338,12 +343,14 @@ class Trainer:
     def run_batch(self, batch: dict, h0: torch.Tensor, c0: torch.Tensor, training: bool):
         """Token encoder + both LSTM stacks on a packed batch. Returns (top_fwd (B,T,P), top_bwd (B,T,P), h_n, c_n,
         targets_fwd (B,T), targets_bwd (B,T), outputs) where the backward tensors are in reversed-stream order."""
-        return self.run_model(*self.batch_tensors(batch), h0, c0, training)
+        return self.run_model(*self.batch_tensors(batch), h0, c0, training, chars=self.char_tensors(batch))
 
-    def batch_tensors(self, batch: dict) -> tuple[torch.Tensor, ...]:
+    def batch_tensors(self, batch: dict) -> tuple[torch.Tensor | None, ...]:
         """The batch's arrays on the device: (inputs fwd, inputs bwd, targets fwd, targets bwd (B, T)); the inputs
-        are char ids (B, T, L), or word ids (B, T) for a word-input model."""
-        return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) for k in self.batch_keys)
+        are char ids (B, T, L), or word ids (B, T) for a word-input model, or None in a batch of ``TowerStream``'s
+        that brings its distinct tokens instead (``char_tensors``)."""
+        return tuple(torch.as_tensor(batch[k]).to(self.device, non_blocking=True) if k in batch else None
+                     for k in self.batch_keys)
 
     def char_tensors(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The batch's distinct tokens found by its data stream (``TowerStream``: rows (U, L), inverse (2·B·T,) over
@@ -351,18 +358,24 @@ class Trainer:
         deduplicates on the device)."""
         if "char_rows" not in batch:
             return None
-        return tuple(batch[k].to(self.device, non_blocking=True) for k in ("char_rows", "char_inverse"))
+        rows, inverse = (torch.as_tensor(batch[k]).to(self.device, non_blocking=True)
+                         for k in ("char_rows", "char_inverse"))
+        return rows, inverse
 
-    def run_model(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
-                  c0: torch.Tensor, training: bool, chars: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def run_model(self, cf: torch.Tensor | None, cb: torch.Tensor | None, tf: torch.Tensor, tb: torch.Tensor,
+                  h0: torch.Tensor, c0: torch.Tensor, training: bool,
+                  chars: tuple[torch.Tensor, torch.Tensor] | None = None):
         """``run_batch`` on the batch's tensors (``batch_tensors``; ``chars``: ``char_tensors``' for both
-        directions)."""
+        directions, which a char batch's inputs ``cf``/``cb`` may then leave None)."""
         dev = self.device
         B, T = tf.shape
         bi = self.cfg.bidirectional
         n = 2 * B if bi else B  # rows through the token encoder
         if chars is not None:  # (a forward-only model: the inverse's first B·T; the reverse tokens' rows idle)
             emb = self.model.token_encoder.encode_tokens(chars[0].long(), chars[1][: n * T], (n, T))
+        elif cf is None:
+            raise ValueError("run_model: a char batch without its char ids (tokens_characters) needs its distinct "
+                             "tokens (chars=Trainer.char_tensors(batch))")
         else:  # (a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices))
             x = (torch.cat([cf, cb], 0) if bi else cf).long()
             emb = self.model.token_encoder(x) if self.embedding is None else F.embedding(x, self.embedding, sparse=True)
@@ -464,7 +477,7 @@ class Trainer:
             states.append(rng_state(self.device))
         with _phase("forward"):
             per = [self.batch_tensors(b) for b in batches]
-            cf, cb, tf, tb = (torch.cat([p[i] for p in per], 0) for i in range(4))
+            cf, cb, tf, tb = (None if per[0][i] is None else torch.cat([p[i] for p in per], 0) for i in range(4))
             samples = [self._samples(tw, b) for tw, b in zip(towers, batches)]
             B = [p[2].shape[0] for p in per]
             chars = _fused_chars([self.char_tensors(b) for b in batches], [b * tf.shape[1] for b in B])
