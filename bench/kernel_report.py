@@ -500,7 +500,9 @@ def calibrated_gpu_us(case: Case) -> float | None:
     if case.op != "lstmp" or "error" in st:
         return None
     return kernel_fit.calibrated_us(case.l2, case.bytes, case.flops, case.programs, occupancy(st),
-                                    kernel_fit.cls_of(dt_name(case.dtype)))
+                                    kernel_fit.cls_of(dt_name(case.dtype)), spill_bytes=st["spill_st"] + st["spill_ld"],
+                                    passes=kernel_fit.launch_passes(case.launch.meta, case.launch.grid,
+                                                                    next(s.B for s in SIZES if s.name == case.size)))
 
 
 def calibrated_us(case: Case, graph: bool = True) -> float:

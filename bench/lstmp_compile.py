@@ -123,14 +123,17 @@ def filled_us(launch: KL.Launch, low: bool, graph: bool = True, sms: int = KL.H1
     return common.launched_us(_roofline_us(launch, low) * max(1.0, sms / programs(launch)), graph)
 
 
-def calibrated_us(name: str, launch: KL.Launch, B: int, dtype: torch.dtype, blocks_per_sm: int | None) -> float:
+def calibrated_us(name: str, launch: KL.Launch, B: int, dtype: torch.dtype, blocks_per_sm: int | None,
+                  spill_bytes: int = 0) -> float:
     """GPU time of one launch under the model calibrated on the H200's per-kernel timings (``kernel_fit``): the
     L2 traffic of the tiling, the compulsory bytes (partials included) and the FLOPs at fitted rates; the SMs a last
-    partial wave of ``blocks_per_sm`` programs per SM leaves idle charged (``None``: every program resident at once,
-    the lower bound for any occupancy)."""
+    partial wave of ``blocks_per_sm`` programs per SM leaves idle charged, and each program round after the first
+    (waves of ``blocks_per_sm`` programs an SM, times a stationary tile's row passes; ``None``: every program
+    resident at once, the lower bound for any occupancy); ``spill_bytes``: a thread's spill stores + loads."""
     return kernel_fit.calibrated_us(l2_bytes(name, launch, B, dtype), launch.bytes + launch.scratch_bytes,
                                     launch.flops, programs(launch), blocks_per_sm,
-                                    kernel_fit.cls_of(dtype_name(dtype)))
+                                    kernel_fit.cls_of(dtype_name(dtype)),
+                                    passes=kernel_fit.row_passes(B, launch.tile), spill_bytes=spill_bytes)
 
 
 def l2_bytes(name: str, launch: KL.Launch, B: int, dtype: torch.dtype) -> int:
@@ -199,6 +202,7 @@ def report(md_path: str | None) -> int:
             r = _compile(launch, work)
             n = programs(launch)
             t = launch.tile
+            spills = r["spill_st"] + r["spill_ld"]
             split = launch.constexprs.get("KS")
             tile = (f"{t.BM}x{t.BN}" + (f"x{t.BK}" if t.BK else "") + (f" KS={split}" if split else "")
                     + (f" stationary g{t.groups}" if t.stationary else ""))
@@ -208,7 +212,7 @@ def report(md_path: str | None) -> int:
                      f"{r['cp_async']}/{r['tma']}", f"{launch.bytes / 1e6:.2f}",
                      f"{l2_bytes(name, launch, B, dtype) / 1e6:.1f}", f"{launch.flops / 1e9:.2f}",
                      f"{estimate_us(launch, low):.2f}", f"{filled_us(launch, low):.2f}",
-                     f"{calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r)):.2f}"]
+                     f"{calibrated_us(name, launch, B, dtype, kernel_fit.occupancy(r), spills):.2f}"]
             rows.append("| " + " | ".join(map(str, cells)) + " |")
             print(rows[-1], flush=True)
             bad += rule_violations(name, launch, r, B, low)
