@@ -54,7 +54,9 @@ from elmo_fast.testing import ORIGINAL_OPTIONS, write_random_model  # noqa: E402
 #   softmax: its forward and its backward's dlogit kernel, once for both directions (and every tower, fused:
 #   ops.sampled_softmax_loss_groups), the backward's GEMMs are cuBLAS; + 12 dropout: 6 sites (4 LSTM inputs, 2
 #   top outputs), forward and backward, each one hashed-dropout kernel (kernels/dropout.py; 497 launches and 279
-#   torch ops when F.dropout ran there, 267 torch ops since, 276 with the data stream's distinct tokens)); 2 syncs:
+#   torch ops when F.dropout ran there, 267 torch ops since, 276 with the data stream's distinct tokens, 274 with the
+#   char CNN's embedded characters (an embedding forward and backward), the highway's bias sums and the batch's
+#   char ids left on the host, 2026-11-28)); 2 syncs:
 #   the sampler's one per sample set (x2: num_tries is a host int; this count runs the trainer on the CPU, where
 #   the step draws its samples itself -- on a GPU the data thread draws them ahead from its CPU generator, off
 #   the step: none there); the token encoder's deduplication (torch.unique, 6 syncs a step on the H200) moved to

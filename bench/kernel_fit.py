@@ -52,9 +52,10 @@ and checks the leave-one-out error this module reports and the ranking of the B=
 
 What the fit is and is not: 46 16-bit launches (34 of them cell kernels at B=384) and 12 fp32 ones, one GPU, two
 code versions, cold L2 (``do_bench`` flushes it before each call). It says which term binds and by about how much and
-picks the fastest of the timed B=384 cell tiles, but it still misses the backward cell kernel by up to x0.7 (its
-bytes cost more than the forward's), and only one timed launch (32x32x32 forward, 293 MB) is bound by L2 traffic, so
-``BW_L2`` rests on it. It is no substitute for timing a new tiling.
+picks the fastest of the timed B=384 cell tiles (in sample: the same rows fit ``round_us`` and ``spill``, and the
+spill factor rests mostly on one pair of builds, 128x64 backward w4 against w8), but it still misses the backward
+cell kernel by up to x0.7 (its bytes cost more than the forward's), and only one timed launch (32x32x32 forward,
+293 MB) is bound by L2 traffic, so ``BW_L2`` rests on it. It is no substitute for timing a new tiling.
 """
 from __future__ import annotations
 
@@ -490,12 +491,28 @@ def sweeps(rows: list[dict]) -> dict:
     return {k: sweep(rows, *k) for k in keys}
 
 
+def _ranks(vs) -> list[float]:
+    """Ranks from 0, tied values sharing their mean rank."""
+    order = sorted(range(len(vs)), key=lambda i: vs[i])
+    out = [0.0] * len(vs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and vs[order[j + 1]] == vs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2
+        i = j + 1
+    return out
+
+
 def spearman(xs, ys) -> float:
-    """Rank correlation of two equally long sequences (no ties expected)."""
-    rx = {i: n for n, i in enumerate(sorted(range(len(xs)), key=lambda i: xs[i]))}
-    ry = {i: n for n, i in enumerate(sorted(range(len(ys)), key=lambda i: ys[i]))}
-    n = len(xs)
-    return 1 - 6 * sum((rx[i] - ry[i]) ** 2 for i in range(n)) / (n * (n * n - 1))
+    """Rank correlation of two equally long sequences: the Pearson correlation of their ranks (ties: mean ranks)."""
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx, sy = math.sqrt(sum((a - mx) ** 2 for a in rx)), math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (sx * sy) if sx and sy else 0.0
 
 
 # ------------------------------------------------------------------------------------------ report

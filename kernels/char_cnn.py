@@ -1,5 +1,6 @@
-"""Fused character-CNN token encoder in Triton: embedding gather, every filter width, max over positions,
-bias and activation in one kernel, plus its backward (spec §2.2; oracle ``elmo_fast.reference.char_cnn``).
+"""Fused character-CNN token encoder in Triton: every filter width, max over positions, bias and activation in
+one kernel over the tokens' embedded characters (one embedding launch before it), plus its backward (spec §2.2;
+oracle ``elmo_fast.reference.char_cnn``).
 
 Math, per token ``t`` and filter ``f`` of width ``w_f`` (E = char_embed[ids[t]], (L, d_c)):
 
@@ -83,13 +84,13 @@ def _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC: tl.constexpr):
     # Window matrix at position p: A[t, j] = E[t, p + j // DC, j % DC], a contiguous run of KW·DC values of the
     # token's embedded characters E (N, L, DC) (no gather: vector loads the pipeliner can issue ahead).
     m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
-    return tl.load(e_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], mask=m2, other=0.0), m2
+    return tl.load(e_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], mask=m2, other=0.0)
 
 
 @triton.jit
 def _fwd_step(e_ptr, row, tmask, klen, nwin, j, jk, jmask, wt, best, arg, p, L,
               DC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
-    a, _ = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
+    a = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
     s = _dot(a, wt, UPCAST, IEEE).to(ACC)
     take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)  # strict: ties keep the first window
     best = tl.where(take, s, best)
@@ -104,7 +105,7 @@ def _bwd_step(e_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jmask, wt, gw, p, L,
     gp = tl.where(arg == p, g, 0.0).to(wt.dtype)  # grads of the (token, filter) pairs won by window p
     m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
     if NEED_W:
-        a, _ = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
+        a = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
         gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
     if NEED_EMB:
         gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
@@ -461,7 +462,8 @@ def _token_lengths(ids: torch.Tensor, has_pad: bool) -> torch.Tensor:
 def _embedded(ids: torch.Tensor, char_embed: torch.Tensor) -> torch.Tensor:
     """E (N, L, d_c) = char_embed[ids]: every token's characters embedded, so that a window is a contiguous run of
     E (the kernels load it as one tile instead of gathering ids, then table rows). One gather launch; an id outside
-    the table is an error here, not an out-of-bounds read in a kernel."""
+    the table is torch's index error (CPU) or device-side assert (GPU), not a silent out-of-bounds read in a
+    kernel."""
     return torch.nn.functional.embedding(ids, char_embed)
 
 

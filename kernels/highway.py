@@ -239,7 +239,7 @@ def highway_bwd(x, wc, bc, wt, bt, dy, need_x: bool, need_w: bool, w_grad_dtype:
         # dW[z][i, n] = sum_m x[m, i] dz[m, z·F + n]; db[z][n] = sum_m dz[m, z·F + n] (a torch reduction)
         tuned(dw_launch(M, F, x.dtype, target), ("dw", Mb, F, x.dtype, gdt), x, dz, x, dz, dw, dw,
               F, F, M, 1, F, 2 * F, 1, F, 0, F, F * F)
-        db = dz.view(M, 2, F).sum(0, dtype=acc).to(gdt)
+        db = dz.view(M, 2, F).sum(0, dtype=gdt)  # one launch; 16-bit sums accumulate in fp32 (torch's reduce)
     return dx, dw, db
 
 

@@ -152,6 +152,29 @@ def test_char_cnn_rejects_fp64_on_a_gpu(monkeypatch):
         kc.char_cnn_triton(make_ids(4, 12, seed=1), emb, ws, bs, "relu")
 
 
+def test_char_cnn_backward_with_frozen_filters(monkeypatch):
+    """Only the character embedding needs a gradient (filters frozen): the backward skips the weight gradient and
+    the windows it reads (no embedded characters made again: one ``_embedded`` call, the forward's), and the
+    embedding's gradient equals the reference's."""
+    import elmo_fast.kernels.char_cnn as kc
+
+    calls, real = [], kc._embedded
+    monkeypatch.setattr(kc, "_embedded", lambda ids, emb: calls.append(ids.shape) or real(ids, emb))
+    ids = make_ids(12, 12, seed=8)
+    emb, ws, bs, _ = make_params(seed=9)
+    g = torch.randn(ids.shape[0], sum(int(b.shape[0]) for b in bs), generator=torch.Generator().manual_seed(10),
+                    dtype=torch.float64)
+    dev = _fp64_device()
+    grads = []
+    for fn, d in ((char_cnn_reference, "cpu"), (kc.char_cnn_triton, dev)):
+        e = emb.to(torch.float64).to(d).clone().requires_grad_()
+        fn(ids.to(d), e, [w.to(torch.float64).to(d) for w in ws], [b.to(torch.float64).to(d) for b in bs],
+           "relu").backward(g.to(d))
+        grads.append(e.grad[1:].cpu())  # row 0 (no character) is not a parameter
+    assert len(calls) == 1, calls
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-10)
+
+
 def test_char_cnn_max_length_words_L50():
     """L = 50: 48-byte (truncated) words whose EOW lands in the last slot, so they have no padding window."""
     ids = make_ids(10, 50, seed=3)

@@ -280,7 +280,9 @@ def test_the_streams_distinct_tokens_rebuild_its_batch(tmp_path):
         b, rows, inverse = stream.next_batch_and_tokens()
         want = plain.next_batch()
         assert b.keys() == want.keys() and all(np.array_equal(b[k], want[k]) for k in b)
-        _, rows2, inverse2 = primed.next_batch_and_tokens()
+        lean, rows2, inverse2 = primed.next_batch_and_tokens(chars=False)  # the batch without its char ids
+        assert lean.keys() == want.keys() - {"tokens_characters", "tokens_characters_reverse"}
+        assert all(np.array_equal(lean[k], want[k]) for k in lean)
         assert np.array_equal(rows2, rows) and np.array_equal(inverse2, inverse)
         flat = np.concatenate([b["tokens_characters"].reshape(-1, 50), b["tokens_characters_reverse"].reshape(-1, 50)])
         assert rows.dtype == np.int32 and inverse.dtype == np.int64 and inverse.shape == (48,)

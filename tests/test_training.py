@@ -434,9 +434,9 @@ def test_log_records_the_share_of_time_spent_waiting_for_data(tmp_path, monkeypa
     train_glob, _ = _grammar_corpus(tmp_path)
     shares, real = {}, D.BidirectionalStream.next_batch_and_tokens  # what the trainer's stream calls
     for case, delay, pause in (("slow data", 0.2, 0.0), ("data ready", 0.0, 0.1)):
-        def next_batch(self, delay=delay):
+        def next_batch(self, chars=True, delay=delay):
             time.sleep(delay)
-            return real(self)
+            return real(self, chars)
 
         monkeypatch.setattr(D.BidirectionalStream, "next_batch_and_tokens", next_batch)
         tr, _ = _trainer(tmp_path / case.replace(" ", "_"), train_glob, batch_size=2, unroll_steps=3, max_steps=6,

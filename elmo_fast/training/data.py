@@ -303,8 +303,9 @@ class LMStream:
         """The next (B, T) batch; raises StopIteration when a batch cannot be filled (it is dropped)."""
         return self.next_batch_and_inputs()[0]
 
-    def next_batch_and_inputs(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """``next_batch``, and its inputs as rows of the ``TokenCache`` (B, T) int64."""
+    def next_batch_and_inputs(self, chars: bool = True) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``next_batch``, and its inputs as rows of the ``TokenCache`` (B, T) int64; without ``tokens_characters``
+        when not ``chars`` (a caller that takes the distinct tokens instead)."""
         if self.done:
             raise StopIteration
         B, T = self.B, self.T
@@ -329,8 +330,10 @@ class LMStream:
                 self.offset[i] = o + k
                 t += k
         ids = self.tokens.word_ids
-        return {"token_ids": ids[inputs], "tokens_characters": self.tokens.chars[inputs],
-                "next_token_id": ids[targets]}, inputs
+        out = {"token_ids": ids[inputs], "next_token_id": ids[targets]}
+        if chars:
+            out["tokens_characters"] = self.tokens.chars[inputs]
+        return out, inputs
 
     def get_state(self) -> dict:
         return {"source": self.source.get_state(), "rows": list(self.rows), "offset": list(self.offset),
@@ -358,14 +361,14 @@ class BidirectionalStream:
     def next_batch(self) -> dict[str, np.ndarray]:
         return self._next()[0]
 
-    def _next(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        f, fin = self.fwd.next_batch_and_inputs()
-        r, rin = self.rev.next_batch_and_inputs()
+    def _next(self, chars: bool = True) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        f, fin = self.fwd.next_batch_and_inputs(chars)
+        r, rin = self.rev.next_batch_and_inputs(chars)
         out = dict(f)
         out.update({k + "_reverse": v for k, v in r.items()})
         return out, fin, rin
 
-    def next_batch_and_tokens(self) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    def next_batch_and_tokens(self, chars: bool = True) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """``next_batch``, and its distinct input tokens, the forward direction's then the reverse one's: rows (U, L)
         char ids, int32, and inverse (2·B·T,) int64, with ``rows[inverse]`` its ``tokens_characters`` then its
         ``tokens_characters_reverse``, flattened. A word is a row of the directions' shared ``TokenCache``, so this is
@@ -375,8 +378,9 @@ class BidirectionalStream:
         on the H200, 2026-11-27). The rows are in the order of their char ids (lexicographic), as torch.unique's, not
         of the cache, whose rows depend on the order the words came in: a resumed run, whose cache is rebuilt, encodes
         them in the same order (the char embedding's gradient sums them in it); words that share their char ids
-        (truncated long words) are one row."""
-        out, fin, rin = self._next()
+        (truncated long words) are one row. Without ``chars`` the batch leaves out its char ids (``TowerStream``:
+        the distinct tokens replace them)."""
+        out, fin, rin = self._next(chars)
         words, inverse = np.unique(np.concatenate([fin.reshape(-1), rin.reshape(-1)]), return_inverse=True)
         rows, row_of_word = np.unique(self.fwd.tokens.chars[words], axis=0, return_inverse=True)
         return out, rows, row_of_word.reshape(-1)[inverse.reshape(-1)].astype(np.int64)

@@ -155,11 +155,10 @@ class TowerStream:
 
     def next_batch(self) -> dict:
         if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
-            b, rows, inverse = self.stream.next_batch_and_tokens()
-            # ... instead of the batch's char ids: ~1/5 of the bytes to pickle, unpickle, pin and upload a step
-            # (rows (U, L) int16: ids < 262; inverse int32), and nothing on the device reads the (B, T, L) arrays
-            b = {**{k: v for k, v in b.items() if k not in self.CHAR_INPUTS},
-                 "char_rows": rows.astype(np.int16), "char_inverse": inverse.astype(np.int32)}
+            b, rows, inverse = self.stream.next_batch_and_tokens(chars=False)
+            # ... instead of the batch's char ids (CHAR_INPUTS, not made): ~1/5 of the bytes to pickle, unpickle,
+            # pin and upload a step (rows (U, L) int16: ids < 262; inverse int32)
+            b = {**b, "char_rows": rows.astype(np.int16), "char_inverse": inverse.astype(np.int32)}
         else:
             b = self.stream.next_batch()
         out = {k: torch.from_numpy(b[k]) for k in (*self.keys, "char_rows", "char_inverse") if k in b}
@@ -376,7 +375,8 @@ class Trainer:
         elif cf is None:
             raise ValueError("run_model: a char batch without its char ids (tokens_characters) needs its distinct "
                              "tokens (chars=Trainer.char_tensors(batch))")
-        else:  # (a word-input model: row gradients, as TF's embedding_lookup gives (IndexedSlices))
+        else:  # char ids (evaluation's batches: the token encoder deduplicates), or word ids (a word-input model:
+            # row gradients, as TF's embedding_lookup gives (IndexedSlices))
             x = (torch.cat([cf, cb], 0) if bi else cf).long()
             emb = self.model.token_encoder(x) if self.embedding is None else F.embedding(x, self.embedding, sparse=True)
         ef, eb = emb[:B], (emb[B:] if bi else None)
@@ -396,14 +396,15 @@ class Trainer:
         return top_f, top_b, h_n, c_n, tf, tb, {"emb_fwd": ef, "emb_bwd": eb, "fwd": fwd,
                                                "bwd": [o.flip(1) for o in bwd]}
 
-    def model_loss(self, cf: torch.Tensor, cb: torch.Tensor, tf: torch.Tensor, tb: torch.Tensor, h0: torch.Tensor,
-                   c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None,
+    def model_loss(self, cf: torch.Tensor | None, cb: torch.Tensor | None, tf: torch.Tensor, tb: torch.Tensor,
+                   h0: torch.Tensor, c0: torch.Tensor, samples: tuple[torch.Tensor, list[int]] | None = None,
                    chars: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The model step of training, forward and loss of one tower batch: (loss, h_n, c_n). The batch's tensors
         (``batch_tensors``), the LSTM states, with the sampled softmax the two sample sets (ids (2, S) on the
-        device, num_tries of each), and the batch's distinct tokens where its stream found them (``char_tensors``).
-        No host work: this is the function to hand to ``torch.compile`` (the step of towers one after the other;
-        ``_fused_step`` swaps generator states, which a compiled graph cannot)."""
+        device, num_tries of each), and the batch's distinct tokens where its stream found them (``char_tensors``;
+        then its char ids ``cf``/``cb`` are None: ``TowerStream`` ships the distinct tokens instead). No host work:
+        this is the function to hand to ``torch.compile`` (the step of towers one after the other; ``_fused_step``
+        swaps generator states, which a compiled graph cannot)."""
         top_f, top_b, h_n, c_n, tf, tb, _ = self.run_model(cf, cb, tf, tb, h0, c0, training=True, chars=chars)
         return self._head_loss(top_f, top_b, tf, tb, samples), h_n, c_n
 
