@@ -104,6 +104,74 @@ def test_row_adagrad_equals_dense_adagrad():
     torch.testing.assert_close(w[0], want_w)
 
 
+def test_dense_adagrad_falls_back_to_foreach_where_the_fused_kernel_is_missing(monkeypatch):
+    """Where torch has no fused Adagrad kernel for the device (torch before 2.9 on a GPU), the optimizer warns once
+    and takes the foreach ops, which give the fused kernel's update; it does not try the fused kernel again."""
+    from elmo_fast.training import trainer as T
+
+    g = torch.Generator().manual_seed(2)
+    shapes = [(7, 5), (33,), (4, 3, 2)]
+    p0 = [torch.randn(s, generator=g) for s in shapes]
+    g0 = [torch.randn(s, generator=g) for s in shapes]
+    a0 = [torch.rand(s, generator=g) + 0.5 for s in shapes]
+    inv_factor, lr = torch.tensor(1.7), 0.2
+
+    def run():
+        p, a = [t.clone() for t in p0], [t.clone() for t in a0]
+        T.adagrad_dense(p, [t.clone() for t in g0], a, lr, inv_factor)
+        return p, a
+
+    monkeypatch.setattr(T, "_FUSED_ADAGRAD", {})
+    fused = run()
+    assert T._FUSED_ADAGRAD == {"cpu": True}
+    calls = []
+
+    def missing(*a, **k):
+        calls.append(1)
+        raise NotImplementedError("Could not run 'aten::_fused_adagrad_' with arguments from the 'CUDA' backend")
+
+    monkeypatch.setattr(torch, "_fused_adagrad_", missing)
+    monkeypatch.setattr(T, "_FUSED_ADAGRAD", {})
+    with pytest.warns(RuntimeWarning, match="fused Adagrad does not run here"):
+        first = run()
+    again = run()  # no second try, no second warning
+    assert len(calls) == 1 and T._FUSED_ADAGRAD == {"cpu": False}
+    for got in (first, again):
+        for x, y in zip(got[0] + got[1], fused[0] + fused[1]):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+        want_a = [a + (gr / inv_factor) ** 2 for a, gr in zip(a0, g0)]
+        want_p = [p - lr * (gr / inv_factor) / a.sqrt() for p, gr, a in zip(p0, g0, want_a)]
+        for x, y in zip(got[0] + got[1], want_p + want_a):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dense_adagrad_on_a_gpu_is_fused_and_matches_foreach(monkeypatch):
+    """On a GPU the dense Adagrad runs torch's fused kernel (torch >= 2.9), without a warning, and its update is the
+    foreach ops' to rounding."""
+    import warnings
+
+    from elmo_fast.training import trainer as T
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(4096, 1024), (513,), (2048, 4096)]
+    p0, g0 = ([torch.randn(s, generator=g).cuda() for s in shapes] for _ in range(2))
+    a0 = [(torch.rand(s, generator=g) + 0.5).cuda() for s in shapes]
+    out = {}
+    for mode in ("fused", "foreach"):
+        monkeypatch.setattr(T, "_FUSED_ADAGRAD", {} if mode == "fused" else {"cuda": False})
+        p, a = [t.clone() for t in p0], [t.clone() for t in a0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            T.adagrad_dense(p, [t.clone() for t in g0], a, 0.2, torch.tensor(1.7, device="cuda"))
+        out[mode] = p + a
+        if mode == "fused":
+            assert T._FUSED_ADAGRAD == {"cuda": True}
+    for x, y in zip(out["fused"], out["foreach"]):
+        torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("path", ["extension", "torch"])
 def test_global_norm_is_exact_at_the_original_sizes(monkeypatch, path):
     """The clipping norm of gradients as large as the original model's (W_0 of one LSTM layer: 16.8M elements), a
