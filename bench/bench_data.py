@@ -9,7 +9,11 @@ Rows (measure, worker, ms):
   loader (``data_worker``), beside the same work alone (``none``): in a thread, making batches holds the lock the
   step needs and the two add up; from a process they can overlap;
 * ``received``: batches the process loader's receiving thread took in 2 s while this process sleeps or spins in
-  Python (a receiver that needs the lock for each chunk of a batch is starved by a busy step).
+  Python (a receiver that needs the lock for each chunk of a batch is starved by a busy step);
+* ``payload``: what the process loader sends a step for the trainer's char batch (``TowerStream.next_batch``): its
+  pickled bytes and the receiver's ``pickle.loads`` time, as shipped now (the distinct tokens, int16 rows and int32
+  inverse, without the char ids: worker ``tokens``) and as before d6cc232 (the (B, T, 50) int32 char ids of both
+  directions beside int32 rows and an int64 inverse: worker ``char ids``).
 
 Corpus: a Zipf-distributed synthetic one (bench_train.synthetic_corpus), 100,000 words, 4M tokens in one shard
 (steady state: no shard loaded inside a timed window).
@@ -23,6 +27,8 @@ Rows go to build/bench/data.csv, or to the committed bench/results/data.csv with
 from __future__ import annotations
 
 import argparse
+import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +43,7 @@ from bench_train import synthetic_corpus  # noqa: E402
 from elmo_fast.chars import Vocabulary  # noqa: E402
 from elmo_fast.training.data import (BackgroundLoader, BidirectionalStream, ProcessLoader, build_vocab,  # noqa: E402
                                      count_tokens)
+from elmo_fast.training.trainer import TowerStream  # noqa: E402
 
 LOADERS = {"thread": BackgroundLoader, "process": ProcessLoader}
 
@@ -56,6 +63,15 @@ def _stream(tmp: str, batch: int, n_words: int, n_tokens: int) -> BidirectionalS
 def _host_work(n_ops: int, a=torch.zeros(64), b=torch.ones(64)) -> None:
     for _ in range(n_ops):
         a.add_(b, alpha=1e-9)
+
+
+def _payloads(stream: BidirectionalStream) -> dict[str, dict]:
+    """One step's char batch as the process loader pickles it: now (``TowerStream``) and before d6cc232."""
+    b, rows, inverse = stream.next_batch_and_tokens()
+    before = {k: torch.from_numpy(b[k]) for k in TowerStream.KEYS}
+    before.update(char_rows=torch.from_numpy(rows), char_inverse=torch.from_numpy(inverse))
+    now = TowerStream(stream, None, 0, 1, ahead=False, pin=False).next_batch()
+    return {"tokens": now, "char ids": before}
 
 
 def run(batch: int = 384, rounds: int = 3, steps: int = 20, n_ops: int = 10_000, small: bool = False) -> list[dict]:
@@ -91,6 +107,18 @@ def run(batch: int = 384, rounds: int = 3, steps: int = 20, n_ops: int = 10_000,
                                      "ms": (time.perf_counter() - t0) / steps * 1e3})
                     finally:
                         loader.close()
+            for r in range(rounds):
+                sizes: dict[str, list] = {}
+                for _ in range(steps):
+                    for name, d in _payloads(stream).items():
+                        blob = pickle.dumps(d, pickle.HIGHEST_PROTOCOL)
+                        t0 = time.perf_counter()
+                        pickle.loads(blob)
+                        sizes.setdefault(name, []).append((len(blob), time.perf_counter() - t0))
+                for name, v in sizes.items():  # medians (a collection pause lands in one loads or another)
+                    rows.append({"measure": "payload", "worker": name, "round": r,
+                                 "ms": statistics.median(t for _, t in v) * 1e3,
+                                 "bytes": int(statistics.median(n for n, _ in v))})
             for busy in (False, True):
                 loader = ProcessLoader(stream, queue_size=100_000)
                 try:
@@ -116,10 +144,12 @@ def report(rows: list[dict]) -> None:
     def line(r):
         if r["measure"] == "received":
             return f"received  process  this process {r['round']:6s}: {r['batches']} batches in {r['seconds']} s"
+        if r["measure"] == "payload":
+            return f"payload   {r['worker']:8s} round {r['round']}: {r['bytes']:>9,d} bytes, loads {r['ms']:6.3f} ms"
         return f"{r['measure']:8s}  {r['worker']:7s}  round {r['round']}: {r['ms']:8.2f} ms"
 
-    common.report_rows("data", rows, line, ["measure", "worker", "round", "ms", "batches", "seconds", "B", "ops",
-                                            "date", "device", "torch", "triton", "commit", "command"])
+    common.report_rows("data", rows, line, ["measure", "worker", "round", "ms", "bytes", "batches", "seconds", "B",
+                                            "ops", "date", "device", "torch", "triton", "commit", "command"])
 
 
 def main(argv=None) -> int:

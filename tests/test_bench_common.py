@@ -245,6 +245,8 @@ def test_bench_data_smoke(tmp_path, monkeypatch):
     assert all(r["ms"] > 0 for r in rows if "ms" in r)
     received = [r for r in rows if r["measure"] == "received"]
     assert [r["round"] for r in received] == ["asleep", "busy"] and all(r["batches"] > 0 for r in received)
+    payload = {r["worker"]: r for r in rows if r["measure"] == "payload"}
+    assert payload.keys() == {"tokens", "char ids"} and payload["tokens"]["bytes"] < payload["char ids"]["bytes"]
     bench_data.report(rows)
     assert (tmp_path / "data.csv").exists()
 
