@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import kernel_fit  # noqa: E402
 
 from elmo_fast.cpu.lstmp import lstmp_cpu  # noqa: E402
 from elmo_fast.reference.lstmp import lstmp_reference  # noqa: E402
@@ -278,11 +279,10 @@ def bench_kernels(batches=(1, 64, 128, 384), dtypes=(torch.bfloat16, torch.float
                 run = KL._bind(launch, b)  # bound once, as the time loops do: a timed call is the launch alone
                 p50, p20, p80 = common.gpu_time_ms(lambda run=run: run(T // 2))
                 est = lstmp_compile.estimate_us(launch, dtype != torch.float32)
-                t = launch.tile
                 rows.append(dict(
                     meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     kernel=name, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train" if training else "infer",
-                    grid="x".join(map(str, launch.grid)), tile=_tile_text(t),
+                    grid="x".join(map(str, launch.grid)), tile=kernel_fit.tile_text(launch.tile, design=False),
                     us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                     est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=launch.bytes, flops=launch.flops,
                     **_calibrated([(name, launch)], B, dtype, p50),
@@ -325,20 +325,12 @@ def _plan_with(name, tile, B, T, dtype, device, dims) -> dict:
         reverse=TRAIN_FLAGS["reverse"], residual=TRAIN_FLAGS["residual"])
 
 
-def _tile_text(t) -> str:
-    """A tile as the rows name it (``BMxBNxBK wWARPS sSTAGES``; kernel_fit_rows.csv joins on it)."""
-    return f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}"
-
-
 def _tile_row(meta, kernel, launch, tuned, B, T, dtype, times, est, nbytes, cal) -> dict:
     p50, p20, p80 = times
-    t = launch.tile
     return dict(meta, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 kernel=kernel, B=B, T=T, dtype=str(dtype).split(".")[-1], mode="train",
                 grid="x".join(map(str, launch.grid)),
-                tile=_tile_text(t) + (" fused" if t.fused else "")
-                + (f" stationary g{t.groups}" if t.stationary else "")
-                + (" (tuned)" if tuned else ""),
+                tile=kernel_fit.tile_text(launch.tile) + (" (tuned)" if tuned else ""),
                 us_p50=f"{p50 * 1e3:.2f}", us_p20=f"{p20 * 1e3:.2f}", us_p80=f"{p80 * 1e3:.2f}",
                 est_us=f"{est:.2f}", ratio=f"{p50 * 1e3 / est:.2f}", bytes=nbytes, flops=launch.flops,
                 **_calibrated(cal, B, dtype, p50))
@@ -524,7 +516,6 @@ def _calibrated(launches, B, dtype, p50_ms) -> dict:
     floor once, plus each launch's GPU time with every program taken as resident (the occupancy is not known here:
     kernel_report charges it from the compiled code, a few % at most on the tuned tiles); ``cal_ratio`` = measured /
     that. A refit joins these rows with the compile stats of their code (kernel_fit.build_rows)."""
-    import kernel_fit
     import lstmp_compile
 
     cls = kernel_fit.cls_of("fp32" if dtype == torch.float32 else "bf16")

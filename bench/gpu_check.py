@@ -151,11 +151,11 @@ STEPS = (
          ((PY, "bench/bench_train.py", *_TRAIN_LEASE, "--steps", "12", "--rounds", "3", "--warmup", "3"),),
          ((PY, "bench/bench_train.py", *_TRAIN_LEASE),),  # on the CPU: the arguments checked, nothing timed
          lease=True),
-    Step("bench-lstmp-lease", 300, "the LSTMP chain at B = 384 and 1, bf16: Triton, with PDL (and at TUNED's tiles), "
+    Step("bench-lstmp-lease", 300, "the LSTMP chain at B = 384 and 1, bf16: Triton beside "
          "cuDNN; every launch beside its estimate",
          ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE),), ((PY, "bench/bench_lstmp.py", *_LSTMP_LEASE, "--dry-run"),),
          lease=True),
-    Step("bench-lstmp-tiles-lease", 300, "the cell kernels' tile alternatives at B = 384, bf16 (the tuned tile, the "
+    Step("bench-lstmp-tiles-lease", 300, "the cell kernels' tile alternatives at B = 128, bf16 (the tuned tile, the "
          "ones it replaced, the occupancy probes), each checked against the tuned tile's outputs",
          ((PY, "bench/bench_lstmp.py", *_TILES_LEASE),), ((PY, "bench/bench_lstmp.py", *_TILES_LEASE, "--dry-run"),),
          lease=True),
@@ -164,8 +164,8 @@ STEPS = (
          "relaxed atomics, the highway's bias gradient out of the dW loop: never timed)",
          ((PY, "bench/bench_token_encoder.py", *_ENCODER_LEASE),),
          ((PY, "bench/bench_token_encoder.py", *_ENCODER_LEASE, "--dry-run"),), lease=True),
-    Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph with "
-         "each opt-in (fused reduce, PDL, both) beside the library",
+    Step("bench-bilm-lease", 300, "embedding throughput and single-sentence latency, bf16: the model graph, "
+         "plain and with the fused reduce, beside the library",
          ((PY, "bench/bench_bilm.py", *_BILM_LEASE),), ((PY, "bench/bench_bilm.py", *_BILM_LEASE, "--device", "cpu",
                                                          "--tiny"),), lease=True),
     Step("profile-train", 300, "a training step at 384 rows under torch.profiler: kernels by device time, host ops, "

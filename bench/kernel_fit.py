@@ -198,10 +198,9 @@ def load_rows(path: Path = ROWS_CSV) -> list[dict]:
 
 
 def parse_tile(text: str, fused: bool = False):
-    """A tile as the rows name it (``bench_lstmp._tile_text``, then ``_tile_row``'s words): ``BMxBNxBK wW sS``, then
-    ``fused`` and ``stationary gN`` where they apply, and ``(tuned)``, e.g. ``64x32x0 w8 s1 fused stationary g1
-    (tuned)``, as a ``kernels.lstmp.Tile``. ``fused``: the design where the text does not name it (bench_kernels'
-    rows print dims, warps and stages only)."""
+    """A tile as the rows name it (``tile_text``, with or without its design; the sweep's rows add ``(tuned)``),
+    e.g. ``64x32x0 w8 s1 fused stationary g1 (tuned)``, as a ``kernels.lstmp.Tile``. ``fused``: the design where the
+    text does not name it (bench_kernels' rows print dims, warps and stages only)."""
     from elmo_fast.kernels import lstmp as KL
 
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+) w(\d+) s(\d+)( fused)?( stationary g(\d+))?( \(tuned\))?", text.strip())
@@ -212,10 +211,12 @@ def parse_tile(text: str, fused: bool = False):
                    groups=int(m.group(8) or 1))
 
 
-def tile_text(t) -> str:
-    """The tile text with its design, every field of ``Tile``: what ``parse_tile`` reads back to the same tile."""
-    return (f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}" + (" fused" if t.fused else "")
-            + (f" stationary g{t.groups}" if t.stationary else ""))
+def tile_text(t, design: bool = True) -> str:
+    """The tile text: ``BMxBNxBK wW sS``, with ``design`` every other field of ``Tile`` too (what ``parse_tile`` reads
+    back to the same tile); without, the per-kernel rows' form (bench_lstmp's ``kernels`` part: their design is the
+    commit's, ``_fused_gates_at``)."""
+    return (f"{t.BM}x{t.BN}x{t.BK} w{t.warps} s{t.stages}"
+            + ((" fused" if t.fused else "") + (f" stationary g{t.groups}" if t.stationary else "") if design else ""))
 
 
 def _fused_gates_at(commit: str) -> dict:

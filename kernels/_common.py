@@ -135,16 +135,19 @@ def launch(kernel, grid: tuple, args, kwargs: dict) -> None:
 
 
 def device_constant(cache: dict, key, make, like: torch.Tensor) -> torch.Tensor:
-    """``make()``, a small tensor of constants on ``like``'s device, made once per ``key`` in ``cache`` and then
-    reused: no host-to-device copy per call (a constant of the graph while torch.compile / torch.export trace). Made
-    afresh and not kept while ``like`` (the op's input) is traced (a fake or functional tensor: opcheck, make_fx,
-    AOT autograd without dynamo), since a traced launch refuses a real tensor among fake ones (the H200, 2026-11-27),
-    or while a CUDA graph is being captured (a tensor filled inside a capture holds nothing until its replay)."""
+    """``make(device)``, a small tensor of constants on ``like``'s device, made once per (``key``, device) in
+    ``cache`` and then reused: no host-to-device copy per call (a constant of the graph while torch.compile /
+    torch.export trace). Made afresh and not kept while ``like`` (the op's input) is traced (a fake or functional
+    tensor: opcheck, make_fx, AOT autograd without dynamo), since a traced launch refuses a real tensor among fake
+    ones (the H200, 2026-11-27), or while a CUDA graph is being captured (a tensor filled inside a capture holds
+    nothing until its replay)."""
+    dev = like.device
     if tracing(like) or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return make()
+        return make(dev)
+    key = (key, dev)
     t = cache.get(key)
     if t is None:
-        t = make()
+        t = make(dev)
         if not tracing(t):  # made under an active fake mode: never kept
             cache[key] = t
     return t

@@ -80,18 +80,18 @@ def _act_grad(g, y, ACT: tl.constexpr):
 
 
 @triton.jit
-def _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC: tl.constexpr):
-    # Window matrix at position p: A[t, j] = E[t, p + j // DC, j % DC], a contiguous run of KW·DC values of the
-    # token's embedded characters E (N, L, DC) (no gather: vector loads the pipeliner can issue ahead).
-    m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
-    return tl.load(e_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], mask=m2, other=0.0)
+def _window_at(row, tmask, j, jk, jmask, p, L, DC: tl.constexpr):
+    # (offsets, mask) of the window at position p in a per-token (L, DC) array (E, or the window gradient's
+    # scratch): element [t, j] is [t, p + j // DC, j % DC], a contiguous run of KW·DC values a token (no gather:
+    # vector loads the pipeliner can issue ahead)
+    return row[:, None] * (L * DC) + (p * DC + j)[None, :], tmask[:, None] & (jmask & (p + jk < L))[None, :]
 
 
 @triton.jit
 def _fwd_step(e_ptr, row, tmask, klen, nwin, j, jk, jmask, wt, best, arg, p, L,
               DC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
-    a = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
-    s = _dot(a, wt, UPCAST, IEEE).to(ACC)
+    offs, m2 = _window_at(row, tmask, j, jk, jmask, p, L, DC)
+    s = _dot(tl.load(e_ptr + offs, mask=m2, other=0.0), wt, UPCAST, IEEE).to(ACC)
     take = (p < klen)[:, None] & (p < nwin)[None, :] & (s > best)  # strict: ties keep the first window
     best = tl.where(take, s, best)
     arg = tl.where(take, p, arg)
@@ -103,13 +103,12 @@ def _bwd_step(e_ptr, gwin_ptr, row, tmask, arg, g, j, jk, jmask, wt, gw, p, L,
               DC: tl.constexpr, NEED_W: tl.constexpr, NEED_EMB: tl.constexpr,
               UPCAST: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
     gp = tl.where(arg == p, g, 0.0).to(wt.dtype)  # grads of the (token, filter) pairs won by window p
-    m2 = tmask[:, None] & (jmask & (p + jk < L))[None, :]
+    offs, m2 = _window_at(row, tmask, j, jk, jmask, p, L, DC)
     if NEED_W:
-        a = _window(e_ptr, row, tmask, j, jk, jmask, p, L, DC)
-        gw += _dot(tl.trans(a), gp, UPCAST, IEEE).to(ACC)
+        gw += _dot(tl.trans(tl.load(e_ptr + offs, mask=m2, other=0.0)), gp, UPCAST, IEEE).to(ACC)
     if NEED_EMB:
         gwin = _dot(gp, tl.trans(wt), UPCAST, IEEE).to(ACC)  # (BLOCK_T, KWC): grad of E[p + k, c]
-        tl.atomic_add(gwin_ptr + row[:, None] * (L * DC) + (p * DC + j)[None, :], gwin, mask=m2, sem="relaxed")
+        tl.atomic_add(gwin_ptr + offs, gwin, mask=m2, sem="relaxed")
     return gw
 
 
@@ -533,11 +532,11 @@ def char_cnn_bwd(ids, char_embed, w_packed, wid, out, arg, perm, bound, grad_out
 _WIDTHS: dict = {}
 
 
-def _filter_widths(groups: tuple, device: torch.device, like: torch.Tensor) -> torch.Tensor:
-    """wid (F,) int32 on ``device``: each filter's width, for groups ((width, n_filters), ...), made once per filter
-    layout and device: ``device_constant`` (``like``: the op's input)."""
-    return device_constant(_WIDTHS, (groups, torch.device(device)), lambda: torch.cat(
-        [torch.full((n,), wi, dtype=torch.int32, device=device) for wi, n in groups]), like)
+def _filter_widths(groups: tuple, like: torch.Tensor) -> torch.Tensor:
+    """wid (F,) int32 on the device of ``like`` (the op's input): each filter's width, for groups ((width,
+    n_filters), ...), made once per filter layout and device: ``device_constant``."""
+    return device_constant(_WIDTHS, groups, lambda dev: torch.cat(
+        [torch.full((n,), wi, dtype=torch.int32, device=dev) for wi, n in groups]), like)
 
 
 # ------------------------------------------------------------------------------------------ operators
@@ -558,7 +557,7 @@ def _forward_op(char_ids: Tensor, char_embed: Tensor, conv_weights: list[Tensor]
     groups = _groups(conv_weights)
     w_packed = _pack_weights([w.to(dtype) for w in conv_weights], max(g[0] for g in groups), emb.shape[1])
     bias = torch.cat([b.to(dtype) for b in conv_biases]).contiguous()
-    wid = _filter_widths(groups, ids.device, ids)
+    wid = _filter_widths(groups, ids)
     out, arg, perm, bound = char_cnn_fwd(ids, emb, w_packed, bias, wid, activation, save_arg=save)
     if not save:
         return out, *(nothing(out) for _ in range(4))
@@ -570,7 +569,7 @@ def _backward_op(char_ids: Tensor, char_embed: Tensor, w_packed: Tensor, out: Te
                  ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad char_embed (V, d_c), grad w_packed (KWD, F), grad bias (F,)) in fp32 (fp64 for fp64 inputs); the
     first two are placeholders unless needed. ``groups``: (width, n_filters) of each filter group, flattened."""
-    wid = _filter_widths(tuple(zip(groups[::2], groups[1::2])), char_ids.device, char_ids)
+    wid = _filter_widths(tuple(zip(groups[::2], groups[1::2])), char_ids)
     gemb, gw, gb = char_cnn_bwd(char_ids.contiguous(), char_embed.contiguous(), w_packed, wid, out, arg, perm, bound,
                                 grad_out.contiguous(), activation, need_w, need_emb)
     return (nothing(gb) if gemb is None else gemb), (nothing(gb) if gw is None else gw), gb

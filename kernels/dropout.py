@@ -105,13 +105,14 @@ def _dropout_hash_kernel(x_ptr, y_ptr, scale_ptr, N, e0, e1, e2, thr, ka0, kb0, 
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=inb)
 
 
-def _scale(p: float, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
+def _scale(p: float, like: torch.Tensor) -> torch.Tensor:
     """``1 / (1 - p)`` rounded once to ``dtype`` (the reference's factor), held in fp32 (fp64 for fp64: the value
-    is exact there) on ``device``, made once per (p, dtype, device): ``device_constant`` (``like``: the op's
-    input)."""
+    is exact there), ``dtype`` and device ``like``'s (the op's input), made once per (p, dtype, device):
+    ``device_constant``."""
+    dtype = like.dtype
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return device_constant(_SCALES, (p, dtype, device), lambda: torch.full(
-        (1,), 1.0 / (1.0 - p), dtype=dtype, device=device).to(wide), like)
+    return device_constant(_SCALES, (p, dtype), lambda dev: torch.full(
+        (1,), 1.0 / (1.0 - p), dtype=dtype, device=dev).to(wide), like)
 
 
 _SCALES: dict = {}
@@ -147,7 +148,7 @@ def _launch_groups(x: torch.Tensor, y: torch.Tensor, seeds: list[int], numels: l
     """y = dropout of the contiguous x, group g (``numels[g]`` elements) with ``seeds[g]``: one launch per
     ``MAX_GROUPS`` groups, on flat views of x and y."""
     xf, yf = x.view(-1), y.view(-1)
-    scale = _scale(p, x.dtype, x.device, x)
+    scale = _scale(p, x)
     off = 0
     for c in range(0, len(numels), MAX_GROUPS):
         n = numels[c:c + MAX_GROUPS]

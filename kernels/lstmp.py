@@ -1141,13 +1141,13 @@ def _check_dtypes(plan: dict, bufs: dict, prefix: str) -> None:
 _CONSTS: dict = {}
 
 
-def _consts(forget_bias, cell_clip, proj_clip, acc, dev, like: torch.Tensor) -> torch.Tensor:
+def _consts(forget_bias, cell_clip, proj_clip, acc, like: torch.Tensor) -> torch.Tensor:
     """(forget bias, cell clip, projection clip) as a device tensor in the accumulation dtype (a float kernel
     argument is fp32, which would round e.g. a clip of 0.3 and break fp64 agreement), uploaded once per
-    (device, dtype, values): ``device_constant`` (``like``: the op's input)."""
+    (device, dtype, values): ``device_constant`` (on the device of ``like``, the op's input)."""
     vals = tuple(float(v) for v in (forget_bias, 0.0 if cell_clip is None else cell_clip,
                                     0.0 if proj_clip is None else proj_clip))
-    return device_constant(_CONSTS, (dev, acc, vals), lambda: torch.tensor(vals, dtype=acc, device=dev), like)
+    return device_constant(_CONSTS, (acc, vals), lambda dev: torch.tensor(vals, dtype=acc, device=dev), like)
 
 
 def _lengths(lengths: torch.Tensor, dev) -> torch.Tensor:
@@ -1195,7 +1195,7 @@ def fwd_setup(x, w_in, w_rec, bias, w_proj, h0, c0, lengths, *, cell_clip, proj_
         # a loop graph would refill it every call)
         **({"w_rec_g": interleave_gates(w_rec)} if fused else {}), **({"w_rec": w_rec} if save or not fused else {}),
         hop=hop, hn=hn, c=c, lengths=_lengths(lengths, dev),
-        consts=_consts(forget_bias, cell_clip, proj_clip, acc, dev, x),
+        consts=_consts(forget_bias, cell_clip, proj_clip, acc, x),
         y=torch.empty(B, T, P, dtype=op, device=dev), m=torch.empty(B, T, H, dtype=op, device=dev),
         # Buffers a variant never touches (no projection: HAS_PROJ=False; inference: SAVE=False) alias others.
         part=torch.empty(plan["fwd_proj"].grid[2], B, P, dtype=acc, device=dev) if "fwd_proj" in plan else hn,
@@ -1288,7 +1288,7 @@ def bwd_setup(dy, dh_n, dc_n, x, w_rec, w_proj, c0, cache, *, cell_clip, proj_cl
     bufs = dict(
         dy=dy.to(op).contiguous(), dh=dh_n.to(acc).contiguous().clone(), dc=dc_n.to(acc).contiguous().clone(),
         w_rec=w_rec, w_proj=w_rec if w_proj is None else w_proj, z=z, cpre=cpre, hpre=hpre,
-        c0=c0.to(acc).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, dev, x),
+        c0=c0.to(acc).contiguous(), lengths=lengths, consts=_consts(0.0, cell_clip, proj_clip, acc, x),
         part=torch.empty(plan["bwd_rec"].grid[2], B, P, dtype=acc, device=dev),
         dz=torch.empty(B, T, 4 * H, dtype=op, device=dev),
         dbp=torch.empty(T, triton.cdiv(B, plan["bwd_cell"].tile.BM), 4 * H, dtype=acc, device=dev),

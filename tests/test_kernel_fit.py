@@ -60,6 +60,7 @@ def test_tile_texts(kf):
     t = kf.parse_tile("64x32x0 w8 s1 fused stationary g1 (tuned)")
     assert t == KL.Tile(64, 32, 0, 8, 1, fused=True, stationary=True, groups=1)
     assert kf.tile_text(t) == "64x32x0 w8 s1 fused stationary g1" and kf.parse_tile(kf.tile_text(t)) == t
+    assert kf.tile_text(t, design=False) == "64x32x0 w8 s1"  # the per-kernel rows' form
     assert kf.parse_tile("128x64x32 w4 s4") == KL.Tile(128, 64, 32, 4, 4)
     assert kf.parse_tile("16x32x32 w4 s4", fused=True).fused  # bench_kernels' text has no design words
     with pytest.raises(ValueError):

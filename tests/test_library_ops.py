@@ -236,13 +236,13 @@ def test_device_constants_made_under_fake_mode_are_not_cached(monkeypatch):
 
     monkeypatch.setattr(KL, "_CONSTS", {})  # empty caches for this test; the process's own come back after it
     monkeypatch.setattr(KC, "_WIDTHS", {})
-    args = (0.25, 0.125, 0.0625, torch.float64, torch.device("cpu"))
+    args = (0.25, 0.125, 0.0625, torch.float64)
     groups = ((1, 3), (2, 5))
     with FakeTensorMode() as mode:
         like = mode.from_tensor(torch.zeros(2))  # the op's input, fake
-        assert tracing(KL._consts(*args, like)) and tracing(KC._filter_widths(groups, torch.device("cpu"), like))
+        assert tracing(KL._consts(*args, like)) and tracing(KC._filter_widths(groups, like))
     real = torch.zeros(2)
-    consts, wid = KL._consts(*args, real), KC._filter_widths(groups, torch.device("cpu"), real)
+    consts, wid = KL._consts(*args, real), KC._filter_widths(groups, real)
     assert not tracing(consts) and consts.tolist() == [0.25, 0.125, 0.0625]
     assert not tracing(wid) and wid.tolist() == [1, 1, 1, 2, 2, 2, 2, 2]
 
@@ -259,16 +259,15 @@ def test_cached_device_constants_are_not_served_to_a_traced_call():
     from elmo_fast.kernels import lstmp as KL
     from elmo_fast.ops._library import tracing
 
-    args = (0.25, 0.125, 0.0625, torch.float64, torch.device("cpu"))
+    args = (0.25, 0.125, 0.0625, torch.float64)
     groups = ((1, 3), (2, 5))
     real = torch.zeros(2)
-    KL._consts(*args, real), KC._filter_widths(groups, torch.device("cpu"), real)  # cached by a real call
-    KD._scale(0.5, torch.float32, torch.device("cpu"), real)
+    KL._consts(*args, real), KC._filter_widths(groups, real), KD._scale(0.5, real)  # cached by a real call
     with FakeTensorMode() as mode:
         like = mode.from_tensor(real)
         assert tracing(KL._consts(*args, like))
-        assert tracing(KC._filter_widths(groups, torch.device("cpu"), like))
-        assert tracing(KD._scale(0.5, torch.float32, torch.device("cpu"), like))
+        assert tracing(KC._filter_widths(groups, like))
+        assert tracing(KD._scale(0.5, like))
 
 
 def test_tracing_tells_real_fake_and_functional_tensors():

@@ -152,13 +152,11 @@ class TowerStream:
         draws = [log_uniform_sample(self.num_samples, self.vocab_size, generator=self.sampler) for _ in range(2)]
         return torch.stack([ids for ids, _ in draws]), [tries for _, tries in draws]
 
-    CHAR_INPUTS = KEYS[:2]  # what the distinct tokens replace in a char batch
-
     def next_batch(self) -> dict:
         if self.keys == self.KEYS:  # char inputs: the distinct tokens of both directions, found here (run_model)
             b, rows, inverse = self.stream.next_batch_and_tokens(chars=False)
-            # ... instead of the batch's char ids (CHAR_INPUTS, not made): ~1/5 of the bytes to pickle, unpickle,
-            # pin and upload a step (rows (U, L) int16: ids < 262; inverse int32)
+            # ... instead of the batch's char ids (KEYS[:2], not made): ~1/6 of the bytes to pickle, unpickle, pin
+            # and upload a step (rows (U, L) int16: ids < 262; inverse int32; bench_data.py's payload rows)
             b = {**b, "char_rows": rows.astype(np.int16), "char_inverse": inverse.astype(np.int32)}
         else:
             b = self.stream.next_batch()
@@ -829,7 +827,8 @@ _ADAGRAD_STEPS: dict = {}  # (device, count) -> the fused kernel's step counters
 def adagrad_dense(params, grads, accs, lr: float, inv_factor: torch.Tensor) -> None:
     """TF1 Adagrad on whole tensors with the clipped gradient g / inv_factor: ``acc += g²; p -= lr·g/√acc`` (no
     epsilon). One fused pass over all the tensors where torch has the kernel (``torch._fused_adagrad_`` with eps 0
-    and the clipping factor as its grad scale: the CPU's, and CUDA's since torch 2.9): it reads each parameter,
+    and the clipping factor as its grad scale: the CPU's; CUDA's where the torch build has it, pytorch#159008,
+    not yet seen on the GPU image's torch 2.11): it reads each parameter,
     gradient and accumulator once and writes two, where the foreach ops below make 11 passes (1.1 ms of a
     384-row step on the H200, 2026-11-27). Where the kernel is missing or refuses the tensors on a device, the
     foreach ops, with one warning (and the gradients rescaled in place)."""
